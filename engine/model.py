@@ -1,0 +1,181 @@
+"""Llama forward over the slot-indexed KV cache.
+
+One `forward` serves prefill, 1-token decode and (K+1)-token verify steps for ragged batches:
+row b feeds `tokens[b]` (any length) to the sequence in `slots[b]`, whose cached length gives
+its start position. Rows are right-padded to a common width; padded positions write their K/V
+into a scratch slot, so they never touch a live sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.device import default_device, resolve_dtype
+from engine.kv_cache import KVCache
+from engine.linear import Linear
+
+
+class Llama:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("embed")  # [V, d]
+        self.lm_head = Linear(self.embed if config.tie_embeddings else w("lm_head"))
+        self.norm = w("norm")
+        self.layers = []
+        for i in range(config.n_layers):
+            p = f"layers.{i}."
+            self.layers.append(
+                {
+                    "attn_norm": w(p + "attn_norm"),
+                    # q, k and v in one matmul; gate and up in another: fewer kernel launches per layer.
+                    "wqkv": Linear(torch.cat([w(p + "wq"), w(p + "wk"), w(p + "wv")])),  # [(H+2Hkv)*D, d]
+                    "wo": Linear(w(p + "wo")),
+                    "ffn_norm": w(p + "ffn_norm"),
+                    "w_gate_up": Linear(torch.cat([w(p + "w_gate"), w(p + "w_up")])),  # [2F, d]
+                    "w_down": Linear(w(p + "w_down")),
+                }
+            )
+        half = config.head_dim // 2
+        inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+        angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+        self.rope_cos = angles.cos().to(self.device, dtype)  # [max_context, D/2]
+        self.rope_sin = angles.sin().to(self.device, dtype)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
+        """Returns (model, tokenizer) for a Llama-architecture GGUF."""
+        from engine.gguf_loader import load_gguf
+        from engine.tokenizer import Tokenizer
+
+        dev = torch.device(device) if device else default_device()
+        gguf_model = load_gguf(path)
+        model = cls(gguf_model.config, gguf_model.weights, resolve_dtype(dtype, dev), dev)
+        return model, Tokenizer.from_gguf(gguf_model)
+
+    @classmethod
+    def random_init(cls, config: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Llama:
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(*shape, scale=0.2):
+            return torch.randn(*shape, generator=gen) * scale
+
+        d, hd = config.d_model, config.head_dim
+        weights = {"embed": randn(config.vocab_size, d, scale=1.0), "norm": 1 + randn(d, scale=0.1)}
+        if not config.tie_embeddings:
+            weights["lm_head"] = randn(config.vocab_size, d)
+        for i in range(config.n_layers):
+            p = f"layers.{i}."
+            weights |= {
+                p + "attn_norm": 1 + randn(d, scale=0.1),
+                p + "wq": randn(config.n_heads * hd, d),
+                p + "wk": randn(config.n_kv_heads * hd, d),
+                p + "wv": randn(config.n_kv_heads * hd, d),
+                p + "wo": randn(d, config.n_heads * hd),
+                p + "ffn_norm": 1 + randn(d, scale=0.1),
+                p + "w_gate": randn(config.ffn_dim, d),
+                p + "w_up": randn(config.ffn_dim, d),
+                p + "w_down": randn(d, config.ffn_dim),
+            }
+        return cls(config, weights, dtype, device)
+
+    def new_cache(self, max_slots: int, max_len: int) -> KVCache:
+        """A cache for `max_slots` live sequences plus one scratch slot for padding writes."""
+        max_len = min(max_len, self.config.max_context)
+        cache = KVCache(self.config, max_slots + 1, max_len, self.dtype, self.device)
+        cache._free.remove(max_slots)  # the scratch slot is never handed out
+        cache.scratch_slot = max_slots
+        return cache
+
+    # -- forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Feed tokens[b] to the sequence in slots[b]; advance its cache length.
+
+        Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] (rows padded to T)
+        when `all_logits` (verify steps need a row per draft position).
+        """
+        cfg = self.config
+        B = len(slots)
+        counts = [len(t) for t in tokens]
+        T = max(counts)
+        starts = [cache.lengths[s] for s in slots]
+        for s, start, n in zip(slots, starts, counts):
+            if n == 0:
+                raise ValueError(f"slot {s}: a row needs at least one token")
+            if start + n > cache.max_len:
+                raise ValueError(f"slot {s}: {start + n} positions exceed the cache length {cache.max_len}")
+
+        dev = self.device
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, row in enumerate(tokens):
+            ids[b, : counts[b]] = torch.as_tensor(row, dtype=torch.long)
+        offsets = torch.arange(T)
+        pos = torch.tensor(starts)[:, None] + offsets  # [B, T]
+        real = offsets[None, :] < torch.tensor(counts)[:, None]  # [B, T]
+        write_slot = torch.where(real, torch.tensor(list(slots))[:, None], cache.scratch_slot)
+        write_pos = torch.where(real, pos, offsets[None, :])
+        kv_len = max(st + T for st in starts) if B > 1 else starts[0] + T
+        kv_len = min(kv_len, cache.max_len)
+        ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
+
+        # Rows may start at different positions: a mask says which cached keys each query sees.
+        mask = None
+        if not (T == 1 and len(set(starts)) == 1):
+            mask = (torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        contiguous = list(slots) == list(range(slots[0], slots[0] + B))
+        slot_index = torch.tensor(list(slots), device=dev)
+
+        cos = self.rope_cos[pos][:, :, None, :]  # [B, T, 1, D/2]
+        sin = self.rope_sin[pos][:, :, None, :]
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        x = F.embedding(ids, self.embed)  # [B, T, d]
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (cfg.d_model,), layer["attn_norm"], cfg.norm_eps)
+            qkv = layer["wqkv"](h).view(B, T, H + 2 * Hkv, D)
+            # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
+            qk = qkv[:, :, : H + Hkv].unflatten(-1, (D // 2, 2))
+            x0, x1 = qk[..., 0], qk[..., 1]
+            qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
+            cache.k[li].index_put_((write_slot, write_pos), k)
+            cache.v[li].index_put_((write_slot, write_pos), v)
+            if contiguous:
+                keys = cache.k[li, slots[0] : slots[0] + B, :kv_len]  # [B, L, Hkv, D] view
+                values = cache.v[li, slots[0] : slots[0] + B, :kv_len]
+            else:
+                keys = cache.k[li, slot_index, :kv_len]
+                values = cache.v[li, slot_index, :kv_len]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            )  # [B, H, T, D]
+            x = x + layer["wo"](attn.transpose(1, 2).reshape(B, T, H * D))
+            h = F.rms_norm(x, (cfg.d_model,), layer["ffn_norm"], cfg.norm_eps)
+            gate, up = layer["w_gate_up"](h).chunk(2, dim=-1)
+            x = x + layer["w_down"](F.silu(gate) * up)
+
+        for s, n in zip(slots, counts):
+            cache.lengths[s] += n
+        if not all_logits:
+            x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
+        x = F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)
+        return self.lm_head(x).float()

@@ -1,0 +1,70 @@
+"""Byte-level BPE tokenizer and chat template, both read from the GGUF itself."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jinja2
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+CONTROL_TOKEN_TYPE = 3  # llama.cpp's token_type for control tokens such as <|im_start|>
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        token_types: Sequence[int],
+        chat_template: str | None,
+        bos_id: int,
+        eos_id: int,
+    ):
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
+        self._tok = HFTokenizer(bpe)
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
+        # Control tokens must be matched whole, or "<|im_start|>" is split into "<", "|", ...
+        self._tok.add_special_tokens(
+            [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, ty in zip(tokens, token_types)
+                if ty == CONTROL_TOKEN_TYPE
+            ]
+        )
+        self.vocab_size = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.chat_template = chat_template
+        self._template = (
+            jinja2.Environment(trim_blocks=False, lstrip_blocks=False).from_string(chat_template)
+            if chat_template
+            else None
+        )
+
+    @classmethod
+    def from_gguf(cls, gguf_model) -> Tokenizer:
+        return cls(
+            gguf_model.tokens,
+            gguf_model.merges,
+            gguf_model.token_types,
+            gguf_model.chat_template,
+            gguf_model.config.bos_id,
+            gguf_model.config.eos_id,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own template (which adds its default system prompt)."""
+        if self._template is None:
+            raise ValueError("this model has no chat template; send a raw prompt instead of messages")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
