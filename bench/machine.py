@@ -1,0 +1,38 @@
+"""What a benchmark ran on: every absolute figure is reported with this."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+    }
+
+
+def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """Streaming read bandwidth (a sum over a large fp32 buffer): the decode-step floor's denominator."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
