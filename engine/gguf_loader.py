@@ -57,7 +57,8 @@ def _rename(name: str) -> str:
     return {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}[parts[0]]
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
+def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
+    """Read a GGUF; `only` limits which weights are dequantized (a draft needs just "embed")."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
@@ -68,6 +69,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
 
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if only is not None and _rename(t.name) not in only:
+            continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             array = np.asarray(t.data).astype(np.float32)
         else:
@@ -84,10 +87,10 @@ def load_gguf(path: str | Path) -> GGUFModel:
         n_heads=n_heads,
         n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
         ffn_dim=int(_field(reader, "llama.feed_forward_length")),
-        vocab_size=weights["embed"].shape[0],
+        vocab_size=int(next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")),
         rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="lm_head" not in weights,
+        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         max_context=int(_field(reader, "llama.context_length", 4096)),
         bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),

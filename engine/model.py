@@ -29,8 +29,13 @@ class Llama:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
+        if "output_ids" in weights and weights["lm_head"].shape[0] != len(weights["output_ids"]):
+            raise ValueError("lm_head rows must match output_ids")
+
         self.embed = w("embed")  # [V, d]
         self.lm_head = Linear(self.embed if config.tie_embeddings else w("lm_head"))
+        # A draft may score only a reduced vocabulary: its head row i is full-vocab token output_ids[i].
+        self.output_ids = weights["output_ids"].to(self.device) if "output_ids" in weights else None
         self.norm = w("norm")
         self.layers = []
         for i in range(config.n_layers):
@@ -64,6 +69,23 @@ class Llama:
         gguf_model = load_gguf(path)
         model = cls(gguf_model.config, gguf_model.weights, resolve_dtype(dtype, dev), dev)
         return model, Tokenizer.from_gguf(gguf_model)
+
+    @classmethod
+    def from_draft_checkpoint(
+        cls, directory: str | Path, embed: torch.Tensor, dtype: str | None = None, device: str | None = None
+    ) -> Llama:
+        """A distilled draft (models/<name>/): its own layers and head; `embed` is the target's
+        input embedding table (`load_gguf(target, only={"embed"})`), which the checkpoint omits."""
+        import json
+
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        meta = json.loads((directory / "config.json").read_text())
+        weights = load_file(str(directory / "model.safetensors"))
+        weights["embed"] = embed
+        dev = torch.device(device) if device else default_device()
+        return cls(ModelConfig(**meta["config"]), weights, resolve_dtype(dtype, dev), dev)
 
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Llama:
@@ -178,4 +200,8 @@ class Llama:
         if not all_logits:
             x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
         x = F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.output_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.output_ids, logits)

@@ -55,6 +55,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.gguf_loader import default_model_path
+    from training.train_draft import TrainDraftConfig, run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run(TrainDraftConfig(
+        target=Path(args.model) if args.model else default_model_path(),
+        out=Path(args.out),
+        work_dir=Path(args.work_dir),
+        data_minutes=args.data_minutes,
+        train_minutes=args.train_minutes,
+        layers=args.layers,
+        draft_vocab=args.draft_vocab,
+    ))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpool", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train-draft", help="distil a draft model from the target (resumable)")
+    t.add_argument("--out", default="models/smollm2-135m-draft", help="where the checkpoint and card go")
+    t.add_argument("--work-dir", default=".cache/train-draft", help="corpus and training state, for resuming")
+    t.add_argument("--data-minutes", type=float, default=14.0, help="budget for the target's answers + teacher pass")
+    t.add_argument("--train-minutes", type=float, default=30.0, help="distillation budget (total, across resumes)")
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--draft-vocab", type=int, default=8192)
+    t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--threads", type=int, default=None)
+    t.set_defaults(func=cmd_train_draft)
     return parser
 
 

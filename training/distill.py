@@ -1,0 +1,212 @@
+"""Distil a small Llama draft from the target: soft labels from the target's cached top-k.
+
+The draft shares the target's tokenizer and input embeddings (read from the target GGUF at load
+time, so the checkpoint does not carry them), starts from a few of the target's layers, and
+scores a reduced vocabulary: the tokens the target actually produces, mapped back to full ids.
+Its math is the runtime's (engine/model.py), including RoPE on adjacent pairs, so the exported
+weights load into `engine.model.Llama` unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from training.draft_data import Corpus
+
+
+def reduced_vocab(corpus: Corpus, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent tokens of the corpus (teacher top-1s weigh in too), sorted ids."""
+    counts: Counter[int] = Counter()
+    for seq, top in zip(corpus.sequences, corpus.teacher_ids):
+        counts.update(seq)
+        counts.update(top[:, 0].tolist())
+    keep = set(always)
+    for tok, _ in counts.most_common():
+        if len(keep) >= size:
+            break
+        keep.add(tok)
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+class DraftBlock(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, w in weights.items():
+            setattr(self, name, nn.Parameter(w.clone().float()))
+
+
+class DraftLM(nn.Module):
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, blocks: list[dict], norm, lm_head, output_ids):
+        super().__init__()
+        self.config = config
+        self.register_buffer("embed", embed.float(), persistent=False)  # frozen, shared with the target
+        self.register_buffer("output_ids", output_ids)
+        self.blocks = nn.ModuleList(DraftBlock(b) for b in blocks)
+        self.norm = nn.Parameter(norm.clone().float())
+        self.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
+        half = config.head_dim // 2
+        inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+        angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    @classmethod
+    def from_target(cls, target_cfg: ModelConfig, target_weights: dict, layer_ids: list[int], output_ids):
+        config = ModelConfig(**(asdict(target_cfg) | {"n_layers": len(layer_ids), "tie_embeddings": False}))
+        names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+        blocks = [{n: target_weights[f"layers.{i}.{n}"] for n in names} for i in layer_ids]
+        embed = target_weights["embed"]
+        return cls(config, embed, blocks, target_weights["norm"], embed[output_ids], output_ids)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits over the reduced vocabulary [B, T, Vd] (causal, no cache)."""
+        cfg = self.config
+        B, T = tokens.shape
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]  # [T, 1, D/2]
+
+        def rope(x):  # [B, T, h, D], adjacent pairs as in the runtime
+            x0, x1 = x.unflatten(-1, (D // 2, 2)).unbind(-1)
+            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+        x = F.embedding(tokens, self.embed)
+        for blk in self.blocks:
+            h = F.rms_norm(x, (cfg.d_model,), blk.attn_norm, cfg.norm_eps)
+            q = rope((h @ blk.wq.T).view(B, T, H, D))
+            k = rope((h @ blk.wk.T).view(B, T, Hkv, D))
+            v = (h @ blk.wv.T).view(B, T, Hkv, D)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+            x = x + attn.transpose(1, 2).reshape(B, T, H * D) @ blk.wo.T
+            h = F.rms_norm(x, (cfg.d_model,), blk.ffn_norm, cfg.norm_eps)
+            x = x + (F.silu(h @ blk.w_gate.T) * (h @ blk.w_up.T)) @ blk.w_down.T
+        return F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps) @ self.lm_head.T
+
+    def runtime_weights(self) -> dict[str, torch.Tensor]:
+        """Weights under engine.model.Llama's names (embeddings excluded: they come from the target)."""
+        out = {"norm": self.norm, "lm_head": self.lm_head, "output_ids": self.output_ids}
+        for i, blk in enumerate(self.blocks):
+            out |= {f"layers.{i}.{n}": p for n, p in blk.named_parameters()}
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def export(model: DraftLM, out_dir: Path, target_file: str, dtype=torch.bfloat16) -> None:
+    """models/<name>/: model.safetensors (bf16 weights, int64 output_ids) and config.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v if k == "output_ids" else v.to(dtype)) for k, v in model.runtime_weights().items()}
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    meta = {"config": asdict(model.config), "embeddings_from": target_file, "draft_vocab": len(model.output_ids)}
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class Batches:
+    """Windows of the corpus, with soft teacher targets mapped into the draft vocabulary."""
+
+    def __init__(self, corpus: Corpus, output_ids: torch.Tensor, vocab_size: int, window: int, seed: int):
+        self.to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.to_draft[output_ids] = torch.arange(len(output_ids))
+        self.windows = [
+            (i, s) for i, seq in enumerate(corpus.sequences) for s in range(0, max(1, len(seq) - 1), window)
+        ]
+        self.corpus, self.window, self.rng = corpus, window, random.Random(seed)
+
+    def sample(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> tokens [B, T], target ids [B, T, k] (draft ids, -1 = none), target probs [B, T, k], mask [B, T]."""
+        picks = self.rng.sample(self.windows, batch)
+        T = max(min(self.window, len(self.corpus.sequences[i]) - s) for i, s in picks)
+        k = self.corpus.teacher_ids[0].shape[1]
+        tokens = torch.zeros(batch, T, dtype=torch.long)
+        ids = torch.full((batch, T, k), -1, dtype=torch.long)
+        probs = torch.zeros(batch, T, k)
+        mask = torch.zeros(batch, T, dtype=torch.bool)
+        for b, (i, s) in enumerate(picks):
+            seq = self.corpus.sequences[i][s : s + T]
+            n = len(seq)
+            tokens[b, :n] = torch.tensor(seq)
+            ids[b, :n] = self.to_draft[self.corpus.teacher_ids[i][s : s + n].long()]
+            probs[b, :n] = self.corpus.teacher_logprobs[i][s : s + n].float().exp()
+            mask[b, :n] = True
+        probs = probs * (ids >= 0)
+        probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+        return tokens, ids.clamp(min=0), probs, mask & (probs.sum(-1) > 0)
+
+
+def distill_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor):
+    """Cross-entropy against the teacher's renormalised top-k (KL up to a constant); -> (loss, top-1 agreement)."""
+    logp = logits.float().log_softmax(-1).gather(-1, ids)  # [B, T, k]
+    per_pos = -(probs * logp).sum(-1)  # [B, T]
+    loss = per_pos[mask].mean()
+    agree = (logits.argmax(-1) == ids[..., 0])[mask].float().mean()
+    return loss, agree
+
+
+def train(
+    model: DraftLM,
+    batches: Batches,
+    seconds: float,
+    ckpt_path: Path,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    checkpoint_every_s: float = 120.0,
+) -> dict:
+    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    state = {"elapsed": 0.0, "step": 0, "tokens": 0, "history": []}
+    if ckpt_path.exists():
+        saved = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        print(f"resumed from {ckpt_path}: step {state['step']}, {state['elapsed']:.0f}s trained")
+
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt_path)
+
+    bar = tqdm(total=int(seconds), initial=int(state["elapsed"]), desc="distil (s)", unit="s")
+    last_ckpt = time.monotonic()
+    ema_loss = ema_agree = None
+    while state["elapsed"] < seconds:
+        t0 = time.monotonic()
+        progress = state["elapsed"] / seconds
+        warm = min(1.0, (state["step"] + 1) / 50)
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        tokens, ids, probs, mask = batches.sample(batch_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+        loss, agree = distill_loss(logits, ids, probs, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+        state["step"] += 1
+        state["tokens"] += int(mask.sum())
+        state["elapsed"] += time.monotonic() - t0
+        ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
+        ema_agree = agree.item() if ema_agree is None else 0.98 * ema_agree + 0.02 * agree.item()
+        if state["step"] % 50 == 0:
+            state["history"].append((state["step"], round(state["elapsed"]), round(ema_loss, 4), round(ema_agree, 4)))
+        bar.update(int(state["elapsed"]) - bar.n)
+        bar.set_postfix(step=state["step"], loss=f"{ema_loss:.3f}", top1=f"{ema_agree:.3f}", tokens=state["tokens"])
+        if time.monotonic() - last_ckpt > checkpoint_every_s:
+            save()
+            last_ckpt = time.monotonic()
+    bar.close()
+    save()
+    return state
