@@ -15,6 +15,7 @@ import torch
 from engine.drafter import Drafter, Drafts
 from engine.model import Llama
 from engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
+from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
 from engine.verification import (
     VerifyResult,
     verify_dense,
@@ -81,10 +82,18 @@ def generate(
     num_draft_tokens: int = 0,
     stop_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    policy: SpeculationPolicy | None = None,
 ) -> list[GenerationResult]:
-    """Decode all prompts together (ragged batch); speculate with `drafter` when given."""
+    """Decode all prompts together (ragged batch); speculate with `drafter` when given.
+
+    The draft length is `num_draft_tokens`, or, with a `policy`, chosen every step from the
+    batch size and the acceptance measured so far.
+    """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    if policy is not None:
+        num_draft_tokens = policy.max_draft
+    acceptance = AcceptanceEstimate()
     stop = set(stop_ids if stop_ids is not None else [model.config.eos_id])
     gen = generator or make_generator(params.seed)
     results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
@@ -121,9 +130,12 @@ def generate(
     start = time.perf_counter()
     active = [i for i, r in enumerate(results) if not r.finish_reason]
     while active:
-        if drafter is not None and num_draft_tokens > 0:
-            # Never draft past the length limit: the bonus token always fills the last place.
-            budget = [min(num_draft_tokens, max_new_tokens - len(results[i].token_ids) - 1) for i in active]
+        length = 0
+        if drafter is not None:
+            length = policy.choose(len(active), acceptance.alpha) if policy else num_draft_tokens
+        # Never draft past the length limit: the bonus token always fills the last place.
+        budget = [min(length, max_new_tokens - len(results[i].token_ids) - 1) for i in active]
+        if any(budget):
             drafts = drafter.propose([ids[i] for i in active], budget, params, gen)
         else:
             drafts = Drafts.empty(len(active))
@@ -136,6 +148,7 @@ def generate(
             res.target_steps += 1
             res.drafted_tokens += len(drafts.tokens[b])
             res.accepted_tokens += int(outcome.accepted[b])
+            acceptance.update(int(outcome.accepted[b]), len(drafts.tokens[b]))
             # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
             cache.truncate(slots[i], cache.lengths[slots[i]] - len(rows[b]) + 1 + int(outcome.accepted[b]))
             taken = emit(i, emitted[b])

@@ -1,0 +1,134 @@
+"""How many tokens to speculate per sequence: SSSD's hardware-aware budget, from measured costs.
+
+A verify step of b sequences with s drafts each costs T(b, s), measured once per model, dtype and
+thread count (a few seconds) and cached. With per-token acceptance alpha, a step yields
+E(s) = (1 - alpha^(s+1)) / (1 - alpha) tokens per sequence. The policy picks the s that maximises
+b * E(s) / (T(b, s) + D(b, s)), D being the drafting time (zero for n-gram lookups), and s = 0
+(plain decoding) when no s beats it. As the batch grows the target turns compute-bound, T grows
+with s, and the budget shrinks, as in SSSD (s ~ I_knee / b).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model import Llama
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DRAFT_LENS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured seconds of one forward with b sequences feeding s+1 tokens each."""
+
+    batch_sizes: tuple[int, ...]
+    draft_lens: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [batch size][draft len]
+
+    def __call__(self, batch_size: int, draft_len: int) -> float:
+        """Piecewise-linear in both batch size and draft length; linear extrapolation past the table."""
+        per_b = [float(np.interp(draft_len, self.draft_lens, row)) for row in self.seconds]
+        bs = self.batch_sizes
+        if batch_size <= bs[-1]:
+            return float(np.interp(batch_size, bs, per_b))
+        slope = (per_b[-1] - per_b[-2]) / (bs[-1] - bs[-2])
+        return per_b[-1] + slope * (batch_size - bs[-1])
+
+
+def measure_step_costs(
+    model: Llama,
+    batch_sizes=BATCH_SIZES,
+    draft_lens=DRAFT_LENS,
+    context_len: int = 128,
+    repeats: int = 3,
+) -> StepCosts:
+    """Time verify steps on a synthetic context; the median of `repeats` per cell."""
+    cache = model.new_cache(max(batch_sizes), context_len + max(draft_lens) + 1)
+    slots = [cache.allocate() for _ in range(max(batch_sizes))]
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, model.config.vocab_size, (context_len,), generator=gen).tolist()
+    model.forward(cache, slots, [context] * len(slots))
+    table = []
+    for b in batch_sizes:
+        row = []
+        for s in draft_lens:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up allocations
+                start = time.perf_counter()
+                model.forward(cache, slots[:b], [context[: s + 1]] * b, all_logits=True)
+                times.append(time.perf_counter() - start)
+                for slot in slots[:b]:
+                    cache.truncate(slot, context_len)
+            row.append(float(np.median(times[1:])))
+        table.append(tuple(row))
+    return StepCosts(tuple(batch_sizes), tuple(draft_lens), tuple(table))
+
+
+def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None, **kwargs) -> StepCosts:
+    """measure_step_costs, cached on disk per model, dtype, device and thread count."""
+    key = f"{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{kwargs}"
+    cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
+    path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+    if path.exists():
+        data = json.loads(path.read_text())
+        return StepCosts(tuple(data["batch_sizes"]), tuple(data["draft_lens"]), tuple(map(tuple, data["seconds"])))
+    costs = measure_step_costs(model, **kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(costs) | {"key": key}))
+    return costs
+
+
+class AcceptanceEstimate:
+    """Per-token acceptance alpha as a geometric MLE over recent rounds: accepted / (accepted + rejections)."""
+
+    def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 4.0, decay: float = 0.98):
+        self.accepted = prior_alpha * prior_weight
+        self.rejected = (1 - prior_alpha) * prior_weight
+        self.decay = decay
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if drafted == 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+def expected_tokens(alpha: float, draft_len: int) -> float:
+    """Tokens per sequence per verify step (bonus included) with i.i.d. per-token acceptance alpha."""
+    if alpha >= 1.0:
+        return draft_len + 1.0
+    return (1 - alpha ** (draft_len + 1)) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    target_costs: StepCosts
+    draft_costs: StepCosts | None = None  # None: drafting costs nothing measurable (n-gram)
+    max_draft: int = 16
+
+    def step_time(self, batch_size: int, draft_len: int) -> float:
+        drafting = 0.0
+        if self.draft_costs is not None and draft_len > 0:
+            drafting = draft_len * self.draft_costs(batch_size, 0)  # one 1-token draft step per token
+        return self.target_costs(batch_size, draft_len) + drafting
+
+    def choose(self, batch_size: int, alpha: float) -> int:
+        """The draft length maximising expected tokens/s at this batch size (0: do not speculate)."""
+        best_len, best_rate = 0, 1.0 / self.step_time(batch_size, 0)
+        for s in range(1, self.max_draft + 1):
+            rate = expected_tokens(alpha, s) / self.step_time(batch_size, s)
+            if rate > best_rate:
+                best_len, best_rate = s, rate
+        return best_len

@@ -1,0 +1,75 @@
+"""The hardware-aware draft length: from measured (or given) step costs and acceptance."""
+
+import pytest
+
+from engine.decoding import generate
+from engine.ngram import NgramDrafter
+from engine.sampling import SamplingParams
+from engine.speculation_policy import (
+    AcceptanceEstimate,
+    SpeculationPolicy,
+    StepCosts,
+    cached_step_costs,
+    expected_tokens,
+)
+
+# A memory-bound target at batch 1 (verify cost flat in s) that turns compute-bound at batch 16.
+COSTS = StepCosts(
+    batch_sizes=(1, 16),
+    draft_lens=(0, 4, 16),
+    seconds=((0.030, 0.031, 0.035), (0.040, 0.150, 0.500)),
+)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_step_costs_interpolate_and_extrapolate():
+    assert COSTS(1, 2) == pytest.approx(0.0305)
+    assert COSTS(8, 0) == pytest.approx(0.030 + 7 / 15 * 0.010)
+    assert COSTS(32, 0) == pytest.approx(0.040 + 16 * 0.010 / 15)
+
+
+def test_budget_shrinks_with_batch_size_and_acceptance():
+    policy = SpeculationPolicy(COSTS, max_draft=16)
+    at_1 = policy.choose(1, alpha=0.8)
+    at_16 = policy.choose(16, alpha=0.8)
+    assert at_1 >= 8 and at_16 < at_1
+    assert policy.choose(16, alpha=0.1) == 0  # does not pay: plain decoding
+    assert policy.choose(1, alpha=0.3) < at_1
+
+
+def test_draft_model_cost_shortens_the_budget():
+    free = SpeculationPolicy(COSTS, max_draft=16)
+    costly = SpeculationPolicy(COSTS, draft_costs=StepCosts((1, 16), (0, 16), ((0.01, 0.01), (0.02, 0.02))))
+    assert costly.choose(1, 0.8) < free.choose(1, 0.8)
+    # By hand, batch 1, alpha 0.8: s=3 gives E=2.952 over 0.03075+0.03 s = 48.6 tok/s, s=4 gives
+    # 3.362/0.071 = 47.4, s=2 gives 2.44/0.0505 = 48.3: s=3 is best.
+    assert costly.choose(1, 0.8) == 3
+
+
+def test_acceptance_estimate_is_geometric_mle():
+    est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
+    for _ in range(100):
+        est.update(accepted=3, drafted=4)  # 3 successes then a failure: alpha = 3/4
+    assert est.alpha == pytest.approx(0.75)
+
+
+def test_measured_costs_are_cached(tiny_model, tmp_path):
+    kwargs = {"batch_sizes": (1, 4), "draft_lens": (0, 2), "context_len": 16, "repeats": 1}
+    first = cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs)
+    assert len(list(tmp_path.iterdir())) == 1
+    assert cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs) == first
+    assert all(t > 0 for row in first.seconds for t in row)
+
+
+def test_policy_driven_generation_stays_lossless(tiny_model):
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11]]
+    ar = generate(tiny_model, prompts, SamplingParams(), 20, stop_ids=[])
+    spec = generate(tiny_model, prompts, SamplingParams(), 20, NgramDrafter(), stop_ids=[],
+                    policy=SpeculationPolicy(COSTS, max_draft=8))
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert sum(r.drafted_tokens for r in spec) > 0
