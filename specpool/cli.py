@@ -75,6 +75,48 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.runner import BenchConfig, print_table, run_bench, write_report
+    from engine.gguf_loader import default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = BenchConfig(
+        model_path=Path(args.model) if args.model else default_model_path(),
+        workload=args.workload,
+        limit=args.limit,
+        max_tokens=args.max_tokens,
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        temperature=args.temperature,
+        modes=args.modes.split(","),
+        draft_dir=Path(args.draft) if args.draft else None,
+        datastore=Path(args.datastore) if args.datastore else None,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    report = run_bench(cfg)
+    print_table(report)
+    write_report(report, Path(args.json) if args.json else None, "specpool " + " ".join(sys.argv[1:]))
+    return 0
+
+
+def cmd_build_datastore(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.ngram import SuffixArrayDatastore
+    from training.draft_data import Corpus
+
+    corpus = Corpus.load(Path(args.corpus))
+    # Only what the model wrote: the answers, not the prompts they answered.
+    answers = [seq[n:] for seq, n in zip(corpus.sequences, corpus.prompt_lens)]
+    store = SuffixArrayDatastore.build(answers)
+    store.save(Path(args.out))
+    print(f"datastore: {len(answers)} answers, {len(store)} tokens -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpool", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure every mode on a workload, side by side in one run")
+    b.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file (prompt or messages)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--batch-sizes", default="1")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
+                   help="ar, sd[:K], ngram[:K], hf-ar, hf-prompt-lookup, hf-assisted")
+    b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
+    b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
+                   help="n-gram datastore (empty string: per-request index only)")
+    b.add_argument("--json", default=None, help="write the report here")
+    _add_model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("build-datastore", help="suffix-array datastore of model-generated text for n-gram drafting")
+    d.add_argument("--corpus", default=".cache/train-draft/corpus.pt", help="a corpus written by train-draft")
+    d.add_argument("--out", default="models/smollm2-135m-datastore.npz")
+    d.set_defaults(func=cmd_build_datastore)
 
     t = sub.add_parser("train-draft", help="distil a draft model from the target (resumable)")
     t.add_argument("--out", default="models/smollm2-135m-draft", help="where the checkpoint and card go")

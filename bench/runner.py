@@ -1,0 +1,227 @@
+"""`specpool bench`: every mode on one workload, side by side in one run.
+
+Modes are interleaved chunk by chunk (each chunk of `batch_size` prompts runs through every
+mode before the next chunk), so noise on this shared machine falls on all modes alike.
+Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar).
+
+Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
+sd:K and ngram:K (fixed draft length K); hf-ar, hf-prompt-lookup, hf-assisted (transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.machine import machine_info
+from engine.decoding import generate
+from engine.drafter import ModelDrafter
+from engine.model import Llama
+from engine.ngram import NgramDrafter, SuffixArrayDatastore
+from engine.sampling import SamplingParams
+from engine.speculation_policy import SpeculationPolicy, cached_step_costs
+
+NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
+
+
+@dataclass
+class ModeTotals:
+    new_tokens: int = 0
+    seconds: float = 0.0
+    target_steps: int | None = None
+    first_tokens: int = 0
+    drafted: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class BenchConfig:
+    model_path: Path
+    workload: str
+    limit: int | None
+    max_tokens: int
+    batch_sizes: list[int]
+    temperature: float
+    modes: list[str]
+    draft_dir: Path | None
+    datastore: Path | None
+    dtype: str = "auto"
+    seed: int = 0
+
+
+# A runner takes a chunk of prompts and fills one ModeTotals.
+Runner = Callable[[list[list[int]], SamplingParams, ModeTotals], None]
+
+
+def _ours(model: Llama, max_tokens: int, drafter_factory=None, k: int = 0, policy=None) -> Runner:
+    def run(prompts, params, totals):
+        drafter = drafter_factory(len(prompts)) if drafter_factory else None
+        results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy)
+        totals.seconds += results[0].prefill_s + results[0].decode_s
+        totals.target_steps = (totals.target_steps or 0) + sum(r.target_steps for r in results)
+        for r in results:
+            totals.new_tokens += len(r.token_ids)
+            totals.first_tokens += 1
+            totals.drafted += r.drafted_tokens
+            totals.outputs.append(r.token_ids)
+
+    return run
+
+
+def _hf(fn) -> Runner:
+    def run(prompts, params, totals):
+        out = fn(prompts, params)
+        totals.seconds += out.seconds
+        totals.new_tokens += out.new_tokens
+        totals.outputs.extend(out.token_ids)
+
+    return run
+
+
+def build_runners(cfg: BenchConfig, model: Llama, batch_size: int) -> dict[str, Runner]:
+    runners: dict[str, Runner] = {}
+    needs_draft = any(m.split(":")[0] in ("sd", "hf-assisted") for m in cfg.modes)
+    draft = None
+    if needs_draft:
+        if cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
+            raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint; none at {cfg.draft_dir}")
+        # The draft runs in bf16 whatever the target uses: its speed matters, its q is sent exactly.
+        draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), "bf16", str(model.device))
+    datastore = SuffixArrayDatastore.load(cfg.datastore) if cfg.datastore else None
+    max_len = 4096
+
+    target_costs = None
+    for mode in cfg.modes:
+        name, _, k = mode.partition(":")
+        if name in ("sd", "ngram") and not k and target_costs is None:
+            target_costs = cached_step_costs(model, cfg.model_path.name)
+        if name == "ar":
+            runners[mode] = _ours(model, cfg.max_tokens)
+        elif name == "sd":
+            policy = None if k else SpeculationPolicy(
+                target_costs, draft_costs=cached_step_costs(draft, str(cfg.draft_dir)), max_draft=8
+            )
+            runners[mode] = _ours(
+                model, cfg.max_tokens, lambda b: ModelDrafter(draft, b, max_len), int(k or 0), policy
+            )
+        elif name == "ngram":
+            policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
+            runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
+        elif name.startswith("hf-"):
+            runners[mode] = _hf_runner(name, cfg, batch_size)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    return runners
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
+    from bench import peers
+
+    if "target" not in _HF_CACHE:
+        _HF_CACHE["target"] = peers.load_hf_target(cfg.model_path)
+    hf = _HF_CACHE["target"]
+    if name == "hf-ar":
+        return _hf(lambda p, sp: peers.hf_generate(hf, p, cfg.max_tokens, batch_size, sp.temperature, sp.seed))
+    if batch_size != 1:
+        return None  # transformers runs prompt lookup and assisted generation at batch 1 only
+    if name == "hf-prompt-lookup":
+        return _hf(lambda p, sp: peers.hf_prompt_lookup(hf, p, cfg.max_tokens, 10, sp.temperature, sp.seed))
+    if name == "hf-assisted":
+        if "draft" not in _HF_CACHE:
+            _HF_CACHE["draft"] = peers.load_hf_draft(cfg.draft_dir, cfg.model_path)
+        draft = _HF_CACHE["draft"]
+        return _hf(lambda p, sp: peers.hf_assisted(hf, draft, p, cfg.max_tokens, sp.temperature, sp.seed))
+    raise ValueError(f"unknown mode {name!r}")
+
+
+def _first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: list[int]) -> float:
+    i = next((j for j, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    cache = model.new_cache(1, len(prompt) + i + 1)
+    logits = model.forward(cache, [cache.allocate()], [prompt + ref[:i]])[0]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from bench.workloads import load_workload
+
+    model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
+    prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
+    rows = []
+    for b in cfg.batch_sizes:
+        runners = {m: r for m, r in build_runners(cfg, model, b).items() if r is not None}
+        totals = {m: ModeTotals() for m in runners}
+        chunks = [prompts[i : i + b] for i in range(0, len(prompts), b)]
+        for c, chunk in enumerate(tqdm(chunks, desc=f"batch {b}", unit="chunk")):
+            params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + c)
+            for mode, run in runners.items():
+                run(chunk, params, totals[mode])
+        for mode, t in totals.items():
+            ref_mode = "hf-ar" if mode.startswith("hf-") else "ar"
+            ref = totals.get(ref_mode)
+            tps = t.new_tokens / t.seconds
+            row = {
+                "mode": mode,
+                "batch_size": b,
+                "temperature": cfg.temperature,
+                "tokens_per_s": round(tps, 2),
+                "time_per_output_token_s": round(t.seconds / t.new_tokens, 5),
+                "mean_accept_len": round((t.new_tokens - t.first_tokens) / t.target_steps, 3)
+                if t.target_steps
+                else None,
+                "mean_draft_len": round(t.drafted / t.target_steps, 2) if t.target_steps and t.drafted else None,
+                "cache_hit_ratio": None,
+                "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
+                "outputs_match_ar": None,
+                "near_ties": None,
+            }
+            if ref is not None and cfg.temperature == 0:
+                near, bad = 0, 0
+                for p, r, o in zip(prompts, ref.outputs, t.outputs):
+                    if r != o:
+                        if _first_divergence_gap(model, p, r, o) < NEAR_TIE:
+                            near += 1
+                        else:
+                            bad += 1
+                row["outputs_match_ar"], row["near_ties"] = bad == 0, near
+            rows.append(row)
+    return {
+        "machine": machine_info(),
+        "model": cfg.model_path.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "workload": cfg.workload,
+        "limit": cfg.limit,
+        "max_tokens": cfg.max_tokens,
+        "draft": str(cfg.draft_dir) if cfg.draft_dir else None,
+        "datastore": str(cfg.datastore) if cfg.datastore else None,
+        "results": rows,
+    }
+
+
+def print_table(report: dict) -> None:
+    cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
+            ("mean_accept_len", 7), ("mean_draft_len", 6), ("speedup_vs_ar", 7), ("outputs_match_ar", 6),
+            ("near_ties", 5)]
+    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "accept", "draft", "speedup", "match", "ties"]
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
+    for row in report["results"]:
+        cells = []
+        for i, (key, w) in enumerate(cols):
+            v = row[key]
+            text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+            cells.append(text.ljust(w) if i == 0 else text.rjust(w))
+        print("  ".join(cells))
+
+
+def write_report(report: dict, path: Path | None, command: str) -> None:
+    report = {"command": command} | report
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")

