@@ -16,8 +16,9 @@ class KVCache:
     def __init__(
         self, config: ModelConfig, max_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
     ):
-        shape = (config.n_layers, max_slots, max_len, config.n_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, T, Hkv, D]
+        # Heads before positions: each (sequence, head) reads its keys as one contiguous block.
+        shape = (config.n_layers, max_slots, config.n_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, T, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_slots = max_slots
         self.max_len = max_len

@@ -20,6 +20,26 @@ from engine.kv_cache import KVCache
 from engine.linear import Linear
 
 
+SHORT_STEP = 16  # decode and verify steps (at most this many tokens per row) use _short_attention
+
+
+def _short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
+    """Attention for a few queries per row over the cache, grouped-query without repeating K/V.
+
+    q [B, T, H, D], keys/values [B, Hkv, L, D], mask [B, 1, T, L] additive or None -> [B, T, H, D].
+    Two batched matmuls: for small T this beats SDPA on CPU (10x at batch 32 in bf16).
+    """
+    B, T, H, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G*T, L]
+    if mask is not None:
+        scores = (scores.view(B, Hkv, G, T, L) + mask[:, :, None]).view(B, Hkv, G * T, L)
+    out = torch.matmul(scores.softmax(-1), values)  # [B, Hkv, G*T, D]
+    return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
 class Llama:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
         self.config = config
@@ -160,10 +180,14 @@ class Llama:
         kv_len = min(kv_len, cache.max_len)
         ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
 
-        # Rows may start at different positions: a mask says which cached keys each query sees.
+        # Rows may start at different positions: an additive mask says which cached keys each query
+        # sees. A lone prefill from position 0 is plain causal attention and needs none.
+        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP
         mask = None
-        if not (T == 1 and len(set(starts)) == 1):
-            mask = (torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        if not causal_prefill and not (T == 1 and len(set(starts)) == 1):
+            visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None]  # [B, 1, T, L]
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
         slot_index = torch.tensor(list(slots), device=dev)
 
@@ -179,18 +203,21 @@ class Llama:
             x0, x1 = qk[..., 0], qk[..., 1]
             qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
-            cache.k[li].index_put_((write_slot, write_pos), k)
-            cache.v[li].index_put_((write_slot, write_pos), v)
+            cache.k[li][write_slot, :, write_pos] = k
+            cache.v[li][write_slot, :, write_pos] = v
             if contiguous:
-                keys = cache.k[li, slots[0] : slots[0] + B, :kv_len]  # [B, L, Hkv, D] view
-                values = cache.v[li, slots[0] : slots[0] + B, :kv_len]
+                keys = cache.k[li, slots[0] : slots[0] + B, :, :kv_len]  # [B, Hkv, L, D] view
+                values = cache.v[li, slots[0] : slots[0] + B, :, :kv_len]
             else:
-                keys = cache.k[li, slot_index, :kv_len]
-                values = cache.v[li, slot_index, :kv_len]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
-            )  # [B, H, T, D]
-            x = x + layer["wo"](attn.transpose(1, 2).reshape(B, T, H * D))
+                keys = cache.k[li, slot_index, :, :kv_len]
+                values = cache.v[li, slot_index, :, :kv_len]
+            if T <= SHORT_STEP:
+                attn = _short_attention(q, keys, values, mask)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal_prefill, enable_gqa=True
+                ).transpose(1, 2)
+            x = x + layer["wo"](attn.reshape(B, T, H * D))
             h = F.rms_norm(x, (cfg.d_model,), layer["ffn_norm"], cfg.norm_eps)
             gate, up = layer["w_gate_up"](h).chunk(2, dim=-1)
             x = x + layer["w_down"](F.silu(gate) * up)

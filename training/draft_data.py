@@ -103,17 +103,22 @@ def generate_answers(
     batch_size: int,
     max_new_tokens: int,
     seed: int,
+    max_prompt_tokens: int = 320,
 ) -> tuple[list[list[int]], list[int]]:
     """Answer prompts in batches until the time budget is spent; alternate greedy and sampled batches."""
+    # Batches of similar length: a ragged prefill pads every row to the longest one.
+    prompts = [p for p in prompts if len(p) <= max_prompt_tokens]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [[prompts[i] for i in order[j : j + batch_size]] for j in range(0, len(order), batch_size)]
+    random.Random(seed).shuffle(batches)
     sequences, prompt_lens = [], []
     deadline = time.monotonic() + seconds
     bar = tqdm(total=int(seconds), desc="target answers (s)", unit="s")
     start = time.monotonic()
-    for i in range(0, len(prompts), batch_size):
+    for i, batch in enumerate(batches):
         if time.monotonic() >= deadline:
             break
-        batch = prompts[i : i + batch_size]
-        greedy = (i // batch_size) % 2 == 0
+        greedy = i % 2 == 0
         params = SamplingParams() if greedy else SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i)
         for prompt, result in zip(batch, generate(target, batch, params, max_new_tokens)):
             sequences.append(prompt + result.token_ids)
