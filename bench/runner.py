@@ -91,6 +91,9 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int) -> dict[str, 
             raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint; none at {cfg.draft_dir}")
         # The draft runs in bf16 whatever the target uses: its speed matters, its q is sent exactly.
         draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), "bf16", str(model.device))
+    if cfg.datastore and not cfg.datastore.exists():
+        raise FileNotFoundError(f"no n-gram datastore at {cfg.datastore}: build one with `specpool build-datastore`"
+                                " or pass --datastore '' to use the per-request index alone")
     datastore = SuffixArrayDatastore.load(cfg.datastore) if cfg.datastore else None
     max_len = 4096
 

@@ -1,0 +1,39 @@
+"""`specpool bench` end to end on a small jsonl workload with the real model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+DRAFT = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-draft"
+
+
+def test_bench_reports_every_mode_and_matches_ar(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(
+        json.dumps({"prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Name two prime numbers."}]}) + "\n"
+    )
+    out = tmp_path / "report.json"
+    modes = "ar,ngram,ngram:4" + (",sd:3" if (DRAFT / "model.safetensors").exists() else "")
+    subprocess.run(
+        [sys.executable, "-m", "specpool.cli", "bench", "--workload", str(workload), "--max-tokens", "16",
+         "--batch-sizes", "1,2", "--modes", modes, "--draft", str(DRAFT), "--datastore", "", "--json", str(out)],
+        check=True, timeout=900,
+    )
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("specpool bench")
+    rows = report["results"]
+    assert {(r["mode"], r["batch_size"]) for r in rows} == {(m, b) for m in modes.split(",") for b in (1, 2)}
+    for r in rows:
+        assert set(r) >= {"mode", "batch_size", "temperature", "tokens_per_s", "time_per_output_token_s",
+                          "mean_accept_len", "cache_hit_ratio", "speedup_vs_ar", "outputs_match_ar", "near_ties"}
+        assert r["tokens_per_s"] > 0 and r["outputs_match_ar"] is True
+        if r["mode"] == "ar":
+            assert r["speedup_vs_ar"] == 1.0 and r["mean_accept_len"] == 1.0
+        else:
+            assert r["mean_accept_len"] >= 1.0
