@@ -131,16 +131,19 @@ def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
         _HF_CACHE["target"] = peers.load_hf_target(cfg.model_path)
     hf = _HF_CACHE["target"]
     if name == "hf-ar":
-        return _hf(lambda p, sp: peers.hf_generate(hf, p, cfg.max_tokens, batch_size, sp.temperature, sp.seed))
+        return _hf(lambda p, sp: peers.hf_generate(
+            hf, p, cfg.max_tokens, batch_size=batch_size, temperature=sp.temperature, seed=sp.seed))
     if batch_size != 1:
         return None  # transformers runs prompt lookup and assisted generation at batch 1 only
     if name == "hf-prompt-lookup":
-        return _hf(lambda p, sp: peers.hf_prompt_lookup(hf, p, cfg.max_tokens, 10, sp.temperature, sp.seed))
+        return _hf(lambda p, sp: peers.hf_prompt_lookup(
+            hf, p, cfg.max_tokens, num_tokens=10, temperature=sp.temperature, seed=sp.seed))
     if name == "hf-assisted":
         if "draft" not in _HF_CACHE:
             _HF_CACHE["draft"] = peers.load_hf_draft(cfg.draft_dir, cfg.model_path)
         draft = _HF_CACHE["draft"]
-        return _hf(lambda p, sp: peers.hf_assisted(hf, draft, p, cfg.max_tokens, sp.temperature, sp.seed))
+        return _hf(lambda p, sp: peers.hf_assisted(
+            hf, draft, p, cfg.max_tokens, temperature=sp.temperature, seed=sp.seed))
     raise ValueError(f"unknown mode {name!r}")
 
 
