@@ -36,9 +36,9 @@ def weight_bytes(model: Llama) -> int:
 
 
 def until_stop(tokens: list[int], stop: int) -> list[int]:
-    """Tokens up to and including the first stop token: past it transformers' min_new_tokens masks
-    the stop token while we keep decoding freely, so later tokens are not comparable."""
-    return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+    """Tokens before the first stop token: from there on transformers' min_new_tokens masks the
+    stop token while we keep decoding freely, so later tokens are not comparable."""
+    return tokens[: tokens.index(stop)] if stop in tokens else tokens
 
 
 def main() -> None:
