@@ -39,7 +39,8 @@ def test_ragged_batch_equals_each_sequence_alone(tiny_model):
         torch.testing.assert_close(tiny_model.forward(alone, [s], [prompt])[0], batched[b], atol=1e-5, rtol=1e-5)
         row = [[7], [8, 9], [10], [11, 12, 13], [14]][b]
         want = tiny_model.forward(alone, [s], [row], all_logits=True)[0]
-        torch.testing.assert_close(stepped[b, : len(row)], want, atol=1e-5, rtol=1e-5)
+        # Batched short steps use grouped bmm attention, a lone row uses SDPA: fp32 rounding differs.
+        torch.testing.assert_close(stepped[b, : len(row)], want, atol=1e-4, rtol=1e-4)
 
 
 def test_rollback_forgets_rejected_positions(tiny_model):
