@@ -17,12 +17,14 @@ class KVCache:
         self, config: ModelConfig, max_slots: int, max_len: int, dtype: torch.dtype, device: torch.device
     ):
         # Heads before positions: each (sequence, head) reads its keys as one contiguous block.
-        shape = (config.n_layers, max_slots, config.n_kv_heads, max_len, config.head_dim)
+        # One slot more than asked: the scratch slot that padded positions of ragged steps write to.
+        shape = (config.n_layers, max_slots + 1, config.n_kv_heads, max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, T, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_slots = max_slots
         self.max_len = max_len
-        self.lengths = [0] * max_slots  # host-side: read every step, so no device sync
+        self.scratch_slot = max_slots  # never handed out
+        self.lengths = [0] * (max_slots + 1)  # host-side: read every step, so no device sync
         self._free = list(range(max_slots - 1, -1, -1))
 
     @property

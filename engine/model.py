@@ -19,6 +19,14 @@ from engine.device import default_device, resolve_dtype
 from engine.kv_cache import KVCache
 from engine.linear import Linear
 
+
+def rope_angles(config: ModelConfig) -> torch.Tensor:
+    """[max_context, head_dim/2] rotation angles, in float64 so long positions stay exact."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+    return torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+
+
 SHORT_STEP = 16  # batched decode/verify steps (at most this many tokens per row) use _short_attention
 
 
@@ -71,9 +79,7 @@ class Llama:
                     "w_down": Linear(w(p + "w_down")),
                 }
             )
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
-        angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+        angles = rope_angles(config)
         self.rope_cos = angles.cos().to(self.device, dtype)  # [max_context, D/2]
         self.rope_sin = angles.sin().to(self.device, dtype)
 
@@ -134,12 +140,7 @@ class Llama:
         return cls(config, weights, dtype, device)
 
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
-        """A cache for `max_slots` live sequences plus one scratch slot for padding writes."""
-        max_len = min(max_len, self.config.max_context)
-        cache = KVCache(self.config, max_slots + 1, max_len, self.dtype, self.device)
-        cache._free.remove(max_slots)  # the scratch slot is never handed out
-        cache.scratch_slot = max_slots
-        return cache
+        return KVCache(self.config, max_slots, min(max_len, self.config.max_context), self.dtype, self.device)
 
     # -- forward -----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.model import rope_angles
 from training.draft_data import Corpus
 
 
@@ -57,9 +58,7 @@ class DraftLM(nn.Module):
         self.blocks = nn.ModuleList(DraftBlock(b) for b in blocks)
         self.norm = nn.Parameter(norm.clone().float())
         self.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
-        angles = torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
+        angles = rope_angles(config)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
