@@ -142,16 +142,17 @@ def generate(
         rows = [[results[i].token_ids[-1]] + drafts.tokens[b] for b, i in enumerate(active)]
         logits = model.forward(cache, [slots[i] for i in active], rows, all_logits=True)  # [B, T, V]
         outcome = verify_round(drafts, logits, params, gen)
-        emitted = outcome.emitted(pad_drafts(drafts)[0])
+        accepted = outcome.accepted.tolist()
+        next_tokens = outcome.next_token.tolist()
         for b, i in enumerate(active):
             res = results[i]
             res.target_steps += 1
             res.drafted_tokens += len(drafts.tokens[b])
-            res.accepted_tokens += int(outcome.accepted[b])
-            acceptance.update(int(outcome.accepted[b]), len(drafts.tokens[b]))
+            res.accepted_tokens += accepted[b]
+            acceptance.update(accepted[b], len(drafts.tokens[b]))
             # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
-            cache.truncate(slots[i], cache.lengths[slots[i]] - len(rows[b]) + 1 + int(outcome.accepted[b]))
-            taken = emit(i, emitted[b])
+            cache.truncate(slots[i], cache.lengths[slots[i]] - len(rows[b]) + 1 + accepted[b])
+            taken = emit(i, drafts.tokens[b][: accepted[b]] + [next_tokens[b]])
             if drafter is not None:
                 if res.finish_reason:
                     drafter.remove_sequence(ids[i])

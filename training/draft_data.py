@@ -91,6 +91,11 @@ class Corpus:
     def load(cls, path: Path) -> Corpus:
         return cls(**torch.load(path))
 
+    def split(self, n: int) -> tuple[Corpus, Corpus]:
+        """-> (the first n sequences, the rest)."""
+        fields = (self.sequences, self.prompt_lens, self.teacher_ids, self.teacher_logprobs)
+        return Corpus(*(f[:n] for f in fields)), Corpus(*(f[n:] for f in fields))
+
     @property
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.sequences)

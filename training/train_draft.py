@@ -96,9 +96,7 @@ def run(cfg: TrainDraftConfig) -> dict:
     print(f"draft vocabulary: {len(output_ids)} tokens cover {coverage:.2%} of the teacher's top-1")
     layer_ids = _layer_ids(full.config.n_layers, cfg.layers)
     model = DraftLM.from_target(full.config, full.weights, layer_ids, output_ids)
-    held_back = max(1, len(corpus.sequences) // 20)
-    eval_corpus = Corpus(*(getattr(corpus, f)[:held_back] for f in ("sequences", "prompt_lens", "teacher_ids", "teacher_logprobs")))
-    train_corpus = Corpus(*(getattr(corpus, f)[held_back:] for f in ("sequences", "prompt_lens", "teacher_ids", "teacher_logprobs")))
+    eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
     state = train(
         model,
         Batches(train_corpus, output_ids, full.config.vocab_size, cfg.window, cfg.seed),
