@@ -101,6 +101,7 @@ def generate(
     cache = model.new_cache(len(prompts), max_len)
     slots = [cache.allocate() for _ in prompts]
     ids = [str(i) for i in range(len(prompts))]
+    unseen = [0] * len(prompts)  # tokens the drafter has been given but not yet run its model over
 
     def emit(i: int, tokens: Sequence[int]) -> list[int]:
         """Append tokens to result i up to a stop token or the length limit; -> what was appended."""
@@ -126,13 +127,19 @@ def generate(
         results[i].prefill_s = prefill_s
         if drafter is not None and not results[i].finish_reason:
             drafter.add_sequence(ids[i], list(prompts[i]) + [t])
+            unseen[i] = len(prompts[i]) + 1
 
     start = time.perf_counter()
     active = [i for i, r in enumerate(results) if not r.finish_reason]
     while active:
         length = 0
         if drafter is not None:
-            length = policy.choose(len(active), acceptance.alpha) if policy else num_draft_tokens
+            if policy is None:
+                length = num_draft_tokens
+            else:
+                catch_up = sum(unseen[i] for i in active) / len(active)
+                remaining = sum(max_new_tokens - len(results[i].token_ids) for i in active) / len(active)
+                length = policy.choose(len(active), acceptance.alpha, catch_up, remaining)
         # Never draft past the length limit: the bonus token always fills the last place.
         budget = [min(length, max_new_tokens - len(results[i].token_ids) - 1) for i in active]
         if any(budget):
@@ -158,6 +165,8 @@ def generate(
                     drafter.remove_sequence(ids[i])
                 else:
                     drafter.extend(ids[i], taken)
+                    # Accepted drafts are already in the drafter's cache; the rest is new to it.
+                    unseen[i] = (0 if drafts.tokens[b] else unseen[i]) + len(taken) - min(accepted[b], len(taken))
         active = [i for i in active if not results[i].finish_reason]
     decode_s = time.perf_counter() - start
     for r in results:

@@ -35,12 +35,21 @@ class StepCosts:
 
     def __call__(self, batch_size: int, draft_len: int) -> float:
         """Piecewise-linear in both batch size and draft length; linear extrapolation past the table."""
-        per_b = [float(np.interp(draft_len, self.draft_lens, row)) for row in self.seconds]
+        per_b = [self._along_draft_len(row, draft_len) for row in self.seconds]
         bs = self.batch_sizes
         if batch_size <= bs[-1]:
             return float(np.interp(batch_size, bs, per_b))
         slope = (per_b[-1] - per_b[-2]) / (bs[-1] - bs[-2])
         return per_b[-1] + slope * (batch_size - bs[-1])
+
+    def _along_draft_len(self, row: tuple[float, ...], draft_len: int) -> float:
+        lens = self.draft_lens
+        if draft_len <= lens[-1]:
+            return float(np.interp(draft_len, lens, row))
+        # Long feeds (a drafter catching up on a context) are compute-bound: at least the mean
+        # per-token cost of the longest measured step, whatever noise says about the local slope.
+        slope = max((row[-1] - row[-2]) / (lens[-1] - lens[-2]), row[-1] / (lens[-1] + 1))
+        return row[-1] + slope * (draft_len - lens[-1])
 
 
 def measure_step_costs(
@@ -124,11 +133,22 @@ class SpeculationPolicy:
             drafting = draft_len * self.draft_costs(batch_size, 0)  # one 1-token draft step per token
         return self.target_costs(batch_size, draft_len) + drafting
 
-    def choose(self, batch_size: int, alpha: float) -> int:
-        """The draft length maximising expected tokens/s at this batch size (0: do not speculate)."""
+    def choose(self, batch_size: int, alpha: float, catch_up: float = 0.0, remaining: float = float("inf")) -> int:
+        """The draft length maximising expected tokens/s at this batch size (0: do not speculate).
+
+        A draft model that sat out earlier rounds must first absorb the `catch_up` tokens per
+        sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
+        starting pays only if the faster steps win that time back over the `remaining` tokens.
+        """
         best_len, best_rate = 0, 1.0 / self.step_time(batch_size, 0)
         for s in range(1, self.max_draft + 1):
             rate = expected_tokens(alpha, s) / self.step_time(batch_size, s)
             if rate > best_rate:
                 best_len, best_rate = s, rate
+        if best_len and self.draft_costs is not None and catch_up > 1:
+            # Steady state already charges a one-token feed per draft step; the extra is the rest.
+            extra = self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
+            plain_rate = 1.0 / self.step_time(batch_size, 0)
+            if remaining / best_rate + extra >= remaining / plain_rate:
+                return 0
         return best_len

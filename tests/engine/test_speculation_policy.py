@@ -51,6 +51,17 @@ def test_draft_model_cost_shortens_the_budget():
     assert costly.choose(1, 0.8) == 3
 
 
+def test_draft_model_starts_only_when_its_catch_up_pays_back():
+    costly = SpeculationPolicy(COSTS, draft_costs=StepCosts((1, 16), (0, 16), ((0.01, 0.01), (0.02, 0.02))))
+    # By hand, batch 1, alpha 0.8: s=3 runs at 48.6 tok/s, plain decoding at 33.3. Absorbing a
+    # 101-token context costs 0.01 + (0.01/17) * 84 - 0.01 = 0.0494 s extra (feeds past the table
+    # extrapolate at the longest step's per-token cost), won back after 0.0494 / (1/33.3 - 1/48.6)
+    # = 5.2 tokens.
+    assert costly.choose(1, 0.8, catch_up=101, remaining=4) == 0
+    assert costly.choose(1, 0.8, catch_up=101, remaining=8) == 3
+    assert costly.choose(1, 0.8, catch_up=1, remaining=1) == 3  # steady state: nothing to absorb
+
+
 def test_acceptance_estimate_is_geometric_mle():
     est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
     for _ in range(100):
