@@ -33,10 +33,9 @@ bench: setup
 	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
 		--json bench/results/humaneval.json
 
+# Stubs land in specpool/v1/ (package specpool.v1) and are committed; re-run after editing a .proto.
 proto: setup
-	@if ls proto/specpool/v1/*.proto >/dev/null 2>&1; then \
-		$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. proto/specpool/v1/*.proto; \
-	else echo "no .proto files yet"; fi
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/specpool/v1/*.proto
 
 lint: setup
 	$(BIN)/ruff check .

@@ -103,3 +103,38 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         merges=list(_field(reader, "tokenizer.ggml.merges", [])),
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
+
+
+def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
+    """Write a Llama GGUF with fp32 tensors and no tokenizer: how tests hand tiny random-init
+    models to servers that load `--model PATH` exactly as they load a real one."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.n_layers)
+    writer.add_embedding_length(config.d_model)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_feed_forward_length(config.ffn_dim)
+    writer.add_rope_freq_base(config.rope_base)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_context_length(config.max_context)
+    writer.add_bos_token_id(config.bos_id)
+    writer.add_eos_token_id(config.eos_id)
+    inverse = {v: k for k, v in {
+        "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+        "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+    }.items()}
+    for name, tensor in weights.items():
+        if name.startswith("layers."):
+            _, i, ours = name.split(".")
+            gguf_name = f"blk.{i}.{inverse[ours]}.weight"
+        else:
+            gguf_name = {"embed": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + ".weight"
+        writer.add_tensor(gguf_name, tensor.detach().float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -87,14 +87,15 @@ class Llama:
 
     @classmethod
     def from_gguf(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
-        """Returns (model, tokenizer) for a Llama-architecture GGUF."""
+        """Returns (model, tokenizer) for a Llama-architecture GGUF; tokenizer is None when the file
+        has no vocabulary (tiny test models, which are fed token ids)."""
         from engine.gguf_loader import load_gguf
         from engine.tokenizer import Tokenizer
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)
         model = cls(gguf_model.config, gguf_model.weights, resolve_dtype(dtype, dev), dev)
-        return model, Tokenizer.from_gguf(gguf_model)
+        return model, (Tokenizer.from_gguf(gguf_model) if gguf_model.tokens else None)
 
     @classmethod
     def from_draft_checkpoint(
@@ -115,29 +116,7 @@ class Llama:
 
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Llama:
-        gen = torch.Generator().manual_seed(seed)
-
-        def randn(*shape, scale=0.2):
-            return torch.randn(*shape, generator=gen) * scale
-
-        d, hd = config.d_model, config.head_dim
-        weights = {"embed": randn(config.vocab_size, d, scale=1.0), "norm": 1 + randn(d, scale=0.1)}
-        if not config.tie_embeddings:
-            weights["lm_head"] = randn(config.vocab_size, d)
-        for i in range(config.n_layers):
-            p = f"layers.{i}."
-            weights |= {
-                p + "attn_norm": 1 + randn(d, scale=0.1),
-                p + "wq": randn(config.n_heads * hd, d),
-                p + "wk": randn(config.n_kv_heads * hd, d),
-                p + "wv": randn(config.n_kv_heads * hd, d),
-                p + "wo": randn(d, config.n_heads * hd),
-                p + "ffn_norm": 1 + randn(d, scale=0.1),
-                p + "w_gate": randn(config.ffn_dim, d),
-                p + "w_up": randn(config.ffn_dim, d),
-                p + "w_down": randn(d, config.ffn_dim),
-            }
-        return cls(config, weights, dtype, device)
+        return cls(config, random_weights(config, seed), dtype, device)
 
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, max_slots, min(max_len, self.config.max_context), self.dtype, self.device)
@@ -233,3 +212,30 @@ class Llama:
             return logits
         full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.output_ids, logits)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a given shape, for tiny test models."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=0.2):
+        return torch.randn(*shape, generator=gen) * scale
+
+    d, hd = config.d_model, config.head_dim
+    weights = {"embed": randn(config.vocab_size, d, scale=1.0), "norm": 1 + randn(d, scale=0.1)}
+    if not config.tie_embeddings:
+        weights["lm_head"] = randn(config.vocab_size, d)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        weights |= {
+            p + "attn_norm": 1 + randn(d, scale=0.1),
+            p + "wq": randn(config.n_heads * hd, d),
+            p + "wk": randn(config.n_kv_heads * hd, d),
+            p + "wv": randn(config.n_kv_heads * hd, d),
+            p + "wo": randn(d, config.n_heads * hd),
+            p + "ffn_norm": 1 + randn(d, scale=0.1),
+            p + "w_gate": randn(config.ffn_dim, d),
+            p + "w_up": randn(config.ffn_dim, d),
+            p + "w_down": randn(d, config.ffn_dim),
+        }
+    return weights
