@@ -30,6 +30,11 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+def model_name(path: str | Path) -> str:
+    """The name services use for a target model on the wire: its GGUF file name without .gguf."""
+    return Path(path).name.removesuffix(".gguf")
+
+
 @dataclass
 class GGUFModel:
     config: ModelConfig
