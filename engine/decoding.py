@@ -73,6 +73,215 @@ def verify_round(
     return verify_point_mass(tokens, p, num, generator)
 
 
+@dataclass
+class _Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop: frozenset[int]
+    result: GenerationResult
+    slot: int = -1
+    unseen: int = 0  # tokens the drafter holds but has not run its model over (its catch-up)
+
+
+class Decoder:
+    """Continuous batching over one target model: sequences join and leave between steps.
+
+    A step either prefills the sequences added since the last step (emitting their first token) or
+    runs one speculative round over every running sequence: draft, one target forward for all,
+    verify per sampling-parameter group, accept, roll back. AR decoding is a round with no drafts.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        max_batch: int,
+        max_len: int,
+        drafter: Drafter | None = None,
+        num_draft_tokens: int = 0,
+        policy: SpeculationPolicy | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        self.model = model
+        self.cache = model.new_cache(max_batch, max_len)
+        self.drafter = drafter
+        self.num_draft_tokens = policy.max_draft if policy is not None else num_draft_tokens
+        self.policy = policy
+        self.acceptance = AcceptanceEstimate()
+        self.waiting: list[_Sequence] = []
+        self.running: list[_Sequence] = []
+        self._generator_override = generator  # one stream for every group (reproducible tests)
+        self._generators: dict[SamplingParams, torch.Generator] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots - len(self.waiting)
+
+    def add(
+        self,
+        seq_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_ids: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Queue a sequence; it is prefilled by the next step. Its result fills in as steps run."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(prompt) + max_new_tokens + self.num_draft_tokens + 1 > self.cache.max_len:
+            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the context "
+                             f"of {self.cache.max_len - self.num_draft_tokens - 1}")
+        if self.free_slots < 1:
+            raise RuntimeError(f"batch full: all {self.cache.max_slots} sequences are running")
+        stop = frozenset(stop_ids if stop_ids is not None else [self.model.config.eos_id])
+        seq = _Sequence(seq_id, list(prompt), params, max_new_tokens, stop, GenerationResult(list(prompt)))
+        self.waiting.append(seq)
+        return seq.result
+
+    def cancel(self, seq_id: str) -> bool:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    seq.result.finish_reason = "cancelled"
+                    queue.remove(seq)
+                    self._release(seq, started=queue is self.running)
+                    return True
+        return False
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        """One prefill or one round -> (seq_id, tokens appended) for every sequence that moved;
+        a sequence whose result has a finish_reason has left the batch."""
+        if self.waiting:
+            return self._prefill()
+        if self.running:
+            return self._round()
+        return []
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        if self._generator_override is not None:
+            return self._generator_override
+        if params not in self._generators:
+            self._generators[params] = make_generator(params.seed)
+        return self._generators[params]
+
+    def _emit(self, seq: _Sequence, tokens: Sequence[int]) -> list[int]:
+        """Append tokens up to a stop token or the length limit; -> what was appended."""
+        res, taken = seq.result, []
+        for t in tokens:
+            if len(res.token_ids) >= seq.max_new_tokens:
+                break
+            res.token_ids.append(t)
+            taken.append(t)
+            if t in seq.stop:
+                res.finish_reason = "stop"
+                break
+        if not res.finish_reason and len(res.token_ids) >= seq.max_new_tokens:
+            res.finish_reason = "length"
+        return taken
+
+    def _release(self, seq: _Sequence, started: bool) -> None:
+        if started:
+            self.cache.release(seq.slot)
+            if self.drafter is not None:
+                self.drafter.remove_sequence(seq.seq_id)
+
+    def _prefill(self) -> list[tuple[str, list[int]]]:
+        start = time.perf_counter()
+        batch, self.waiting = self.waiting, []
+        for seq in batch:
+            seq.slot = self.cache.allocate()
+        logits = self.model.forward(self.cache, [s.slot for s in batch], [s.prompt for s in batch])  # [B, V]
+        moved = []
+        for rows, params in _groups(batch):
+            firsts = sample_from_logits(logits[rows], params, self._generator(params)).tolist()
+            for r, t in zip(rows, firsts):
+                seq = batch[r]
+                moved.append((seq.seq_id, self._emit(seq, [t])))
+        elapsed = time.perf_counter() - start
+        for seq in batch:
+            seq.result.prefill_s = elapsed
+            if seq.result.finish_reason:
+                self._release(seq, started=True)
+                continue
+            self.running.append(seq)
+            if self.drafter is not None:
+                self.drafter.add_sequence(seq.seq_id, seq.prompt + seq.result.token_ids)
+                seq.unseen = len(seq.prompt) + 1
+        return moved
+
+    def _draft_length(self) -> int:
+        if self.drafter is None:
+            return 0
+        if self.policy is None:
+            return self.num_draft_tokens
+        n = len(self.running)
+        catch_up = sum(s.unseen for s in self.running) / n
+        remaining = sum(s.max_new_tokens - len(s.result.token_ids) for s in self.running) / n
+        return self.policy.choose(n, self.acceptance.alpha, catch_up, remaining)
+
+    def _round(self) -> list[tuple[str, list[int]]]:
+        start = time.perf_counter()
+        batch = self.running
+        length = self._draft_length()
+        groups = _groups(batch)
+        drafts = [Drafts.empty(len(rows)) for rows, _ in groups]
+        for g, (rows, params) in enumerate(groups):
+            # Never draft past the length limit: the bonus token always fills the last place.
+            budget = [min(length, batch[r].max_new_tokens - len(batch[r].result.token_ids) - 1) for r in rows]
+            if any(budget):
+                drafts[g] = self.drafter.propose([batch[r].seq_id for r in rows], budget, params,
+                                                 self._generator(params))
+        row_drafts = [[] for _ in batch]
+        for (rows, _), d in zip(groups, drafts):
+            for b, r in enumerate(rows):
+                row_drafts[r] = d.tokens[b]
+        feed = [[seq.result.token_ids[-1], *row_drafts[r]] for r, seq in enumerate(batch)]
+        logits = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=True)  # [B, T, V]
+
+        moved = []
+        for (rows, params), d in zip(groups, drafts):
+            outcome = verify_round(d, logits[rows], params, self._generator(params))
+            for b, (r, accepted, next_token) in enumerate(
+                zip(rows, outcome.accepted.tolist(), outcome.next_token.tolist())
+            ):
+                seq, proposed = batch[r], d.tokens[b]
+                res = seq.result
+                res.target_steps += 1
+                res.drafted_tokens += len(proposed)
+                res.accepted_tokens += accepted
+                self.acceptance.update(accepted, len(proposed))
+                # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
+                self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]) + 1 + accepted)
+                taken = self._emit(seq, proposed[:accepted] + [next_token])
+                moved.append((seq.seq_id, taken))
+                if self.drafter is not None and not res.finish_reason:
+                    self.drafter.extend(seq.seq_id, taken)
+                    # Accepted drafts are already in the drafter's cache; the rest is new to it.
+                    seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(accepted, len(taken))
+        elapsed = time.perf_counter() - start
+        for seq in batch:
+            seq.result.decode_s += elapsed
+            if seq.result.finish_reason:
+                self._release(seq, started=True)
+        self.running = [s for s in batch if not s.result.finish_reason]
+        return moved
+
+
+def _groups(batch: Sequence[_Sequence]) -> list[tuple[list[int], SamplingParams]]:
+    """Row indices of the batch grouped by sampling parameters (each group verifies together)."""
+    by_params: dict[SamplingParams, list[int]] = {}
+    for r, seq in enumerate(batch):
+        by_params.setdefault(seq.params, []).append(r)
+    return [(rows, params) for params, rows in by_params.items()]
+
+
 def generate(
     model: Llama,
     prompts: Sequence[Sequence[int]],
@@ -91,84 +300,10 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    if policy is not None:
-        num_draft_tokens = policy.max_draft
-    acceptance = AcceptanceEstimate()
-    stop = set(stop_ids if stop_ids is not None else [model.config.eos_id])
-    gen = generator or make_generator(params.seed)
-    results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
-    max_len = max(len(p) for p in prompts) + max_new_tokens + num_draft_tokens + 1
-    cache = model.new_cache(len(prompts), max_len)
-    slots = [cache.allocate() for _ in prompts]
-    ids = [str(i) for i in range(len(prompts))]
-    unseen = [0] * len(prompts)  # tokens the drafter has been given but not yet run its model over
-
-    def emit(i: int, tokens: Sequence[int]) -> list[int]:
-        """Append tokens to result i up to a stop token or the length limit; -> what was appended."""
-        res, taken = results[i], []
-        for t in tokens:
-            if len(res.token_ids) >= max_new_tokens:
-                break
-            res.token_ids.append(t)
-            taken.append(t)
-            if t in stop:
-                res.finish_reason = "stop"
-                break
-        if not res.finish_reason and len(res.token_ids) >= max_new_tokens:
-            res.finish_reason = "length"
-        return taken
-
-    start = time.perf_counter()
-    logits = model.forward(cache, slots, prompts)  # [B, V]
-    firsts = sample_from_logits(logits, params, gen).tolist()
-    prefill_s = time.perf_counter() - start
-    for i, t in enumerate(firsts):
-        emit(i, [t])
-        results[i].prefill_s = prefill_s
-        if drafter is not None and not results[i].finish_reason:
-            drafter.add_sequence(ids[i], list(prompts[i]) + [t])
-            unseen[i] = len(prompts[i]) + 1
-
-    start = time.perf_counter()
-    active = [i for i, r in enumerate(results) if not r.finish_reason]
-    while active:
-        length = 0
-        if drafter is not None:
-            if policy is None:
-                length = num_draft_tokens
-            else:
-                catch_up = sum(unseen[i] for i in active) / len(active)
-                remaining = sum(max_new_tokens - len(results[i].token_ids) for i in active) / len(active)
-                length = policy.choose(len(active), acceptance.alpha, catch_up, remaining)
-        # Never draft past the length limit: the bonus token always fills the last place.
-        budget = [min(length, max_new_tokens - len(results[i].token_ids) - 1) for i in active]
-        if any(budget):
-            drafts = drafter.propose([ids[i] for i in active], budget, params, gen)
-        else:
-            drafts = Drafts.empty(len(active))
-        rows = [[results[i].token_ids[-1]] + drafts.tokens[b] for b, i in enumerate(active)]
-        logits = model.forward(cache, [slots[i] for i in active], rows, all_logits=True)  # [B, T, V]
-        outcome = verify_round(drafts, logits, params, gen)
-        accepted = outcome.accepted.tolist()
-        next_tokens = outcome.next_token.tolist()
-        for b, i in enumerate(active):
-            res = results[i]
-            res.target_steps += 1
-            res.drafted_tokens += len(drafts.tokens[b])
-            res.accepted_tokens += accepted[b]
-            acceptance.update(accepted[b], len(drafts.tokens[b]))
-            # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
-            cache.truncate(slots[i], cache.lengths[slots[i]] - len(rows[b]) + 1 + accepted[b])
-            taken = emit(i, drafts.tokens[b][: accepted[b]] + [next_tokens[b]])
-            if drafter is not None:
-                if res.finish_reason:
-                    drafter.remove_sequence(ids[i])
-                else:
-                    drafter.extend(ids[i], taken)
-                    # Accepted drafts are already in the drafter's cache; the rest is new to it.
-                    unseen[i] = (0 if drafts.tokens[b] else unseen[i]) + len(taken) - min(accepted[b], len(taken))
-        active = [i for i in active if not results[i].finish_reason]
-    decode_s = time.perf_counter() - start
-    for r in results:
-        r.decode_s = decode_s
+    k = policy.max_draft if policy is not None else num_draft_tokens
+    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    decoder = Decoder(model, len(prompts), max_len, drafter, num_draft_tokens, policy, generator)
+    results = [decoder.add(str(i), p, params, max_new_tokens, stop_ids) for i, p in enumerate(prompts)]
+    while decoder.has_work:
+        decoder.step()
     return results
