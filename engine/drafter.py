@@ -92,12 +92,14 @@ class ModelDrafter:
         seq.pending.extend(tokens[keep:])
         seq.fed_drafts, seq.drafts = 0, ()
 
-    def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
+    def propose(self, seq_ids, num_tokens, params, generator, *, sparse: bool | None = None) -> Drafts:
+        """`sparse` overrides the constructor's `sparse_top_k` for this call (a pooled endpoint
+        serves sessions with either transport); top-k pairs still need `params.top_k > 0`."""
         rows = [b for b, n in enumerate(num_tokens) if n > 0]
         k = max(num_tokens, default=0)
         tokens: list[list[int]] = [[] for _ in seq_ids]
         sampled = not params.greedy
-        sparse = sampled and self.sparse_top_k and params.top_k > 0
+        sparse = sampled and (self.sparse_top_k if sparse is None else sparse) and params.top_k > 0
         V = self.model.config.vocab_size
         probs = torch.zeros(len(seq_ids), k, V) if sampled and not sparse else None
         topk_ids = torch.zeros(len(seq_ids), k, params.top_k, dtype=torch.long) if sparse else None
