@@ -1,0 +1,242 @@
+"""Plumbing every gRPC server shares: logging, server construction, health, reflection, metrics, drain.
+
+The target service, the speculation endpoint and the router each build a server with `build_server`,
+register their servicers, call `add_health_and_reflection`, start a `MetricsHttpServer`, then block in
+`serve_until_signal`, which drains in-flight RPCs on SIGTERM (what Kubernetes sends before killing a pod).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import NoReturn
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
+class _SpecpoolLogHandler(logging.StreamHandler):
+    """Marks the handler `setup_logging` installed, so a second call does not add another."""
+
+
+def setup_logging(level: str = "INFO") -> None:
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    if not any(isinstance(h, _SpecpoolLogHandler) for h in root.handlers):
+        handler = _SpecpoolLogHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+
+
+def build_server(
+    port: int,
+    max_workers: int = 64,
+    max_message_bytes: int = 64 * 1024 * 1024,
+    host: str = "0.0.0.0",
+) -> tuple[grpc.Server, int]:
+    """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Without this a second server on the same port binds silently and steals half the traffic.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot bind gRPC server to {address}: {e}") from e
+    if bound_port == 0:  # older grpcio reports a failed bind this way instead of raising
+        raise RuntimeError(f"cannot bind gRPC server to {address}")
+    return server, bound_port
+
+
+class HealthState:
+    """grpc.health.v1 statuses: "liveness" (restart me if not serving), "readiness" (send me traffic).
+
+    The overall service "" follows readiness, so plain health checkers (grpc_health_probe without
+    -service) see a server as healthy only once it can take work.
+    """
+
+    def __init__(self, servicer: grpc_health.HealthServicer | None = None):
+        self.servicer = servicer or grpc_health.HealthServicer()
+        self._live = False
+        self._ready = False
+        self.set_live(True)
+        self.set_ready(False)
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def set_live(self, live: bool) -> None:
+        self._live = live
+        self.servicer.set(LIVENESS, _status(live))
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready = ready
+        self.servicer.set(READINESS, _status(ready))
+        self.servicer.set(grpc_health.OVERALL_HEALTH, _status(ready))
+
+
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]) -> HealthState:
+    """Registers grpc.health.v1 (live, not yet ready) and server reflection for the given services.
+
+    The services' generated `_pb2` modules must be imported first: reflection reads the default pool.
+    """
+    state = HealthState()
+    health_pb2_grpc.add_HealthServicer_to_server(state.servicer, server)
+    names = [*service_full_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(list(dict.fromkeys(names)), server)
+    return state
+
+
+class MetricsHttpServer:
+    """HTTP side door: GET /metrics (Prometheus text), /healthz, and JSON routes such as a capacity API."""
+
+    def __init__(
+        self,
+        registry: prometheus_client.CollectorRegistry,
+        port: int,
+        host: str = "0.0.0.0",
+        json_routes: dict[str, Callable[[], dict]] | None = None,
+    ):
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self.json_routes = dict(json_routes or {})
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._httpd is not None:
+            raise RuntimeError("MetricsHttpServer already started")
+        self._httpd = ThreadingHTTPServer((self.host, self.port), self._handler_class())
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name=f"metrics-http:{self.port}", daemon=True
+        )
+        self._thread.start()
+        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+    def stop(self) -> None:
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._httpd = None
+        self._thread = None
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        registry = self.registry
+        routes = self.json_routes
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body = prometheus_client.generate_latest(registry)
+                    self._reply(200, prometheus_client.CONTENT_TYPE_LATEST, body)
+                elif path == "/healthz":
+                    self._reply(200, "text/plain; charset=utf-8", b"ok")
+                elif path in routes:
+                    try:
+                        body, code = json.dumps(routes[path]()), 200
+                    except Exception as e:
+                        log.exception("JSON route %s failed", path)
+                        body, code = json.dumps({"error": f"{type(e).__name__}: {e}"}), 500
+                    self._reply(code, "application/json", body.encode())
+                else:
+                    self._reply(404, "application/json", json.dumps({"error": f"no route {path}"}).encode())
+
+            def _reply(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: keep them quiet
+                log.debug("%s " + format, self.address_string(), *args)
+
+        return Handler
+
+
+def serve_until_signal(
+    server: grpc.Server,
+    health: HealthState,
+    grace_s: float = 10.0,
+    on_drain: Callable[[], None] | None = None,
+    metrics: MetricsHttpServer | None = None,
+) -> None:
+    """Blocks until SIGTERM or SIGINT, then drains: not ready, stop admitting, finish in-flight RPCs.
+
+    Must be called from the main thread (Python delivers signals only there).
+    """
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        if stop.is_set():
+            log.info("got %s while draining; still draining", signal.Signals(signum).name)
+        else:
+            log.info("got %s", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(timeout=1.0):
+            pass
+        log.info("draining (grace %.1fs)", grace_s)
+        health.set_ready(False)
+        if on_drain is not None:
+            try:
+                on_drain()
+            except Exception:
+                log.exception("on_drain failed; stopping anyway")
+        server.stop(grace_s).wait()
+        if metrics is not None:
+            metrics.stop()
+        log.info("stopped")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def abort_invalid(
+    context: grpc.ServicerContext,
+    field: str,
+    message: str,
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+) -> NoReturn:
+    """Ends the RPC with a status whose message starts with the offending field's name."""
+    context.abort(code, f"{field}: {message}")
+    raise AssertionError("grpc context.abort returned")  # it always raises; this keeps NoReturn honest
