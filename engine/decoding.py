@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.drafter import Drafter, Drafts
+from engine.drafter import Drafter, DraftRequest, Drafts, propose_all
 from engine.model import Llama
 from engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
 from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
@@ -232,12 +232,15 @@ class Decoder:
         length = self._draft_length()
         groups = _groups(batch)
         drafts = [Drafts.empty(len(rows)) for rows, _ in groups]
+        asks = []
         for g, (rows, params) in enumerate(groups):
             # Never draft past the length limit: the bonus token always fills the last place.
             budget = [min(length, batch[r].max_new_tokens - len(batch[r].result.token_ids) - 1) for r in rows]
             if any(budget):
-                drafts[g] = self.drafter.propose([batch[r].seq_id for r in rows], budget, params,
-                                                 self._generator(params))
+                asks.append((g, DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params))))
+        if asks:
+            for (g, _), d in zip(asks, propose_all(self.drafter, [a for _, a in asks])):
+                drafts[g] = d
         row_drafts = [[] for _ in batch]
         for (rows, _), d in zip(groups, drafts):
             for b, r in enumerate(rows):

@@ -53,6 +53,24 @@ class Drafter(Protocol):
     def remove_sequence(self, seq_id: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One `propose` call's arguments: sequences sharing sampling parameters."""
+
+    seq_ids: list[str]
+    num_tokens: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def propose_all(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Drafts]:
+    """Drafts for several sampling-parameter groups of one step. A drafter that can serve them all
+    at once (the remote endpoint: one message per step) defines `propose_groups`."""
+    if hasattr(drafter, "propose_groups"):
+        return drafter.propose_groups(requests)
+    return [drafter.propose(r.seq_ids, r.num_tokens, r.params, r.generator) for r in requests]
+
+
 @dataclass(slots=True)
 class _DraftSeq:
     slot: int
