@@ -164,7 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train_draft)
+
+    st = sub.add_parser("serve-target", help="serve one target model over gRPC (Target API)")
+    st.set_defaults(func=lambda a: _server("target_service.server").main(a))
+    _server("target_service.server").add_arguments(st)
+    ss = sub.add_parser("serve-spec", help="serve the pooled speculation endpoint over gRPC")
+    ss.set_defaults(func=lambda a: _server("spec_endpoint.server").main(a))
+    _server("spec_endpoint.server").add_arguments(ss)
     return parser
+
+
+def _server(module: str):
+    import importlib
+
+    return importlib.import_module(module)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,93 @@
+"""Start specpool servers as separate processes and wait until they serve.
+
+Every server logs one line "serving <Service> on port N, metrics on port M" once it is ready;
+launchers (tests, the benchmark, `specpool up`) read the bound ports from it, so port 0 works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+READY = re.compile(r"serving (\w+) on port (\d+), metrics on port (\d+)")
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    proc: subprocess.Popen
+    port: int = 0
+    metrics_port: int = 0
+    log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+
+    def logs(self) -> str:
+        return "".join(self.log_tail)
+
+
+def start_server(
+    name: str,
+    args: list[str],
+    timeout_s: float = 180.0,
+    cpus: list[int] | None = None,
+    env: dict[str, str] | None = None,
+    echo: bool = False,
+) -> ServerProcess:
+    """Run `specpool <args>` and block until its ready line; raises with its log if it dies first."""
+    cmd = [sys.executable, "-m", "specpool.cli", *args]
+    if cpus is not None:
+        cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    server = ServerProcess(name, proc)
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            server.log_tail.append(line)
+            if echo:
+                sys.stderr.write(f"[{name}] {line}")
+            m = READY.search(line)
+            if m and not ready.is_set():
+                server.port, server.metrics_port = int(m.group(2)), int(m.group(3))
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
+    end = time.monotonic() + timeout_s
+    while not ready.wait(0.1):
+        if proc.poll() is not None or time.monotonic() > end:
+            server.kill()
+            why = f"exited with {proc.returncode}" if proc.returncode is not None else f"not ready in {timeout_s}s"
+            raise RuntimeError(f"{name} {why}; its log:\n{server.logs()}")
+    return server

@@ -1,0 +1,189 @@
+"""Continuous batching for one target model: requests queue, join the running batch when a slot
+frees, and stream their tokens out as each step accepts them.
+
+One scheduler thread owns the Decoder (and so the model and KV cache); gRPC handler threads only
+submit requests and read their event queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.decoding import Decoder, GenerationResult
+from engine.sampling import SamplingParams
+from target_service.metrics import TargetMetrics
+from target_service.speculation_client import SpeculationClient
+
+log = logging.getLogger("specpool.target.scheduler")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: list[int] | None
+    n: int = 1
+    drafter_kind: int | None = None  # for SpeculationClient.configure: None local n-gram, -1 none
+    max_draft_tokens: int = 0
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("delta", index, tokens) / ("done", None, None)
+    results: list[GenerationResult] = field(default_factory=list)
+    fallback_rounds: list[int] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+
+    def seq_id(self, index: int) -> str:
+        return f"{self.request_id}/{index}"
+
+
+class Scheduler:
+    def __init__(self, decoder: Decoder, client: SpeculationClient | None, metrics: TargetMetrics,
+                 model_name: str, max_queue: int = 1024):
+        self.decoder = decoder
+        self.client = client
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self._inbox: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._by_seq: dict[str, tuple[Request, int]] = {}
+        self._cancel: set[str] = set()
+        self._wake = threading.Condition()
+        self._stop = False
+        self.accepting = True
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
+        self._thread.start()
+
+    # -- called from gRPC threads -------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self._wake:
+            if not self.accepting:
+                raise RuntimeError("draining: this target service is shutting down")
+            if len(self._inbox) >= self.max_queue:
+                raise OverflowError(f"queue full ({self.max_queue} requests waiting)")
+            if request.request_id in self._running or any(r.request_id == request.request_id for r in self._inbox):
+                raise KeyError(request.request_id)
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._wake:
+            known = request_id in self._running or any(r.request_id == request_id for r in self._inbox)
+            if known:
+                self._cancel.add(request_id)
+                self._wake.notify()
+            return known
+
+    def load(self) -> tuple[int, int]:
+        """(running sequences, queued requests)."""
+        return len(self._by_seq), len(self._inbox)
+
+    def count_fallbacks(self, seq_ids: list[str]) -> None:
+        """Called on the scheduler thread (from inside a step) by the speculation client."""
+        for seq_id in seq_ids:
+            entry = self._by_seq.get(seq_id)
+            if entry is not None:
+                entry[0].fallback_rounds[entry[1]] += 1
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=5)
+
+    # -- the scheduler thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._inbox and not self._cancel and not self.decoder.has_work:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                cancels, self._cancel = self._cancel, set()
+            try:
+                self._apply_cancels(cancels)
+                self._admit()
+                if self.decoder.has_work:
+                    start = time.perf_counter()
+                    moved = self.decoder.step()
+                    self.metrics.step_seconds.observe(time.perf_counter() - start)
+                    self._deliver(moved)
+                running, queued = self.load()
+                self.metrics.running.set(running)
+                self.metrics.queued.set(queued)
+            except Exception:
+                log.exception("scheduler step failed; failing the running requests")
+                self._fail_all()
+
+    def _apply_cancels(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            with self._wake:
+                queued = [r for r in self._inbox if r.request_id == rid]
+                for r in queued:
+                    self._inbox.remove(r)
+            for r in queued:
+                r.cancelled = True
+                self._finish(r)
+            request = self._running.get(rid)
+            if request is not None:
+                request.cancelled = True
+                for i in range(request.n):
+                    self.decoder.cancel(request.seq_id(i))
+                self._finish(request)
+
+    def _admit(self) -> None:
+        while True:
+            with self._wake:
+                if not self._inbox or self._inbox[0].n > self.decoder.free_slots:
+                    return
+                request = self._inbox.popleft()
+            for i in range(request.n):
+                seq_id = request.seq_id(i)
+                if self.client is not None:
+                    self.client.configure(seq_id, request.drafter_kind, request.params, request.max_draft_tokens)
+                request.results.append(
+                    self.decoder.add(seq_id, request.prompt_ids, request.params, request.max_tokens, request.stop_ids)
+                )
+                self._by_seq[seq_id] = (request, i)
+            request.fallback_rounds = [0] * request.n
+            self._running[request.request_id] = request
+
+    def _deliver(self, moved: list[tuple[str, list[int]]]) -> None:
+        now = time.monotonic()
+        for seq_id, tokens in moved:
+            request, index = self._by_seq[seq_id]
+            if tokens:
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                    self.metrics.ttft.observe(now - request.submitted_at)
+                request.events.put(("delta", index, tokens))
+            if request.results[index].finish_reason:
+                del self._by_seq[seq_id]
+                if all(r.finish_reason for r in request.results):
+                    self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        if self._running.pop(request.request_id, None) is not None or request.finished_at is None:
+            request.finished_at = time.monotonic()
+            for i in range(request.n):
+                self._by_seq.pop(request.seq_id(i), None)
+            self.metrics.observe_request(request)
+            request.events.put(("done", None, None))
+
+    def _fail_all(self) -> None:
+        for request in list(self._running.values()):
+            for i in range(request.n):
+                self.decoder.cancel(request.seq_id(i))
+            request.events.put(("error", None, "internal error in the target's decode step; see its log"))
+            self._running.pop(request.request_id, None)
+        self._by_seq.clear()

@@ -1,0 +1,319 @@
+"""`specpool serve-target`: one target model behind the Target API (specpool.v1.TargetService).
+
+The servicer only translates: it validates a GenerateRequest into a scheduler Request, then turns
+the request's events back into GenerateResponses. Decoding, batching and speculation live in the
+scheduler, the engine's Decoder and the SpeculationClient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import queue
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import torch
+
+from engine.decoding import Decoder
+from engine.gguf_loader import default_model_path, model_name
+from engine.model import Llama
+from engine.ngram import NgramDrafter, SuffixArrayDatastore
+from engine.sampling import SamplingParams
+from engine.speculation_policy import SpeculationPolicy, cached_step_costs
+from engine.tokenizer import Tokenizer
+from specpool.serving import (
+    MetricsHttpServer,
+    abort_invalid,
+    add_health_and_reflection,
+    build_server,
+    serve_until_signal,
+    setup_logging,
+)
+from specpool.v1 import speculation_pb2 as spec_pb
+from specpool.v1 import target_pb2 as pb
+from specpool.v1 import target_pb2_grpc
+from target_service.metrics import TargetMetrics
+from target_service.scheduler import Request, Scheduler
+from target_service.speculation_client import SpeculationClient
+
+log = logging.getLogger("specpool.target")
+
+MAX_DRAFT_TOKENS = 32
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a prompt fits in --max-context tokens; anything bigger is refused
+# What each requested method asks of the endpoint (None: local n-gram; -1: no speculation).
+ENDPOINT_KIND = {
+    pb.SPECULATION_METHOD_AUTO: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
+    pb.SPECULATION_METHOD_DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
+    pb.SPECULATION_METHOD_SSD: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
+    pb.SPECULATION_METHOD_NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
+    pb.SPECULATION_METHOD_NONE: -1,
+}
+METHOD_NAMES = {-1: "none", None: "ngram_local", spec_pb.DRAFTER_KIND_DRAFT_MODEL: "draft_model",
+                spec_pb.DRAFTER_KIND_NGRAM: "ngram"}
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
+                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient | None):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.name = name
+        self.tenant = tenant
+        self.max_context = max_context
+        self.max_batch = max_batch
+        self.client = client
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        req = self._submit(request, context)
+        text = [""] * req.n
+        decoded: list[list[int]] = [[] for _ in range(req.n)]
+        for kind, index, payload in _events(req, context):
+            if kind == "delta":
+                decoded[index].extend(payload)
+                delta = self._text_delta(decoded[index], text, index)
+                yield pb.GenerateResponse(request_id=req.request_id,
+                                          delta=pb.TokenDelta(index=index, token_ids=payload, text=delta))
+            elif kind == "error":
+                context.abort(grpc.StatusCode.INTERNAL, payload)
+        yield pb.GenerateResponse(request_id=req.request_id, final=self._result(req))
+
+    def GenerateUnary(self, request, context):
+        req = self._submit(request, context)
+        for kind, _, payload in _events(req, context):
+            if kind == "error":
+                context.abort(grpc.StatusCode.INTERNAL, payload)
+        return self._result(req)
+
+    def Cancel(self, request, context):
+        return pb.CancelResponse(cancelled=self.scheduler.cancel(request.request_id))
+
+    def GetInfo(self, request, context):
+        running, queued = self.scheduler.load()
+        return pb.TargetInfo(
+            service_id=self.tenant, model=self.name, vocab_size=self.vocab_size, max_batch=self.max_batch,
+            active_sequences=running, queued_requests=queued,
+            spec_endpoint=(self.client.address or "") if self.client else "",
+            spec_endpoint_attached=bool(self.client and self.client.attached),
+        )
+
+    # -- translation --------------------------------------------------------------------------------
+
+    def _submit(self, request: pb.GenerateRequest, context) -> Request:
+        req = self._validate(request, context)
+        try:
+            self.scheduler.submit(req)
+        except KeyError:
+            abort_invalid(context, "request_id", f"{req.request_id!r} is already running",
+                          grpc.StatusCode.ALREADY_EXISTS)
+        except OverflowError as e:
+            abort_invalid(context, "request", f"{e}; retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        except RuntimeError as e:
+            abort_invalid(context, "request", str(e), grpc.StatusCode.UNAVAILABLE)
+        # A client that goes away (or cancels) frees the slots; harmless once the request is done.
+        context.add_callback(lambda: self.scheduler.cancel(req.request_id))
+        return req
+
+    def _validate(self, r: pb.GenerateRequest, context) -> Request:
+        if r.model and r.model != self.name:
+            abort_invalid(context, "model", f"unknown model {r.model!r}; this service serves {self.name!r}",
+                          grpc.StatusCode.NOT_FOUND)
+        prompt_ids = self._prompt_ids(r, context)
+        if r.max_tokens < 1:
+            abort_invalid(context, "max_tokens", f"must be >= 1, got {r.max_tokens}")
+        room = self.max_context - len(prompt_ids) - MAX_DRAFT_TOKENS - 1
+        if r.max_tokens > room:
+            abort_invalid(context, "max_tokens", f"{r.max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+                          f"tokens and this service holds {self.max_context} per sequence (at most {max(room, 0)})")
+        s = r.sampling
+        if not math.isfinite(s.temperature) or s.temperature < 0:
+            abort_invalid(context, "sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
+        if s.top_k < 0:
+            abort_invalid(context, "sampling.top_k", f"must be >= 0, got {s.top_k}")
+        if not 0 <= s.top_p <= 1:
+            abort_invalid(context, "sampling.top_p", f"must be in [0, 1] (0 means 1), got {s.top_p}")
+        n = r.n or 1
+        if not 1 <= n <= self.max_batch:
+            abort_invalid(context, "n", f"must be in [1, {self.max_batch}], got {r.n}")
+        for t in r.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                abort_invalid(context, "stop_token_ids", f"token id {t} outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            abort_invalid(context, "speculation.max_draft_tokens",
+                          f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                                seed=s.seed if s.HasField("seed") else None)
+        kind = ENDPOINT_KIND.get(r.speculation.method, spec_pb.DRAFTER_KIND_DRAFT_MODEL)
+        if kind != -1 and (self.client is None or not self.client.address):
+            kind = None  # no endpoint configured: local n-gram drafting
+        return Request(
+            request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
+            max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or None, n=n, drafter_kind=kind,
+            max_draft_tokens=r.speculation.max_draft_tokens,
+        )
+
+    def _prompt_ids(self, r: pb.GenerateRequest, context) -> list[int]:
+        which = r.WhichOneof("input")
+        if which is None:
+            abort_invalid(context, "prompt", "one of prompt, prompt_ids or messages is required")
+        if which == "prompt_ids":
+            ids = list(r.prompt_ids.ids)
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                abort_invalid(context, "prompt_ids", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        else:
+            field = "prompt" if which == "prompt" else "messages"
+            if self.tokenizer is None:
+                abort_invalid(context, field, "this model has no tokenizer; send prompt_ids")
+            if which == "prompt":
+                ids = self.tokenizer.encode(r.prompt)
+            else:
+                messages = [{"role": m.role, "content": m.content} for m in r.messages.messages]
+                bad_role = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
+                if bad_role is not None:
+                    abort_invalid(context, "messages", f"role {bad_role!r} is not one of system, user, assistant")
+                ids = self.tokenizer.encode_chat(messages) if messages else []
+        if not ids:
+            abort_invalid(context, {"prompt": "prompt", "prompt_ids": "prompt_ids"}.get(which, "messages"), "is empty")
+        return ids
+
+    def _text_delta(self, ids: list[int], text: list[str], index: int) -> str:
+        """Text added by the latest tokens; held back while a multi-byte character is incomplete."""
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode(ids)
+        if full.endswith("\ufffd") or not full.startswith(text[index]):
+            return ""
+        delta, text[index] = full[len(text[index]) :], full
+        return delta
+
+    def _result(self, req: Request) -> pb.GenerateResult:
+        completions = []
+        for i, res in enumerate(req.results):
+            completions.append(pb.Completion(
+                index=i, token_ids=res.token_ids,
+                text=self.tokenizer.decode(res.token_ids) if self.tokenizer else "",
+                finish_reason="cancelled" if req.cancelled else res.finish_reason,
+                speculation=pb.SpeculationStats(
+                    method=METHOD_NAMES.get(req.drafter_kind, "unknown"), target_steps=res.target_steps,
+                    drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
+                    mean_accept_len=res.mean_accept_len, fallback_rounds=req.fallback_rounds[i],
+                ),
+            ))
+        first = (req.first_token_at - req.submitted_at) if req.first_token_at else 0.0
+        return pb.GenerateResult(
+            request_id=req.request_id, model=self.name, completions=completions,
+            usage=pb.Usage(prompt_tokens=len(req.prompt_ids),
+                           completion_tokens=sum(len(r.token_ids) for r in req.results)),
+            time_to_first_token_s=first, elapsed_s=(req.finished_at or time.monotonic()) - req.submitted_at,
+        )
+
+
+def _events(req: Request, context):
+    """The request's events until it is done; stops early when the client has gone."""
+    while True:
+        try:
+            event = req.events.get(timeout=1.0)
+        except queue.Empty:
+            if not context.is_active():
+                return
+            continue
+        if event[0] == "done":
+            return
+        yield event
+
+
+# -- process entry point ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port (0 picks)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--tenant", default=None, help="this service's id towards speculation endpoints")
+    p.add_argument("--spec-endpoint", default=None, help="HOST:PORT of a speculation endpoint")
+    p.add_argument("--spec-deadline-ms", type=float, default=500.0,
+                   help="per-step wait for the endpoint's drafts before drafting locally")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-context", type=int, default=2048, help="KV positions per sequence")
+    p.add_argument("--draft-tokens", type=int, default=0,
+                   help="fixed draft length (0: chosen per step by the hardware-aware policy)")
+    p.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
+                   help="n-gram datastore for local drafting ('' for none)")
+    p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else default_model_path()
+    name = model_name(path)
+    model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
+    tenant = args.tenant or f"target-{args.port}"
+    metrics = TargetMetrics(name, tenant)
+
+    datastore = None
+    if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
+        datastore = SuffixArrayDatastore.load(args.datastore)
+    policy = None
+    target_costs = None
+    if not args.draft_tokens:
+        log.info("measuring verify-step costs of %s (cached after the first run)", name)
+        target_costs = cached_step_costs(model, name)
+        policy = SpeculationPolicy(target_costs, max_draft=16)
+    decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens, policy)
+
+    def on_attach(capacity) -> None:
+        metrics.endpoint_attached.set(1)
+        if target_costs is not None:
+            # The endpoint's draft model is charged per step; n-gram drafting is free.
+            decoder.policy = SpeculationPolicy(target_costs, client.draft_costs(), max_draft=8)
+
+    scheduler_ref: list[Scheduler] = []
+
+    def on_fallback(reason: str, seq_ids: list[str]) -> None:
+        metrics.fallback(reason, len(seq_ids))
+        if reason in ("endpoint_failed", "endpoint_unavailable"):
+            metrics.endpoint_attached.set(0)
+        scheduler_ref[0].count_fallbacks(seq_ids)
+
+    client = SpeculationClient(
+        tenant, name, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
+        on_fallback=on_fallback, on_attach=on_attach,
+    )
+    decoder.drafter = client
+    scheduler = Scheduler(decoder, client, metrics, name)
+    scheduler_ref.append(scheduler)
+
+    server, port = build_server(args.port, host=args.host, max_message_bytes=MAX_REQUEST_BYTES)
+    servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.host)
+    metrics_server.start()
+    server.start()
+    if args.spec_endpoint:
+        client.wait_attached(5.0)
+    health.set_ready(True)
+    log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
+             port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
+
+    def drain() -> None:
+        scheduler.accepting = False
+
+    serve_until_signal(server, health, args.grace_s, on_drain=drain, metrics=metrics_server)
+    scheduler.stop()
+    client.close()
+    return 0

@@ -1,0 +1,392 @@
+"""The target's side of the Speculation API: a Drafter backed by a pooled endpoint, failing open.
+
+Every step, the drafts for all of this target's sequences come from the endpoint in one
+RoundRequest on one bidirectional stream; the same message reports what the previous round
+emitted. When the endpoint is absent, late (past the per-step deadline) or failing, the affected
+sequences are drafted by a local n-gram index for that round, losslessly: a deterministic draft is
+verified as a point mass. A background thread re-attaches to a returning endpoint, and sequences
+then re-open their sessions with their full context.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from engine.drafter import DraftRequest, Drafts
+from engine.ngram import NgramDrafter
+from engine.sampling import SamplingParams
+from engine.speculation_policy import StepCosts
+from engine.tensor_channel import ChannelOffer, DistributedPairChannel
+from specpool.v1 import speculation_pb2 as pb
+from specpool.v1 import speculation_pb2_grpc, target_pb2
+
+log = logging.getLogger("specpool.target.speculation")
+
+REMOTE_KINDS = (pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class _Seq:
+    context: list[int]  # prompt and every emitted token: what a re-opened session starts from
+    params: SamplingParams
+    kind: int | None  # DrafterKind asked of the endpoint; None: local n-gram; -1: no speculation
+    max_draft: int = 0  # the request's own cap on drafts per round (0: none)
+    opened: bool = False  # a session for it is open on the current endpoint connection
+    pending: list[int] = field(default_factory=list)  # emitted since its last round was sent
+
+
+@dataclass(frozen=True)
+class _Reply:
+    response: pb.RoundResponse
+    dense: torch.Tensor | None  # [dense_rows, V] from the tensor channel
+
+
+class _Connection:
+    """One attachment to an endpoint: the Rounds stream, its reader thread and the tensor channel."""
+
+    def __init__(self, address: str, tenant: str, connect_timeout_s: float):
+        self.tenant = tenant
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        )
+        self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
+        self.capacity = self.stub.GetCapacity(pb.CapacityRequest(), timeout=connect_timeout_s)
+        self.broken = threading.Event()
+        self._outbox: queue.Queue = queue.Queue()
+        self._waiting: dict[int, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self.tensor: DistributedPairChannel | None = None
+        self._tensor_ready = threading.Event()
+        offer = self.stub.OpenTensorChannel(pb.TensorChannelRequest(tenant=tenant), timeout=connect_timeout_s)
+        threading.Thread(target=self._connect_tensor, args=(offer,), daemon=True).start()
+        self._stream = self.stub.Rounds(iter(self._outbox.get, None))
+        threading.Thread(target=self._read, daemon=True, name="spec-reader").start()
+
+    def _connect_tensor(self, offer: pb.TensorChannelResponse) -> None:
+        try:
+            self.tensor = DistributedPairChannel.connect(
+                ChannelOffer(offer.store_host, offer.store_port, offer.prefix, offer.backend,
+                             offer.target_rank, offer.timeout_s),
+                rank=offer.target_rank,
+            )
+            self._tensor_ready.set()
+        except (RuntimeError, TimeoutError, OSError) as e:  # dense q then drafts locally; sparse is unaffected
+            log.warning("tensor channel to the endpoint failed: %s", e)
+
+    @property
+    def dense_ready(self) -> bool:
+        return self._tensor_ready.is_set()
+
+    def _read(self) -> None:
+        try:
+            for response in self._stream:
+                dense = None
+                if response.dense_rows:
+                    # Read even when nobody waits any more: the channel must stay in step.
+                    dense = self.tensor.recv((response.dense_rows, response.vocab_size), torch.float32)
+                with self._lock:
+                    box = self._waiting.pop(response.round_id, None)
+                if box is not None:
+                    box.put(_Reply(response, dense))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                log.warning("speculation stream broke: %s %s", e.code().name, e.details())
+        except Exception:
+            log.exception("speculation stream reader failed")
+        finally:
+            self.broken.set()
+            with self._lock:
+                boxes, self._waiting = list(self._waiting.values()), {}
+            for box in boxes:
+                box.put(None)
+
+    def round(self, request: pb.RoundRequest, deadline_s: float) -> _Reply | None:
+        """Send one round and wait for its reply; None when late or broken."""
+        if self.broken.is_set():
+            return None
+        box: queue.Queue = queue.Queue(maxsize=1)
+        with self._lock:
+            self._waiting[request.round_id] = box
+        self._outbox.put(request)
+        try:
+            return box.get(timeout=deadline_s)
+        except queue.Empty:
+            with self._lock:
+                self._waiting.pop(request.round_id, None)
+            return None
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self.channel.close()
+        if self.tensor is not None:
+            self.tensor.close()
+
+
+class SpeculationClient:
+    """A Drafter (engine.drafter protocol, with `propose_groups`) that drafts on a remote endpoint."""
+
+    def __init__(
+        self,
+        tenant: str,
+        target_model: str,
+        address: str | None,
+        local: NgramDrafter,
+        deadline_s: float = 0.5,
+        lease_s: float = 30.0,
+        reattach_s: float = 1.0,
+        on_fallback: Callable[[str, list[str]], None] | None = None,
+        on_attach: Callable[[pb.Capacity], None] | None = None,
+    ):
+        self.tenant = tenant
+        self.target_model = target_model
+        self.address = address
+        self.local = local
+        self.deadline_s = deadline_s
+        self.lease_s = lease_s
+        self.reattach_s = reattach_s
+        self.on_fallback = on_fallback or (lambda reason, seq_ids: None)  # called on the step's thread
+        self.on_attach = on_attach or (lambda capacity: None)
+        self._seqs: dict[str, _Seq] = {}
+        self._configured: dict[str, tuple[int | None, SamplingParams]] = {}
+        self._conn: _Connection | None = None
+        self._round_id = 0
+        self._stop = threading.Event()
+        if address:
+            threading.Thread(target=self._attach_loop, daemon=True, name="spec-attach").start()
+
+    # -- attachment -------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self._conn is not None and not self._conn.broken.is_set()
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.attached:
+                return True
+            time.sleep(0.05)
+        return self.attached
+
+    def _attach_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.attached:
+                try:
+                    conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0)
+                except grpc.RpcError as e:
+                    log.debug("endpoint %s not reachable: %s", self.address, e.code().name)
+                else:
+                    log.info("attached to speculation endpoint %s", self.address)
+                    self._conn = conn
+                    self.on_attach(conn.capacity)
+            self._stop.wait(self.reattach_s)
+
+    def draft_costs(self) -> StepCosts | None:
+        """The endpoint's measured draft-model step costs for our model, when attached."""
+        if self._conn is None:
+            return None
+        for m in self._conn.capacity.models:
+            table = m.draft_step_costs
+            if m.target_model == self.target_model and table.seconds:
+                n = len(table.draft_lens)
+                rows = [tuple(table.seconds[i * n : (i + 1) * n]) for i in range(len(table.batch_sizes))]
+                return StepCosts(tuple(table.batch_sizes), tuple(table.draft_lens), tuple(rows))
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._conn is not None:
+            self._conn.close()
+
+    # -- Drafter protocol ---------------------------------------------------------------------
+
+    def configure(self, seq_id: str, kind: int | None, params: SamplingParams, max_draft: int = 0) -> None:
+        """Before add_sequence: which endpoint drafter (None: local n-gram, -1: none), sampler, cap."""
+        self._configured[seq_id] = (kind, params, max_draft)
+
+    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+        kind, params, max_draft = self._configured.pop(seq_id, (None, SamplingParams(), 0))
+        self._seqs[seq_id] = _Seq(list(context), params, kind, max_draft)
+        self.local.add_sequence(seq_id, context)
+
+    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+        seq = self._seqs[seq_id]
+        seq.context.extend(tokens)
+        seq.pending.extend(tokens)
+        self.local.extend(seq_id, tokens)
+
+    def remove_sequence(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        self.local.remove_sequence(seq_id)
+        conn = self._conn
+        if seq is not None and seq.opened and conn is not None and not conn.broken.is_set():
+            conn.stub.CloseSessions.future(pb.CloseSessionsRequest(tenant=self.tenant, request_ids=[seq_id]))
+
+    def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
+        return self.propose_groups([DraftRequest(list(seq_ids), list(num_tokens), params, generator)])[0]
+
+    def propose_groups(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        requests = [self._capped(r) for r in requests]
+        remote = self._remote_drafts(requests)
+        out = []
+        for r in requests:
+            rows = []
+            for seq_id, n in zip(r.seq_ids, r.num_tokens):
+                seq = self._seqs[seq_id]
+                if seq_id in remote:
+                    rows.append(remote[seq_id])
+                elif seq.kind == -1 or n <= 0:
+                    rows.append(([], None))
+                else:
+                    rows.append((self.local.draft(seq_id, n), None))
+            out.append(_assemble(rows, r.params))
+        return out
+
+    def _capped(self, r: DraftRequest) -> DraftRequest:
+        caps = [self._seqs[s].max_draft or n for s, n in zip(r.seq_ids, r.num_tokens)]
+        return DraftRequest(r.seq_ids, [min(n, c) for n, c in zip(r.num_tokens, caps)], r.params, r.generator)
+
+    # -- the round ------------------------------------------------------------------------------
+
+    def _remote_drafts(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[list[int], object]]:
+        """One RoundRequest for every remote-drafted sequence of this step -> seq_id -> (tokens, q)."""
+        wanted = [(s, n) for r in requests for s, n in zip(r.seq_ids, r.num_tokens)
+                  if self._seqs[s].kind in REMOTE_KINDS]
+        if not wanted:
+            return {}
+        conn = self._conn
+        if conn is None or conn.broken.is_set():
+            self._detach(conn)
+            self.on_fallback("endpoint_unavailable" if self.address else "no_endpoint", [s for s, _ in wanted])
+            return {}
+        if not self._open_sessions(conn, [s for s, _ in wanted]):
+            self.on_fallback("open_failed", [s for s, _ in wanted])
+            return {}
+        dense_ok = conn.dense_ready
+        ready = [(s, n) for s, n in wanted if self._seqs[s].opened and (dense_ok or not _needs_dense(self._seqs[s]))]
+        if len(ready) < len(wanted):
+            ready_ids = {s for s, _ in ready}
+            self.on_fallback("session_unavailable", [s for s, _ in wanted if s not in ready_ids])
+        if not ready:
+            return {}
+        self._round_id += 1
+        request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id, sequences=[
+            pb.SequenceRound(request_id=s, new_tokens=self._seqs[s].pending, num_draft_tokens=max(n, 0))
+            for s, n in ready
+        ])
+        for s, _ in ready:
+            self._seqs[s].pending = []  # the endpoint applies them whether or not we wait for the reply
+        reply = conn.round(request, self.deadline_s)
+        if reply is None:
+            if conn.broken.is_set():
+                self._detach(conn)
+                self.on_fallback("endpoint_failed", [s for s, _ in ready])
+            else:
+                self.on_fallback("deadline", [s for s, _ in ready])
+            return {}
+        drafts: dict[str, tuple[list[int], object]] = {}
+        dense_row = 0
+        for d in reply.response.sequences:
+            if d.error:
+                log.debug("endpoint could not draft %s: %s", d.request_id, d.error)
+                self._seqs[d.request_id].opened = False  # re-open (with the full context) next round
+                self.on_fallback("session_lost", [d.request_id])
+                continue
+            q = None
+            if d.dense_on_channel:
+                q = reply.dense[dense_row : dense_row + len(d.tokens)]
+                dense_row += len(d.tokens)
+            elif d.HasField("sparse"):
+                k = d.sparse.k
+                q = (torch.tensor(d.sparse.ids, dtype=torch.long).view(len(d.tokens), k),
+                     torch.tensor(d.sparse.probs, dtype=torch.float32).view(len(d.tokens), k))
+            drafts[d.request_id] = (list(d.tokens), q)
+        return drafts
+
+    def _open_sessions(self, conn: _Connection, seq_ids: list[str]) -> bool:
+        closed = [s for s in seq_ids if not self._seqs[s].opened]
+        if not closed:
+            return True
+        specs = []
+        for s in closed:
+            seq = self._seqs[s]
+            p = seq.params
+            specs.append(pb.SessionSpec(
+                request_id=s, context=seq.context, drafter=seq.kind,
+                sampling=target_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
+            ))
+        try:
+            reply = conn.stub.OpenSessions(
+                pb.OpenSessionsRequest(tenant=self.tenant, target_model=self.target_model,
+                                       lease_s=self.lease_s, sessions=specs),
+                timeout=self.deadline_s,
+            )
+        except grpc.RpcError as e:
+            log.warning("OpenSessions failed: %s %s", e.code().name, e.details())
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self._detach(conn)
+            return False
+        for opened in reply.sessions:
+            seq = self._seqs[opened.request_id]
+            seq.opened = opened.ok
+            if opened.ok:
+                seq.pending = []  # the context it was opened with already holds them
+            else:
+                log.debug("endpoint declined %s: %s", opened.request_id, opened.error)
+        return True
+
+    def _detach(self, conn: _Connection | None) -> None:
+        if conn is None or self._conn is not conn:
+            return
+        log.warning("detached from speculation endpoint %s; drafting locally until it returns", self.address)
+        self._conn = None
+        conn.close()
+        for seq in self._seqs.values():
+            seq.opened, seq.pending = False, []
+
+
+def _needs_dense(seq: _Seq) -> bool:
+    return not seq.params.greedy and seq.params.top_k == 0 and seq.kind == pb.DRAFTER_KIND_DRAFT_MODEL
+
+
+def _assemble(rows: list[tuple[list[int], object]], params: SamplingParams) -> Drafts:
+    """One Drafts for a sampling group whose rows came from different sources.
+
+    Rows drafted deterministically (n-gram, fallback) are written as a one-hot q, which the
+    dense and sparse rules verify exactly as the point-mass rule does.
+    """
+    tokens = [t for t, _ in rows]
+    if params.greedy or all(q is None for _, q in rows):
+        return Drafts(tokens=tokens)
+    k_max = max((len(t) for t in tokens), default=0)
+    if any(isinstance(q, torch.Tensor) for _, q in rows):
+        vocab = next(q.shape[-1] for _, q in rows if isinstance(q, torch.Tensor))
+        probs = torch.zeros(len(rows), k_max, vocab)
+        for b, (t, q) in enumerate(rows):
+            if isinstance(q, torch.Tensor):
+                probs[b, : len(t)] = q
+            elif t:
+                probs[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
+        return Drafts(tokens=tokens, probs=probs)
+    # Sparse: every row shares the sampler's top-k; one-hot rows repeat their token with weight 0.
+    k = next(q[0].shape[-1] for _, q in rows if q is not None)
+    ids = torch.zeros(len(rows), k_max, k, dtype=torch.long)
+    weights = torch.zeros(len(rows), k_max, k)
+    for b, (t, q) in enumerate(rows):
+        if q is not None:
+            ids[b, : len(t)], weights[b, : len(t)] = q
+        elif t:
+            ids[b, : len(t)] = torch.tensor(t)[:, None]
+            weights[b, : len(t), 0] = 1.0
+    return Drafts(tokens=tokens, topk_ids=ids, topk_probs=weights)

@@ -1,0 +1,128 @@
+"""The target service as a separate process, on a tiny model written to a real GGUF file.
+
+Without an endpoint it drafts with its local n-gram index; greedy outputs must equal in-process AR.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.processes import start_server
+from engine.config import tiny_config
+from engine.decoding import generate
+from engine.gguf_loader import save_gguf
+from engine.model import Llama, random_weights
+from engine.sampling import SamplingParams
+from specpool.v1 import target_pb2 as pb
+from specpool.v1 import target_pb2_grpc
+
+CONFIG = tiny_config(vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return save_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf", CONFIG, random_weights(CONFIG, seed=3))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_gguf):
+    server = start_server("target", [
+        "serve-target", "--model", str(tiny_gguf), "--port", "0", "--metrics-port", "0", "--threads", "1",
+        "--draft-tokens", "3", "--max-batch", "8", "--max-context", "128", "--datastore", "", "--tenant", "t1",
+    ])
+    yield server
+    assert server.stop() == 0, server.logs()
+
+
+@pytest.fixture(scope="module")
+def stub(target):
+    channel = grpc.insecure_channel(target.address)
+    yield target_pb2_grpc.TargetServiceStub(channel)
+    channel.close()
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
+
+
+def _request(ids, max_tokens=24, stop=(0,), **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, stop_token_ids=stop, **kw)
+
+
+def test_concurrent_streams_equal_in_process_ar(stub, tiny_gguf):
+    model, _ = Llama.from_gguf(tiny_gguf, dtype="fp32", device="cpu")
+    expected = [r.token_ids for r in generate(model, PROMPTS, SamplingParams(), 24, stop_ids=[0])]
+
+    def run(ids):
+        deltas, final = [], None
+        for msg in stub.Generate(_request(ids)):
+            if msg.HasField("delta"):
+                deltas.extend(msg.delta.token_ids)
+            else:
+                final = msg.final
+        return deltas, final
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(run, PROMPTS * 2))
+    for (deltas, final), want in zip(outs, expected * 2):
+        assert deltas == list(final.completions[0].token_ids) == want
+        assert final.usage.completion_tokens == len(want)
+        assert final.completions[0].speculation.target_steps >= 1
+
+
+def test_unary_and_n_completions(stub):
+    result = stub.GenerateUnary(_request(PROMPTS[0], max_tokens=8, n=3,
+                                         sampling=pb.SamplingParams(temperature=1.0, seed=7)))
+    assert [c.index for c in result.completions] == [0, 1, 2]
+    assert all(len(c.token_ids) >= 1 for c in result.completions)
+    assert result.usage.completion_tokens == sum(len(c.token_ids) for c in result.completions)
+
+
+def test_cancel_stops_a_running_stream(stub):
+    # Stop token 63 with temperature 0 on this model: the stream would run to its 80 tokens.
+    stream = stub.Generate(_request(PROMPTS[1], max_tokens=80, stop=(63,), request_id="to-cancel"))
+    first = next(stream)
+    assert first.HasField("delta")
+    assert stub.Cancel(pb.CancelRequest(request_id="to-cancel")).cancelled
+    final = next(m for m in stream if m.HasField("final")).final
+    assert final.completions[0].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize(("request_", "code", "field"), [
+    (pb.GenerateRequest(max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (_request([]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids"),
+    (_request([1, 64]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids"),
+    (_request([1, 2], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (_request([1, 2], max_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (_request([1, 2], sampling=pb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    (_request([1, 2], model="no-such-model"), grpc.StatusCode.NOT_FOUND, "model"),
+    (pb.GenerateRequest(prompt="hello", max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+])
+def test_bad_input_names_the_field_and_the_server_keeps_serving(stub, request_, code, field):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GenerateUnary(request_)
+    assert err.value.code() == code
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert stub.GenerateUnary(_request([1, 2], max_tokens=2)).usage.completion_tokens >= 1
+
+
+def test_oversized_message_is_refused(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GenerateUnary(_request([1] * (5 * 1024 * 1024), max_tokens=1))  # over the 4 MiB limit
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_health_and_metrics(target, stub):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target.address))
+    for service in ("", "liveness", "readiness"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    text = urllib.request.urlopen(f"http://127.0.0.1:{target.metrics_port}/metrics").read().decode()
+    assert "specpool_target_generated_tokens_total" in text
+    assert "specpool_target_time_to_first_token_seconds_bucket" in text
