@@ -1,0 +1,6 @@
+"""The pooled speculation endpoint: drafters for several target models, shared by many tenants.
+
+registry (target model -> drafters) · sessions (per (tenant, request id), under a lease) ·
+batcher (the engine loop: one batched draft forward per step for all tenants) · endpoint (the
+domain API the gRPC servicer wraps) · wire (protobuf <-> domain) · server (servicer and CLI).
+"""

@@ -1,0 +1,327 @@
+"""The engine loop: one batched draft forward per step for every session of every tenant.
+
+Every Rounds stream pushes its rounds into ONE queue. A step takes the first round (blocking),
+then everything else already queued, whoever sent it; applies each sequence's reported tokens
+(the verification outcome) to its drafter; groups the sequences that want drafts by (target
+model, drafter, sampler, sparse or dense q) and calls `propose` once per group, so tenants of
+the same model with the same sampler share one forward; then answers each round on its own
+stream, with dense q rows following on that tenant's tensor channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.tensor_channel import ChannelError
+from spec_endpoint.channels import TenantChannels
+from spec_endpoint.messages import (
+    MAX_DRAFT_TOKENS,
+    DrafterKind,
+    FieldError,
+    Round,
+    RoundResult,
+    SequenceDrafts,
+)
+from spec_endpoint.metrics import EndpointMetrics
+from spec_endpoint.registry import DrafterRegistry
+from spec_endpoint.sessions import Session, SessionKey, SessionTable
+
+log = logging.getLogger(__name__)
+
+SESSION_NOT_FOUND = "session not found: open it again"
+NO_CHANNEL = "dense q needs a tensor channel: call OpenTensorChannel"
+
+
+class RoundStream:
+    """One Rounds call: its replies in order. None ends the stream; a FieldError aborts it."""
+
+    def __init__(self) -> None:
+        self.outbound: queue.Queue[RoundResult | FieldError | None] = queue.Queue()
+
+    def fail(self, error: FieldError) -> None:
+        self.outbound.put(error)
+
+    def cancel(self) -> None:
+        """The client went away: wake the reply generator. Its sessions stay until their lease ends."""
+        self.outbound.put(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    stream: RoundStream
+    round: Round | None  # None: the stream's input ended (answer it after its earlier rounds)
+
+
+@dataclass(slots=True)
+class _RoundWork:
+    stream: RoundStream
+    round: Round
+    results: list[SequenceDrafts]
+    channel: Any = None  # PairChannel of the tenant, when a sequence sends dense q
+    vocab_size: int = 0  # of the dense rows
+    dense: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence index -> [n, V] q rows
+    draft_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Want:
+    work: _RoundWork
+    index: int
+    session: Session
+    num: int
+
+
+GroupKey = tuple[str, DrafterKind, SamplingParams | None, bool]
+
+
+def group_key(session: Session, dense: bool) -> GroupKey:
+    """Sequences drafted by one propose call. The seed never matters (the endpoint samples from its
+    own generator); greedy drafts ignore the sampler; n-gram drafts ignore it altogether."""
+    if session.kind is DrafterKind.NGRAM:
+        return (session.model, session.kind, None, False)
+    params = SamplingParams() if session.params.greedy else dataclasses.replace(session.params, seed=None)
+    return (session.model, session.kind, params, dense)
+
+
+def split_conflicts(items: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]:
+    """-> (this step's items, the rest). A round that names a session an earlier round of this
+    step already names waits for the next step, and so does everything after it on its stream."""
+    now: list[_Queued] = []
+    later: list[_Queued] = []
+    seen: set[SessionKey] = set()
+    blocked: set[int] = set()
+    for item in items:
+        if id(item.stream) in blocked:
+            later.append(item)
+            continue
+        if item.round is not None:
+            keys = {SessionKey(item.round.tenant, s.request_id) for s in item.round.sequences}
+            if keys & seen:
+                blocked.add(id(item.stream))
+                later.append(item)
+                continue
+            seen |= keys
+        now.append(item)
+    return now, later
+
+
+class Batcher:
+    def __init__(
+        self,
+        registry: DrafterRegistry,
+        sessions: SessionTable,
+        metrics: EndpointMetrics,
+        lock: threading.RLock,
+        channels: TenantChannels,
+        drop: Callable[[Session], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registry = registry
+        self.sessions = sessions
+        self.metrics = metrics
+        self.lock = lock  # held while drafters change: also by open, close and expiry
+        self.channels = channels
+        self.drop = drop
+        self.clock = clock
+        self.submitted = 0  # rounds queued so far
+        self._queue: queue.Queue[_Queued] = queue.Queue()
+        self._carry: list[_Queued] = []
+
+    def submit(self, stream: RoundStream, round: Round) -> None:
+        self.submitted += 1
+        self._queue.put(_Queued(stream, round))
+
+    def end(self, stream: RoundStream) -> None:
+        self._queue.put(_Queued(stream, None))
+
+    def wake(self) -> None:
+        """Unblocks a waiting run_once (to stop the loop without waiting out its poll)."""
+        self._queue.put(_Queued(RoundStream(), None))
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once(timeout_s=0.25)
+            except Exception:  # a bug in one step must not stop drafting for everyone
+                log.exception("engine step failed")
+
+    def run_once(self, timeout_s: float = 0.0) -> bool:
+        """One engine step over everything queued (waiting up to timeout_s for the first round)."""
+        items, self._carry = self._carry, []
+        if not items:
+            try:
+                items = [self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()]
+            except queue.Empty:
+                return False
+        with self.lock:
+            # Drain under the lock: rounds that arrive while another thread holds it join this step.
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            items, self._carry = split_conflicts(items)
+            works = self._step(items)
+        self._deliver(works)
+        return True
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step(self, items: list[_Queued]) -> list[_RoundWork | RoundStream]:
+        now = self.clock()
+        out: list[_RoundWork | RoundStream] = []
+        groups: dict[GroupKey, list[_Want]] = {}
+        for item in items:
+            if item.round is None:
+                out.append(item.stream)
+                continue
+            work = _RoundWork(item.stream, item.round, [SequenceDrafts(s.request_id) for s in item.round.sequences])
+            self.metrics.rounds.labels(item.round.tenant).inc()
+            seen: set[str] = set()
+            for i in range(len(item.round.sequences)):
+                want = self._apply(work, i, seen, now)
+                if want is not None:
+                    groups.setdefault(group_key(want.session, want.work.results[i].dense), []).append(want)
+            out.append(work)
+        seconds = sum(self._draft(key, wants) for key, wants in groups.items())
+        if groups:
+            self.metrics.draft_seconds.observe(seconds)
+        return out
+
+    def _apply(self, work: _RoundWork, i: int, seen: set[str], now: float) -> _Want | None:
+        """Apply sequence i's outcome to its drafter; -> what it wants drafted, if anything."""
+        seq = work.round.sequences[i]
+        out = work.results[i]
+        if seq.request_id in seen:
+            out.error = f"sequences[{i}].request_id: {seq.request_id!r} appears twice in this round"
+            return None
+        seen.add(seq.request_id)
+        session = self.sessions.get(SessionKey(work.round.tenant, seq.request_id))
+        if session is None:
+            out.error = SESSION_NOT_FOUND
+            return None
+        drafters = self.registry.get(session.model)
+        session.renew(now)
+        bad = next((t for t in seq.new_tokens if not 0 <= t < drafters.vocab_size), None)
+        if bad is not None:
+            self.drop(session)
+            out.error = (
+                f"sequences[{i}].new_tokens: token id {bad} outside the vocabulary [0, {drafters.vocab_size}); "
+                "session closed"
+            )
+            return None
+        accepted = session.record_outcome(seq.new_tokens)
+        drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
+        if accepted:
+            self.sessions.count(session.key.tenant, accepted=accepted)
+            self.metrics.accepted.labels(session.key.tenant, session.model).inc(accepted)
+
+        n = seq.num_draft_tokens
+        if not 0 <= n <= MAX_DRAFT_TOKENS:
+            out.error = f"sequences[{i}].num_draft_tokens: {n} outside [0, {MAX_DRAFT_TOKENS}]"
+            return None
+        if n == 0:
+            return None
+        if session.kind is DrafterKind.DRAFT_MODEL:
+            if session.needs_tokens:
+                out.error = (
+                    f"sequences[{i}].new_tokens: empty, but the draft model continues from the tokens "
+                    "emitted since its previous drafts (open the session again to redraft)"
+                )
+                return None
+            room = drafters.max_len - session.length + 1
+            if room <= 0:
+                out.error = f"sequences[{i}]: the session reached this endpoint's max length {drafters.max_len}"
+                return None
+            n = min(n, room)
+            out.dense = not session.params.greedy and session.dense
+        if out.dense:
+            work.channel = work.channel or self.channels.get(work.round.tenant)
+            if work.channel is None:
+                out.error, out.dense = NO_CHANNEL, False
+                return None
+            if work.vocab_size and work.vocab_size != drafters.vocab_size:
+                out.error, out.dense = f"sequences[{i}]: dense rows of one round need one vocabulary size", False
+                return None
+            work.vocab_size = drafters.vocab_size
+        return _Want(work, i, session, n)
+
+    def _draft(self, key: GroupKey, wants: list[_Want]) -> float:
+        """One propose call for a group; -> its seconds."""
+        model, kind, params, _ = key
+        drafters = self.registry.get(model)
+        ids = [w.session.key.drafter_id for w in wants]
+        nums = [w.num for w in wants]
+        start = time.monotonic()  # the busy window's clock (self.clock times leases, and tests fake it)
+        try:
+            if kind is DrafterKind.DRAFT_MODEL:
+                drafts = drafters.model.propose(ids, nums, params, drafters.generator, sparse=not key[3])
+            else:
+                drafts = drafters.ngram.propose(ids, nums, params or SamplingParams(), None)
+        except Exception as exc:  # the drafter's state for these sequences is unknown now: drop them
+            log.exception("drafting failed for %d sequences of %s", len(wants), model)
+            for w in wants:
+                self.drop(w.session)
+                out = w.work.results[w.index]
+                out.error, out.dense = f"internal: drafting failed ({exc}); session closed", False
+            return 0.0
+        end = time.monotonic()
+        self.metrics.busy.add(start, end)
+        tenants = {w.session.key.tenant for w in wants}
+        self.metrics.draft_batches.inc()
+        self.metrics.batch_tenants.observe(len(tenants))
+        self.metrics.batch_sequences.observe(len(wants))
+        if len(tenants) > 1:
+            self.metrics.shared_batches.inc()
+
+        for b, w in enumerate(wants):
+            tokens = drafts.tokens[b]
+            out = w.work.results[w.index]
+            out.tokens = list(tokens)
+            n = len(tokens)
+            if drafts.topk_ids is not None:
+                out.sparse_k = drafts.topk_ids.shape[-1]
+                out.sparse_ids = drafts.topk_ids[b, :n].reshape(-1).tolist()
+                out.sparse_probs = drafts.topk_probs[b, :n].reshape(-1).tolist()
+            elif drafts.probs is not None:
+                w.work.dense[w.index] = drafts.probs[b, :n].float()
+            w.work.draft_seconds += end - start
+            w.session.record_drafts(tokens)
+            tenant = w.session.key.tenant
+            self.sessions.count(tenant, drafted=n)
+            self.metrics.drafted.labels(tenant, model).inc(n)
+        return end - start
+
+    def _deliver(self, out: list[_RoundWork | RoundStream]) -> None:
+        for item in out:
+            if isinstance(item, RoundStream):
+                item.outbound.put(None)
+                continue
+            rows = [item.dense[i] for i in sorted(item.dense)]
+            dense = torch.cat(rows).contiguous() if rows else None
+            item.stream.outbound.put(RoundResult(
+                round_id=item.round.round_id,
+                sequences=item.results,
+                dense_rows=0 if dense is None else dense.shape[0],
+                vocab_size=item.vocab_size if dense is not None else 0,
+                draft_seconds=item.draft_seconds,
+            ))
+            if dense is not None:
+                try:
+                    item.channel.send(dense)
+                except ChannelError as e:  # broken: the tenant's next dense round asks for a new channel
+                    log.warning("sending dense q to tenant %s failed: %s", item.round.tenant, e)
+                    self.channels.drop(item.round.tenant)
+                    continue
+                self.metrics.dense_bytes.inc(dense.numel() * dense.element_size())
+

@@ -1,0 +1,233 @@
+"""The endpoint's domain API: sessions, rounds, tensor channels and capacity, without gRPC.
+
+The servicer wraps one Endpoint; tests drive it directly (with a LoopbackChannel for dense q).
+One lock guards the drafters: the engine step holds it while it drafts, and opening, closing and
+expiring sessions take it, so a KV slot never changes hands mid-forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spec_endpoint.batcher import Batcher, RoundStream
+from spec_endpoint.channels import TenantChannels
+from spec_endpoint.messages import (
+    CapacityReport,
+    DrafterKind,
+    FieldError,
+    ModelReport,
+    OpenRequest,
+    OpenResult,
+    Round,
+    SessionSpec,
+    StatusCode,
+    TenantReport,
+)
+from spec_endpoint.metrics import EndpointMetrics
+from spec_endpoint.registry import DrafterRegistry, ModelDrafters
+from spec_endpoint.sessions import Session, SessionKey, SessionTable, sampled_dense
+
+if TYPE_CHECKING:
+    from engine.tensor_channel import ChannelHost, ChannelOffer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    max_sessions: int = 64
+    max_len: int = 2048
+    lease_s: float = 30.0  # for sessions opened with lease_s 0
+    endpoint_id: str = ""
+
+
+class Endpoint:
+    def __init__(
+        self,
+        registry: DrafterRegistry,
+        config: EndpointConfig,
+        channel_host: ChannelHost | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registry = registry
+        self.config = config
+        self.channels = TenantChannels(channel_host)
+        self.clock = clock
+        self.metrics = EndpointMetrics()
+        self.sessions = SessionTable(clock)
+        self.lock = threading.RLock()
+        self.batcher = Batcher(registry, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock)
+        self._streams: set[RoundStream] = set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        sweep_s = max(0.05, min(1.0, self.config.lease_s / 4))
+        self._threads = [
+            threading.Thread(target=self.batcher.run_forever, args=(self._stop,), name="spec-engine", daemon=True),
+            threading.Thread(target=self._sweep_forever, args=(sweep_s,), name="spec-lease-sweeper", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def drain(self) -> None:
+        """End every open Rounds stream (its client sees the stream finish), so a server can stop."""
+        for stream in list(self._streams):
+            stream.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.batcher.wake()
+        self.drain()
+        for t in self._threads:
+            t.join(timeout=5.0)
+        self.channels.close()
+
+    def _sweep_forever(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.expire_idle()
+            except Exception:
+                log.exception("lease sweep failed")
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_sessions(self, request: OpenRequest) -> list[OpenResult]:
+        """Opens (or re-opens) each session; -> one result per session, ok=False on capacity.
+        Raises FieldError (nothing opened) for an unknown model or tokens outside its vocabulary."""
+        drafters = self.registry.get(request.target_model)
+        if drafters is None:
+            raise FieldError(
+                "target_model",
+                f"no drafters for {request.target_model!r}; this endpoint serves {self.registry.names()}",
+                StatusCode.NOT_FOUND,
+            )
+        for i, spec in enumerate(request.sessions):
+            _check_vocabulary(f"sessions[{i}]", spec, drafters.vocab_size)
+        lease_s = request.lease_s or self.config.lease_s
+        with self.lock:
+            results = [self._open(request.tenant, drafters, spec, lease_s) for spec in request.sessions]
+        self._update_active(request.tenant)
+        return results
+
+    def _open(self, tenant: str, drafters: ModelDrafters, spec: SessionSpec, lease_s: float) -> OpenResult:
+        key = SessionKey(tenant, spec.request_id)
+        old = self.sessions.get(key)
+        if old is not None:
+            self._drop(old)
+        kind = spec.drafter or drafters.best
+        if kind not in drafters.kinds:
+            return OpenResult(spec.request_id, False, f"drafter: {drafters.name} has no {kind.value} drafter here; "
+                              f"it has {[k.value for k in drafters.kinds]}")
+        if len(self.sessions) >= self.config.max_sessions:
+            return OpenResult(spec.request_id, False,
+                              f"capacity: this endpoint holds its maximum of {self.config.max_sessions} sessions")
+        if kind is DrafterKind.DRAFT_MODEL:
+            if drafters.model.cache.free_slots == 0:
+                return OpenResult(spec.request_id, False,
+                                  f"capacity: all {drafters.model.cache.max_slots} draft-model KV slots for "
+                                  f"{drafters.name} are in use")
+            if len(spec.context) > drafters.max_len:
+                return OpenResult(spec.request_id, False,
+                                  f"context: {len(spec.context)} tokens exceed this endpoint's max length "
+                                  f"{drafters.max_len}")
+        drafters.drafter(kind).add_sequence(key.drafter_id, spec.context)
+        now = self.clock()
+        self.sessions.add(Session(
+            key=key, model=drafters.name, kind=kind, params=spec.params,
+            dense=sampled_dense(spec.params, spec.transport),
+            lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context),
+        ))
+        return OpenResult(spec.request_id, True, drafter=kind)
+
+    def close_sessions(self, tenant: str, request_ids: Sequence[str]) -> int:
+        closed = 0
+        with self.lock:
+            for request_id in request_ids:
+                session = self.sessions.get(SessionKey(tenant, request_id))
+                if session is not None:
+                    self._drop(session)
+                    closed += 1
+        return closed
+
+    def expire_idle(self) -> int:
+        """Close sessions whose lease ran out (no round mentioned them for lease_s); -> how many."""
+        with self.lock:
+            expired = self.sessions.pop_expired(self.clock())
+            for session in expired:
+                self._remove_from_drafter(session)
+        for tenant in {s.key.tenant for s in expired}:
+            self._update_active(tenant)
+        if expired:
+            self.metrics.sessions_expired.inc(len(expired))
+            log.info("expired %d idle sessions", len(expired))
+        return len(expired)
+
+    def _drop(self, session: Session) -> None:
+        """Forget a session (the caller holds the lock)."""
+        if self.sessions.get(session.key) is session:
+            self.sessions.pop(session.key)
+        self._remove_from_drafter(session)
+        self._update_active(session.key.tenant)
+
+    def _remove_from_drafter(self, session: Session) -> None:
+        self.registry.get(session.model).drafter(session.kind).remove_sequence(session.key.drafter_id)
+
+    def _update_active(self, tenant: str) -> None:
+        self.metrics.active_sessions.labels(tenant).set(self.sessions.active(tenant))
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def open_stream(self) -> RoundStream:
+        stream = RoundStream()
+        self._streams.add(stream)
+        return stream
+
+    def submit(self, stream: RoundStream, round: Round) -> None:
+        self.batcher.submit(stream, round)
+
+    def end_stream(self, stream: RoundStream) -> None:
+        """The stream's input ended: answer its queued rounds, then end it."""
+        self.batcher.end(stream)
+
+    def forget_stream(self, stream: RoundStream) -> None:
+        self._streams.discard(stream)
+
+    # -- tensor channels -----------------------------------------------------------------------
+
+    def offer_channel(self, tenant: str) -> ChannelOffer:
+        return self.channels.offer(tenant)
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def capacity(self) -> CapacityReport:
+        models = tuple(
+            ModelReport(d.name, d.kinds, d.draft_costs) for d in (self.registry.get(n) for n in self.registry.names())
+        )
+        tenants = tuple(
+            TenantReport(tenant, active, totals.drafted, totals.accepted)
+            for tenant, active, totals in self.sessions.tenants()
+        )
+        return CapacityReport(
+            endpoint_id=self.config.endpoint_id,
+            max_sessions=self.config.max_sessions,
+            active_sessions=len(self.sessions),
+            draft_busy_ratio=self.metrics.busy.ratio(),
+            models=models,
+            tenants=tenants,
+        )
+
+
+def _check_vocabulary(path: str, spec: SessionSpec, vocab_size: int) -> None:
+    bad = next((t for t in spec.context if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise FieldError(f"{path}.context", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if spec.params.top_k > vocab_size:
+        raise FieldError(f"{path}.sampling.top_k", f"{spec.params.top_k} exceeds the vocabulary size {vocab_size}")

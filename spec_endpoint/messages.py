@@ -1,0 +1,131 @@
+"""Domain messages of the endpoint: what the servicer decodes requests into and encodes replies from.
+
+No protobuf and no torch here; `wire` converts, `endpoint` and `batcher` act.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+    from engine.speculation_policy import StepCosts
+
+MAX_DRAFT_TOKENS = 32  # per sequence and round
+
+
+class DrafterKind(StrEnum):
+    DRAFT_MODEL = "draft_model"
+    NGRAM = "ngram"
+
+
+class Transport(StrEnum):
+    """How q travels when a draft model samples: inline top-k pairs, or dense rows on the channel."""
+
+    AUTO = "auto"  # sparse when the sampler is top-k, else dense
+    SPARSE = "sparse"
+    DENSE = "dense"
+
+
+class StatusCode(StrEnum):
+    """The gRPC status a FieldError maps to (names of grpc.StatusCode)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+
+
+class FieldError(ValueError):
+    """Bad input, named by its field path (e.g. `sessions[3].context`): the message starts with it."""
+
+    def __init__(self, field: str, message: str, code: StatusCode = StatusCode.INVALID_ARGUMENT):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    request_id: str
+    context: tuple[int, ...]
+    params: SamplingParams
+    drafter: DrafterKind | None = None  # None: the model's best (draft model, else n-gram)
+    transport: Transport = Transport.AUTO
+
+
+@dataclass(frozen=True, slots=True)
+class OpenRequest:
+    tenant: str
+    target_model: str
+    lease_s: float  # 0: the endpoint's default
+    sessions: tuple[SessionSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenResult:
+    request_id: str
+    ok: bool
+    error: str = ""
+    drafter: DrafterKind | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRound:
+    request_id: str
+    new_tokens: tuple[int, ...]  # the verification outcome since this session's previous round
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    tenant: str
+    round_id: int
+    sequences: tuple[SequenceRound, ...]
+
+
+@dataclass(slots=True)
+class SequenceDrafts:
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    sparse_k: int = 0  # > 0: sparse_ids/sparse_probs hold k pairs per draft
+    sparse_ids: list[int] = field(default_factory=list)
+    sparse_probs: list[float] = field(default_factory=list)
+    dense: bool = False  # its q rows follow on the tensor channel
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    round_id: int
+    sequences: list[SequenceDrafts]
+    dense_rows: int = 0
+    vocab_size: int = 0
+    draft_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReport:
+    target_model: str
+    drafters: tuple[DrafterKind, ...]
+    draft_step_costs: StepCosts | None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantReport:
+    tenant: str
+    active_sessions: int
+    drafted_tokens: int
+    accepted_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityReport:
+    endpoint_id: str
+    max_sessions: int
+    active_sessions: int
+    draft_busy_ratio: float
+    models: tuple[ModelReport, ...]
+    tenants: tuple[TenantReport, ...]

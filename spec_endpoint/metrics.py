@@ -1,0 +1,80 @@
+"""The endpoint's Prometheus metrics (own registry; labelled by tenant/model, never by request id)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class BusyWindow:
+    """Fraction of recent wall time spent drafting, over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._spans: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, start: float, end: float) -> None:
+        with self._lock:
+            self._spans.append((start, end))
+
+    def ratio(self) -> float:
+        now = self.clock()
+        lo = now - self.window_s
+        with self._lock:
+            while self._spans and self._spans[0][1] <= lo:
+                self._spans.popleft()
+            busy = sum(min(end, now) - max(start, lo) for start, end in self._spans)
+        return min(1.0, max(0.0, busy / self.window_s))
+
+
+class EndpointMetrics:
+    def __init__(self, busy: BusyWindow | None = None):
+        self.registry = CollectorRegistry()
+        self.busy = busy or BusyWindow()
+        r = self.registry
+        self.rounds = Counter("specpool_spec_rounds", "Round requests received", ["tenant"], registry=r)
+        self.draft_batches = Counter(
+            "specpool_spec_draft_batches", "Batched draft calls (one per model, drafter and sampler group)", registry=r
+        )
+        self.shared_batches = Counter(
+            "specpool_spec_shared_batches", "Draft batches whose forward served more than one tenant", registry=r
+        )
+        self.batch_tenants = Histogram(
+            "specpool_spec_batch_tenants", "Tenants per draft batch", buckets=(1, 2, 3, 4, 6, 8, 16, 32), registry=r
+        )
+        self.batch_sequences = Histogram(
+            "specpool_spec_batch_sequences", "Sequences per draft batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        )
+        self.drafted = Counter(
+            "specpool_spec_drafted_tokens", "Draft tokens sent", ["tenant", "model"], registry=r
+        )
+        self.accepted = Counter(
+            "specpool_spec_accepted_tokens", "Draft tokens the target accepted (its reported new tokens)",
+            ["tenant", "model"], registry=r,
+        )
+        self.active_sessions = Gauge("specpool_spec_active_sessions", "Open sessions", ["tenant"], registry=r)
+        self.sessions_expired = Counter(
+            "specpool_spec_sessions_expired", "Sessions closed because their lease ran out", registry=r
+        )
+        self.draft_seconds = Histogram(
+            "specpool_spec_draft_seconds", "Drafting time of one engine step",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r,
+        )
+        self.busy_ratio = Gauge(
+            "specpool_spec_draft_busy_ratio", "Fraction of recent wall time spent drafting (0-1)", registry=r
+        )
+        self.busy_ratio.set_function(self.busy.ratio)
+        self.dense_bytes = Counter(
+            "specpool_spec_dense_bytes", "Bytes of dense q rows sent on tensor channels", registry=r
+        )
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (0 when absent): for tests and the capacity API."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0

@@ -1,0 +1,165 @@
+"""Which drafters this endpoint hosts: target model name -> its draft model and n-gram drafter.
+
+Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]` flags.
+A draft model reads the target's input embeddings from the target GGUF (the checkpoint omits
+them) and gets a fixed number of KV slots; its measured step costs are published to targets,
+whose speculation policy charges drafting time with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.drafter import ModelDrafter
+from engine.gguf_loader import default_model_path, load_gguf, model_name
+from engine.model import Llama
+from engine.ngram import NgramDrafter, SuffixArrayDatastore
+from engine.sampling import make_generator
+from engine.speculation_policy import StepCosts, cached_step_costs
+from spec_endpoint.messages import DrafterKind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_DIR = Path("models/smollm2-135m-draft")
+DEFAULT_DATASTORE = Path("models/smollm2-135m-datastore.npz")
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterSpec:
+    """One `--drafter` flag: the wire name of a target model and where its drafters come from."""
+
+    name: str
+    target_gguf: Path
+    draft_dir: Path | None = None
+    datastore: Path | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        """`NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]`; NAME may be left out (`TARGET_GGUF,...`):
+        the name is then the GGUF file name without .gguf, as targets report it."""
+        head, *options = text.split(",")
+        name, sep, gguf = head.partition("=")
+        if not sep:
+            name, gguf = "", head
+        if not gguf:
+            raise ValueError(f"--drafter {text!r}: expected NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]")
+        extra: dict[str, Path] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            if not sep or key not in ("draft", "datastore") or not value:
+                raise ValueError(f"--drafter {text!r}: unknown option {option!r} (draft=DIR, datastore=NPZ)")
+            extra[key] = Path(value)
+        return cls(
+            name=name or model_name(gguf),
+            target_gguf=Path(gguf),
+            draft_dir=extra.get("draft"),
+            datastore=extra.get("datastore"),
+        )
+
+    @classmethod
+    def default(cls) -> DrafterSpec:
+        """The default target with the project's own draft model and datastore (paths relative to
+        the current directory, else to this source checkout)."""
+        gguf = default_model_path()
+        return cls(model_name(gguf), gguf, _existing(DEFAULT_DRAFT_DIR), _existing(DEFAULT_DATASTORE))
+
+
+def _existing(relative: Path) -> Path:
+    if relative.exists() or not (_REPO_ROOT / relative).exists():
+        return relative
+    return _REPO_ROOT / relative
+
+
+@dataclass(slots=True)
+class ModelDrafters:
+    """The drafters of one target model."""
+
+    name: str
+    vocab_size: int
+    ngram: NgramDrafter
+    model: ModelDrafter | None = None
+    draft_costs: StepCosts | None = None
+    generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
+
+    @property
+    def kinds(self) -> tuple[DrafterKind, ...]:
+        return (DrafterKind.DRAFT_MODEL, DrafterKind.NGRAM) if self.model else (DrafterKind.NGRAM,)
+
+    @property
+    def best(self) -> DrafterKind:
+        return self.kinds[0]
+
+    def drafter(self, kind: DrafterKind) -> ModelDrafter | NgramDrafter:
+        if kind is DrafterKind.DRAFT_MODEL:
+            if self.model is None:
+                raise KeyError(f"{self.name} has no draft model")
+            return self.model
+        return self.ngram
+
+    @property
+    def max_len(self) -> int:
+        """Positions a draft-model session may reach (context, reported tokens, drafts)."""
+        return self.model.cache.max_len if self.model else 2**31 - 1
+
+    @classmethod
+    def load(
+        cls,
+        spec: DrafterSpec,
+        max_sessions: int,
+        max_len: int,
+        device: torch.device,
+        step_cost_dir: Path | None = None,
+    ) -> ModelDrafters:
+        target = load_gguf(spec.target_gguf, only={"embed"})
+        vocab = target.config.vocab_size
+        datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
+        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore))
+        if spec.draft_dir is not None:
+            dtype = "bf16" if device.type == "cpu" else None
+            draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=dtype, device=str(device))
+            if draft.config.vocab_size != vocab:
+                raise ValueError(
+                    f"--drafter {spec.name}: draft {spec.draft_dir} has vocabulary {draft.config.vocab_size}, "
+                    f"target {spec.target_gguf} has {vocab}"
+                )
+            drafters.model = ModelDrafter(draft, max_sequences=max_sessions, max_len=max_len)
+            drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=step_cost_dir)
+            drafters.generator = make_generator(None, device)
+        log.info(
+            "drafters for %s: %s (vocab %d%s)", spec.name, ", ".join(k.value for k in drafters.kinds), vocab,
+            f", datastore {len(datastore)} tokens" if datastore else "",
+        )
+        return drafters
+
+
+class DrafterRegistry:
+    """Target model name -> ModelDrafters."""
+
+    def __init__(self, models: dict[str, ModelDrafters]):
+        self.models = models
+
+    @classmethod
+    def load(
+        cls,
+        specs: list[DrafterSpec],
+        max_sessions: int,
+        max_len: int,
+        device: torch.device,
+        step_cost_dir: Path | None = None,
+    ) -> DrafterRegistry:
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"--drafter: model {duplicates[0]!r} given more than once")
+        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir) for s in specs})
+
+    def get(self, name: str) -> ModelDrafters | None:
+        return self.models.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.models)

@@ -1,0 +1,133 @@
+"""Endpoint sessions: one per (tenant, request id), under a lease that every round renews.
+
+No torch here: the table is pure bookkeeping (which drafter, which sampler, what was drafted and
+accepted); the drafters hold the model state and the endpoint keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spec_endpoint.messages import DrafterKind, Transport
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    tenant: str
+    request_id: str
+
+    @property
+    def drafter_id(self) -> str:
+        """The sequence id inside a drafter shared by all tenants (length-prefixed: unambiguous)."""
+        return f"{len(self.tenant)}:{self.tenant}/{self.request_id}"
+
+
+@dataclass(slots=True)
+class Session:
+    key: SessionKey
+    model: str
+    kind: DrafterKind
+    params: SamplingParams
+    dense: bool  # sampled drafts send dense q rows (else sparse top-k pairs); unused when greedy
+    lease_s: float
+    expires_at: float
+    length: int  # tokens the drafter knows: context plus every reported new token
+    last_drafts: tuple[int, ...] = ()  # sent in the previous round, awaiting their outcome
+    needs_tokens: bool = False  # drafted since the last new tokens: the next draft needs some
+    drafted: int = 0
+    accepted: int = 0
+
+    def renew(self, now: float) -> None:
+        self.expires_at = now + self.lease_s
+
+    def record_outcome(self, new_tokens: Sequence[int]) -> int:
+        """The target's new tokens verify the drafts sent last: -> how many of them it accepted."""
+        accepted = 0
+        for draft, token in zip(self.last_drafts, new_tokens, strict=False):
+            if draft != token:
+                break
+            accepted += 1
+        self.last_drafts = ()
+        self.accepted += accepted
+        self.length += len(new_tokens)
+        if new_tokens:
+            self.needs_tokens = False
+        return accepted
+
+    def record_drafts(self, tokens: Sequence[int]) -> None:
+        self.last_drafts = tuple(tokens)
+        self.drafted += len(tokens)
+        self.needs_tokens = True
+
+
+def sampled_dense(params: SamplingParams, transport: Transport) -> bool:
+    """Dense q for sampled drafts unless top-k bounds the support and the tenant did not ask for dense."""
+    return transport is Transport.DENSE or params.top_k <= 0
+
+
+@dataclass(slots=True)
+class TenantTotals:
+    """Cumulative over the endpoint's life, closed and expired sessions included."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
+class SessionTable:
+    """Thread-safe map (tenant, request id) -> Session, with per-tenant totals."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[SessionKey, Session] = {}
+        self._totals: dict[str, TenantTotals] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, key: SessionKey) -> Session | None:
+        return self._sessions.get(key)
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            self._sessions[session.key] = session
+            self._totals.setdefault(session.key.tenant, TenantTotals())
+
+    def pop(self, key: SessionKey) -> Session | None:
+        with self._lock:
+            return self._sessions.pop(key, None)
+
+    def pop_expired(self, now: float) -> list[Session]:
+        with self._lock:
+            expired = [s for s in self._sessions.values() if s.expires_at <= now]
+            for s in expired:
+                del self._sessions[s.key]
+            return expired
+
+    def count(self, tenant: str, drafted: int = 0, accepted: int = 0) -> None:
+        with self._lock:
+            totals = self._totals.setdefault(tenant, TenantTotals())
+            totals.drafted += drafted
+            totals.accepted += accepted
+
+    def active(self, tenant: str) -> int:
+        with self._lock:
+            return sum(1 for k in self._sessions if k.tenant == tenant)
+
+    def tenants(self) -> list[tuple[str, int, TenantTotals]]:
+        """(tenant, active sessions, totals) for every tenant seen, sorted by name."""
+        with self._lock:
+            active: dict[str, int] = {}
+            for key in self._sessions:
+                active[key.tenant] = active.get(key.tenant, 0) + 1
+            return [
+                (t, active.get(t, 0), TenantTotals(tot.drafted, tot.accepted))
+                for t, tot in sorted(self._totals.items())
+            ]
