@@ -1,0 +1,160 @@
+"""`specpool serve-spec`: the SpeculationService servicer and the process around it.
+
+The servicer only translates: protobuf -> domain (wire) -> Endpoint -> protobuf. FieldErrors
+become statuses whose message starts with the field name; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from spec_endpoint import wire
+from spec_endpoint.endpoint import Endpoint, EndpointConfig
+from spec_endpoint.messages import FieldError
+from spec_endpoint.registry import DrafterRegistry, DrafterSpec
+from specpool import serving
+from specpool.v1 import speculation_pb2 as pb
+from specpool.v1 import speculation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpeculationService"].full_name
+
+
+def _abort(context: grpc.ServicerContext, error: FieldError):
+    serving.abort_invalid(context, error.field, error.message, getattr(grpc.StatusCode, error.code.value))
+
+
+class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+
+    def OpenSessions(self, request, context):
+        try:
+            return wire.open_response_to(self.endpoint.open_sessions(wire.open_request_from(request)))
+        except FieldError as e:
+            _abort(context, e)
+
+    def CloseSessions(self, request, context):
+        try:
+            tenant = wire.tenant_from(request.tenant)
+        except FieldError as e:
+            _abort(context, e)
+        return pb.CloseSessionsResponse(closed=self.endpoint.close_sessions(tenant, list(request.request_ids)))
+
+    def Rounds(self, request_iterator, context) -> Iterator[pb.RoundResponse]:
+        stream = self.endpoint.open_stream()
+        context.add_callback(stream.cancel)
+        reader = threading.Thread(
+            target=self._read_rounds, args=(request_iterator, stream), name="spec-rounds-reader", daemon=True
+        )
+        reader.start()
+        try:
+            while True:
+                item = stream.outbound.get()
+                if item is None:
+                    return
+                if isinstance(item, FieldError):
+                    _abort(context, item)
+                yield wire.round_response_to(item)
+        finally:
+            self.endpoint.forget_stream(stream)
+
+    def _read_rounds(self, request_iterator, stream) -> None:
+        """Feeds the stream's rounds into the shared engine queue until the client half-closes."""
+        try:
+            for msg in request_iterator:
+                try:
+                    self.endpoint.submit(stream, wire.round_from(msg))
+                except FieldError as e:
+                    stream.fail(e)
+                    return
+        except grpc.RpcError:
+            pass  # the client went away; its sessions live on until their leases end
+        except Exception:
+            log.exception("Rounds reader failed")
+        self.endpoint.end_stream(stream)
+
+    def OpenTensorChannel(self, request, context):
+        try:
+            return wire.channel_response_to(self.endpoint.offer_channel(wire.tenant_from(request.tenant)))
+        except FieldError as e:
+            _abort(context, e)
+
+    def GetCapacity(self, request, context):
+        return wire.capacity_to(self.endpoint.capacity())
+
+
+def add_to_server(server: grpc.Server, endpoint: Endpoint) -> serving.HealthState:
+    """Registers the servicer, health (live, not yet ready) and reflection on a built server."""
+    pb_grpc.add_SpeculationServiceServicer_to_server(SpeculationServicer(endpoint), server)
+    return serving.add_health_and_reflection(server, [SERVICE_NAME])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind gRPC and metrics to")
+    parser.add_argument("--port", type=int, default=50060, help="gRPC port (0: pick a free one)")
+    parser.add_argument("--metrics-port", type=int, default=9460, help="Prometheus /metrics port (0: pick)")
+    parser.add_argument(
+        "--drafter", action="append", default=[], metavar="NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]",
+        help="drafters for one target model (repeatable); default: SmolLM2-135M-Instruct with "
+             "models/smollm2-135m-draft and models/smollm2-135m-datastore.npz",
+    )
+    parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")
+    parser.add_argument("--max-len", type=int, default=2048, help="positions per draft-model session")
+    parser.add_argument("--lease-s", type=float, default=30.0, help="idle session lease when the target sends 0")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    parser.add_argument("--channel-host", default="127.0.0.1",
+                        help="address targets reach this endpoint's tensor-channel store on")
+    parser.add_argument("--endpoint-id", default="", help="name in the capacity API (default: host:port)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.device import default_device
+    from engine.tensor_channel import ChannelHost
+
+    serving.setup_logging(args.log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device) if args.device else default_device()
+    specs = [DrafterSpec.parse(text) for text in args.drafter] or [DrafterSpec.default()]
+    for spec in specs:
+        for path in (spec.target_gguf, spec.draft_dir, spec.datastore):
+            if path is not None and not Path(path).exists():
+                raise SystemExit(f"--drafter {spec.name}: {path} does not exist")
+    registry = DrafterRegistry.load(specs, args.max_sessions, args.max_len, device)
+
+    server, port = serving.build_server(args.port, host=args.host)
+    config = EndpointConfig(
+        max_sessions=args.max_sessions, max_len=args.max_len, lease_s=args.lease_s,
+        endpoint_id=args.endpoint_id or f"{socket.gethostname()}:{port}",
+    )
+    channels = ChannelHost(host=args.channel_host, device=device)
+    endpoint = Endpoint(registry, config, channel_host=channels)
+    health = add_to_server(server, endpoint)
+    metrics = serving.MetricsHttpServer(
+        endpoint.metrics.registry, args.metrics_port, host=args.host,
+        json_routes={"/capacity": lambda: wire.capacity_json(endpoint.capacity())},
+    )
+    metrics.start()
+    endpoint.start()
+    server.start()
+    log.info("serving SpeculationService on port %d, metrics on port %d", port, metrics.port)
+    health.set_ready(True)
+    try:
+        serving.serve_until_signal(server, health, on_drain=endpoint.drain, metrics=metrics)
+    finally:
+        endpoint.stop()  # also closes the tensor channels
+    return 0
+
