@@ -1,0 +1,346 @@
+"""The pooled speculation endpoint on tiny real models: batching across tenants, q transports,
+acceptance counting, leases, capacity, and validation through a real gRPC server."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine.config import tiny_config
+from engine.drafter import ModelDrafter
+from engine.gguf_loader import load_gguf, save_gguf
+from engine.model import Llama, random_weights
+from engine.sampling import SamplingParams
+from engine.tensor_channel import LoopbackChannel
+from spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
+from spec_endpoint.endpoint import Endpoint, EndpointConfig
+from spec_endpoint.messages import (
+    DrafterKind,
+    OpenRequest,
+    Round,
+    RoundResult,
+    SequenceRound,
+    SessionSpec,
+    Transport,
+)
+from spec_endpoint.registry import DrafterRegistry, DrafterSpec
+from spec_endpoint.server import add_to_server
+from specpool import serving
+from specpool.v1 import speculation_pb2 as pb
+from specpool.v1 import speculation_pb2_grpc as pb_grpc
+from specpool.v1 import target_pb2
+from training.distill import DraftLM, export
+
+V = 64
+MODEL = "tiny"
+GREEDY = SamplingParams()
+CONTEXTS = [[5, 9, 11, 3, 7], [8, 8, 2, 40, 41, 42, 17]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """-> (target GGUF, draft checkpoint dir, step-cost cache dir)."""
+    root = tmp_path_factory.mktemp("spec_endpoint")
+    cfg = tiny_config(vocab_size=V)
+    weights = random_weights(cfg, seed=3)
+    gguf = save_gguf(root / "tiny.gguf", cfg, weights)
+    export(DraftLM.from_target(cfg, weights, [0], output_ids=torch.arange(V)), root / "draft", "tiny.gguf")
+    return gguf, root / "draft", root / "step-costs"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_endpoint(files, max_sessions: int = 4, clock=time.monotonic) -> Endpoint:
+    gguf, draft, costs = files
+    registry = DrafterRegistry.load(
+        [DrafterSpec(MODEL, gguf, draft)], max_sessions=max_sessions, max_len=128,
+        device=torch.device("cpu"), step_cost_dir=costs,
+    )
+    return Endpoint(registry, EndpointConfig(max_sessions=max_sessions, lease_s=30.0, endpoint_id="test"), clock=clock)
+
+
+def open_one(endpoint, tenant, request_id, context, params=GREEDY, **kw):
+    spec = SessionSpec(request_id, tuple(context), params, **kw)
+    [result] = endpoint.open_sessions(OpenRequest(tenant, MODEL, 0.0, (spec,)))
+    return result
+
+
+def round_trip(endpoint, stream, tenant, *seqs, round_id=1) -> RoundResult:
+    """Submit one round and run one engine step (no engine thread)."""
+    endpoint.submit(stream, Round(tenant, round_id, tuple(SequenceRound(r, tuple(t), n) for r, t, n in seqs)))
+    assert endpoint.batcher.run_once()
+    return stream.outbound.get_nowait()
+
+
+def test_two_tenants_rounds_share_one_draft_batch(files):
+    endpoint = make_endpoint(files)
+    assert open_one(endpoint, "a", "r1", CONTEXTS[0]).ok
+    assert open_one(endpoint, "b", "r1", CONTEXTS[1]).ok  # same request id, other tenant: its own session
+    sa, sb = endpoint.open_stream(), endpoint.open_stream()
+    endpoint.submit(sa, Round("a", 7, (SequenceRound("r1", (), 3),)))
+    endpoint.submit(sb, Round("b", 9, (SequenceRound("r1", (), 3),)))
+    assert endpoint.batcher.run_once()
+    ra, rb = sa.outbound.get_nowait(), sb.outbound.get_nowait()
+    assert (ra.round_id, rb.round_id) == (7, 9)
+    assert len(ra.sequences[0].tokens) == 3 and len(rb.sequences[0].tokens) == 3
+    m = endpoint.metrics
+    assert m.value("specpool_spec_draft_batches_total") == 1
+    assert m.value("specpool_spec_shared_batches_total") == 1
+    assert m.value("specpool_spec_batch_tenants_sum") == 2
+    assert m.value("specpool_spec_rounds_total", {"tenant": "a"}) == 1
+    assert m.value("specpool_spec_drafted_tokens_total", {"tenant": "b", "model": MODEL}) == 3
+
+
+def test_greedy_drafts_equal_model_drafter_in_process_and_acceptance_is_counted(files):
+    gguf, draft_dir, _ = files
+    endpoint = make_endpoint(files)
+    reference = ModelDrafter(
+        Llama.from_draft_checkpoint(draft_dir, load_gguf(gguf, only={"embed"}).weights["embed"], dtype="bf16",
+                                    device="cpu"),
+        max_sequences=2, max_len=128,
+    )
+    for tenant, ctx in zip(("a", "b"), CONTEXTS, strict=True):
+        open_one(endpoint, tenant, "x", ctx)
+        reference.add_sequence(tenant, ctx)
+    streams = {"a": endpoint.open_stream(), "b": endpoint.open_stream()}
+
+    new = {"a": [], "b": []}
+    for round_id in (1, 2):
+        for tenant, stream in streams.items():
+            endpoint.submit(stream, Round(tenant, round_id, (SequenceRound("x", tuple(new[tenant]), 4),)))
+        endpoint.batcher.run_once()
+        got = {t: s.outbound.get_nowait().sequences[0].tokens for t, s in streams.items()}
+        for t in streams:
+            if new[t]:
+                reference.extend(t, new[t])
+        want = reference.propose(["a", "b"], [4, 4], GREEDY, None).tokens
+        assert [got["a"], got["b"]] == want
+        # The target accepts two drafts of a, none of b, and emits one token of its own each.
+        new = {"a": [*got["a"][:2], (got["a"][2] + 1) % V], "b": [(got["b"][0] + 1) % V]}
+
+    endpoint.submit(streams["a"], Round("a", 3, (SequenceRound("x", tuple(new["a"]), 0),)))
+    endpoint.submit(streams["b"], Round("b", 3, (SequenceRound("x", tuple(new["b"]), 0),)))
+    endpoint.batcher.run_once()
+    stats = {t.tenant: t for t in endpoint.capacity().tenants}
+    assert (stats["a"].drafted_tokens, stats["a"].accepted_tokens) == (8, 4)
+    assert (stats["b"].drafted_tokens, stats["b"].accepted_tokens) == (8, 0)
+    assert endpoint.metrics.value("specpool_spec_accepted_tokens_total", {"tenant": "a", "model": MODEL}) == 4
+
+
+def test_sparse_q_pairs_describe_the_sampled_drafts(files):
+    endpoint = make_endpoint(files)
+    open_one(endpoint, "a", "s", CONTEXTS[0], SamplingParams(temperature=0.9, top_k=5))
+    result = round_trip(endpoint, endpoint.open_stream(), "a", ("s", [], 4))
+    seq = result.sequences[0]
+    assert not seq.error and not seq.dense and result.dense_rows == 0
+    assert seq.sparse_k == 5 and len(seq.sparse_ids) == len(seq.sparse_probs) == 4 * 5
+    for j, token in enumerate(seq.tokens):
+        ids, probs = seq.sparse_ids[5 * j : 5 * j + 5], seq.sparse_probs[5 * j : 5 * j + 5]
+        assert token in ids and all(0 <= i < V for i in ids)
+        assert sum(probs) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_dense_q_arrives_on_the_tenant_channel(files):
+    endpoint = make_endpoint(files)
+    open_one(endpoint, "a", "d1", CONTEXTS[0], SamplingParams(temperature=0.8))  # no top-k: dense
+    open_one(endpoint, "a", "d2", CONTEXTS[1], SamplingParams(temperature=0.8, top_k=4), transport=Transport.DENSE)
+    stream = endpoint.open_stream()
+
+    refused = round_trip(endpoint, stream, "a", ("d1", [], 3))
+    assert refused.sequences[0].error == NO_CHANNEL
+
+    ours, theirs = LoopbackChannel.pair()
+    endpoint.channels.attach("a", ours)
+    result = round_trip(endpoint, stream, "a", ("d1", [], 3), ("d2", [], 2), round_id=2)
+    assert [s.dense for s in result.sequences] == [True, True]
+    assert (result.dense_rows, result.vocab_size) == (5, V)
+    rows = theirs.recv((5, V), torch.float32)
+    assert torch.allclose(rows.sum(-1), torch.ones(5))  # (torch.testing.assert_close imports for 2 s)
+    drafted = result.sequences[0].tokens + result.sequences[1].tokens
+    assert all(rows[i, t] > 0 for i, t in enumerate(drafted))
+    assert endpoint.metrics.value("specpool_spec_dense_bytes_total") == 5 * V * 4
+
+
+def test_lease_expiry_frees_the_slot_and_capacity_answers_not_ok(files):
+    clock = FakeClock()
+    endpoint = make_endpoint(files, max_sessions=2, clock=clock)
+    specs = tuple(SessionSpec(r, tuple(CONTEXTS[0]), GREEDY) for r in ("p", "q", "r"))
+    results = endpoint.open_sessions(OpenRequest("a", MODEL, 5.0, specs))
+    assert [r.ok for r in results] == [True, True, False]
+    assert results[2].error.startswith("capacity: ")
+    assert results[0].drafter is DrafterKind.DRAFT_MODEL
+
+    stream = endpoint.open_stream()
+    clock.now += 4
+    round_trip(endpoint, stream, "a", ("p", [], 0))  # renews p's lease only
+    clock.now += 2
+    assert endpoint.expire_idle() == 1  # q
+    assert endpoint.metrics.value("specpool_spec_active_sessions", {"tenant": "a"}) == 1
+    assert open_one(endpoint, "a", "r", CONTEXTS[1]).ok  # q's KV slot is free again
+    gone = round_trip(endpoint, stream, "a", ("q", [], 2), ("p", [], 2))
+    assert gone.sequences[0].error == SESSION_NOT_FOUND
+    assert not gone.sequences[1].error and len(gone.sequences[1].tokens) == 2
+    assert endpoint.metrics.value("specpool_spec_sessions_expired_total") == 1
+    assert endpoint.close_sessions("a", ["p", "r", "nope"]) == 2
+    assert endpoint.capacity().active_sessions == 0
+
+
+def test_ngram_sessions_draft_from_their_own_context(files):
+    endpoint = make_endpoint(files)
+    assert open_one(endpoint, "a", "n", [1, 2, 3, 4, 1, 2], drafter=DrafterKind.NGRAM).drafter is DrafterKind.NGRAM
+    result = round_trip(endpoint, endpoint.open_stream(), "a", ("n", [], 2))
+    assert result.sequences[0].tokens == [3, 4]
+
+
+# -- through gRPC ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(files):
+    endpoint = make_endpoint(files)
+    server, port = serving.build_server(0, host="127.0.0.1")
+    add_to_server(server, endpoint)
+    server.start()
+    endpoint.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield endpoint, pb_grpc.SpeculationServiceStub(channel)
+    channel.close()
+    endpoint.stop()
+    server.stop(None)
+
+
+class RoundsClient:
+    """One Rounds stream: send() queues a request, recv() waits for the next reply."""
+
+    def __init__(self, stub):
+        self._requests: queue.Queue = queue.Queue()
+        self._replies = stub.Rounds(iter(self._requests.get, None), timeout=20)
+
+    def send(self, tenant, round_id, *seqs):
+        self._requests.put(pb.RoundRequest(tenant=tenant, round_id=round_id, sequences=[
+            pb.SequenceRound(request_id=r, new_tokens=t, num_draft_tokens=n) for r, t, n in seqs
+        ]))
+
+    def recv(self) -> pb.RoundResponse:
+        return next(self._replies)
+
+    def close(self):
+        self._requests.put(None)
+
+
+def grpc_open(stub, tenant, request_id, context, model=MODEL, **sampling):
+    return stub.OpenSessions(pb.OpenSessionsRequest(tenant=tenant, target_model=model, sessions=[
+        pb.SessionSpec(request_id=request_id, context=context, sampling=target_pb2.SamplingParams(**sampling))
+    ]), timeout=10)
+
+
+def test_grpc_two_concurrent_streams_share_a_batch(served):
+    endpoint, stub = served
+    for tenant in ("a", "b"):
+        assert grpc_open(stub, tenant, "x", CONTEXTS[0]).sessions[0].ok
+    clients = {t: RoundsClient(stub) for t in ("a", "b")}
+    with endpoint.lock:  # hold the engine between steps until both rounds are queued
+        for tenant, client in clients.items():
+            client.send(tenant, 1, ("x", [], 3))
+        deadline = time.monotonic() + 5
+        while endpoint.batcher.submitted < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    replies = {t: c.recv() for t, c in clients.items()}
+    for reply in replies.values():
+        assert reply.round_id == 1 and len(reply.sequences[0].tokens) == 3 and not reply.sequences[0].error
+    assert replies["a"].sequences[0].tokens == replies["b"].sequences[0].tokens  # same context, greedy
+    assert endpoint.metrics.value("specpool_spec_shared_batches_total") == 1
+
+    capacity = stub.GetCapacity(pb.CapacityRequest(), timeout=10)
+    assert capacity.active_sessions == 2 and capacity.endpoint_id == "test"
+    [model] = capacity.models
+    assert model.target_model == MODEL
+    assert list(model.drafters) == [pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM]
+    table = model.draft_step_costs
+    assert len(table.seconds) == len(table.batch_sizes) * len(table.draft_lens) > 0
+    assert {t.tenant: t.drafted_tokens for t in capacity.tenants} == {"a": 3, "b": 3}
+    for client in clients.values():
+        client.close()
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "request_kw, spec_kw, sampling_kw, code, prefix",
+    [
+        ({"tenant": ""}, {}, {}, INVALID, "tenant: "),
+        ({"target_model": "nope"}, {}, {}, grpc.StatusCode.NOT_FOUND,
+         "target_model: no drafters for 'nope'; this endpoint serves ['tiny']"),
+        ({}, {"request_id": ""}, {}, INVALID, "sessions[0].request_id: "),
+        ({}, {"context": []}, {}, INVALID, "sessions[0].context: "),
+        ({}, {"context": [1, 99999]}, {}, INVALID, "sessions[0].context: token id 99999 outside the vocabulary [0, 64)"),
+        ({}, {}, {"temperature": -0.5}, INVALID, "sessions[0].sampling.temperature: "),
+        ({}, {}, {"top_p": 1.5}, INVALID, "sessions[0].sampling.top_p: "),
+        ({}, {}, {"top_k": -1}, INVALID, "sessions[0].sampling.top_k: "),
+        ({}, {}, {"top_k": 65}, INVALID, "sessions[0].sampling.top_k: 65 exceeds the vocabulary size 64"),
+        ({"lease_s": -1}, {}, {}, INVALID, "lease_s: "),
+    ],
+)
+def test_grpc_open_sessions_validation(served, request_kw, spec_kw, sampling_kw, code, prefix):
+    _, stub = served
+    request = pb.OpenSessionsRequest(**({"tenant": "a", "target_model": MODEL} | request_kw), sessions=[
+        pb.SessionSpec(**({"request_id": "r", "context": [1, 2, 3]} | spec_kw),
+                       sampling=target_pb2.SamplingParams(**sampling_kw))
+    ])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OpenSessions(request, timeout=10)
+    assert err.value.code() == code
+    assert err.value.details().startswith(prefix), err.value.details()
+    assert grpc_open(stub, "a", "ok", [1, 2, 3]).sessions[0].ok  # still serving
+
+
+def test_grpc_round_and_other_rpc_validation(served):
+    _, stub = served
+    assert grpc_open(stub, "a", "x", CONTEXTS[0]).sessions[0].ok
+    client = RoundsClient(stub)
+    client.send("a", 1, ("x", [], 40), ("ghost", [], 2))
+    reply = client.recv()
+    assert reply.sequences[0].error.startswith("sequences[0].num_draft_tokens: 40 outside [0, 32]")
+    assert reply.sequences[1].error == SESSION_NOT_FOUND
+    client.send("", 2, ("x", [], 2))
+    with pytest.raises(grpc.RpcError) as err:
+        client.recv()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tenant: ")
+    client.close()
+
+    for call, request in [
+        (stub.CloseSessions, pb.CloseSessionsRequest(tenant="")),
+        (stub.OpenTensorChannel, pb.TensorChannelRequest(tenant="")),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tenant: ")
+
+    # The session outlived the aborted stream; a new stream drafts for it.
+    again = RoundsClient(stub)
+    again.send("a", 3, ("x", [], 2))
+    assert len(again.recv().sequences[0].tokens) == 2
+    again.close()
+    assert stub.CloseSessions(pb.CloseSessionsRequest(tenant="a", request_ids=["x"]), timeout=10).closed == 1
+
+
+def test_drafter_flag_parsing():
+    spec = DrafterSpec.parse("m=/x/t.gguf,draft=/d,datastore=/s.npz")
+    assert (spec.name, spec.target_gguf, spec.draft_dir, spec.datastore) == ("m", Path("/x/t.gguf"), Path("/d"),
+                                                                             Path("/s.npz"))
+    assert DrafterSpec.parse("/x/SmolLM2.Q4_1.gguf").name == "SmolLM2.Q4_1"
+    with pytest.raises(ValueError, match="unknown option"):
+        DrafterSpec.parse("m=/x.gguf,bogus=1")
+
