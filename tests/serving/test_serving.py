@@ -149,6 +149,7 @@ DRAIN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a server process
 def test_serve_until_signal_drains_in_flight_rpcs_on_sigterm():
     proc = subprocess.Popen(
         [sys.executable, "-c", DRAIN_SCRIPT],
