@@ -125,6 +125,9 @@ def main(args: argparse.Namespace) -> int:
     from engine.tensor_channel import ChannelHost
 
     serving.setup_logging(args.log_level)
+    for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s)):
+        if value <= 0:
+            raise SystemExit(f"{flag} must be > 0; got {value}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device else default_device()

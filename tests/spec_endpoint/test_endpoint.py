@@ -3,6 +3,7 @@ acceptance counting, leases, capacity, and validation through a real gRPC server
 
 from __future__ import annotations
 
+import argparse
 import queue
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from spec_endpoint.messages import (
     Transport,
 )
 from spec_endpoint.registry import DrafterRegistry, DrafterSpec
-from spec_endpoint.server import add_to_server
+from spec_endpoint.server import add_arguments, add_to_server
 from specpool import serving
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
@@ -136,6 +137,24 @@ def test_greedy_drafts_equal_model_drafter_in_process_and_acceptance_is_counted(
     assert (stats["a"].drafted_tokens, stats["a"].accepted_tokens) == (8, 4)
     assert (stats["b"].drafted_tokens, stats["b"].accepted_tokens) == (8, 0)
     assert endpoint.metrics.value("specpool_spec_accepted_tokens_total", {"tenant": "a", "model": MODEL}) == 4
+
+
+def test_a_session_named_twice_in_one_step_waits_for_the_next_step(files):
+    endpoint = make_endpoint(files)
+    open_one(endpoint, "a", "x", CONTEXTS[0])
+    open_one(endpoint, "a", "y", CONTEXTS[1])
+    stream, other = endpoint.open_stream(), endpoint.open_stream()
+    endpoint.submit(stream, Round("a", 1, (SequenceRound("x", (), 2),)))
+    endpoint.submit(stream, Round("a", 2, (SequenceRound("x", (3,), 2),)))
+    endpoint.submit(other, Round("a", 3, (SequenceRound("y", (), 2),)))
+    endpoint.end_stream(stream)
+    assert endpoint.batcher.run_once()  # rounds 1 and 3; round 2 and the stream's end wait
+    assert stream.outbound.get_nowait().round_id == 1 and other.outbound.get_nowait().round_id == 3
+    assert stream.outbound.empty()
+    assert endpoint.batcher.run_once()
+    second = stream.outbound.get_nowait()
+    assert second.round_id == 2 and len(second.sequences[0].tokens) == 2
+    assert stream.outbound.get_nowait() is None  # the stream ends after its last round
 
 
 def test_sparse_q_pairs_describe_the_sampled_drafts(files):
@@ -336,7 +355,13 @@ def test_grpc_round_and_other_rpc_validation(served):
     assert stub.CloseSessions(pb.CloseSessionsRequest(tenant="a", request_ids=["x"]), timeout=10).closed == 1
 
 
-def test_drafter_flag_parsing():
+def test_flags_and_drafter_specs():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--drafter", "a=/a.gguf", "--drafter", "b=/b.gguf,draft=/d"])
+    assert (args.port, args.metrics_port, args.max_sessions, args.max_len, args.lease_s, args.channel_host) == (
+        50060, 9460, 64, 2048, 30.0, "127.0.0.1")
+    assert [DrafterSpec.parse(d).name for d in args.drafter] == ["a", "b"]
     spec = DrafterSpec.parse("m=/x/t.gguf,draft=/d,datastore=/s.npz")
     assert (spec.name, spec.target_gguf, spec.draft_dir, spec.datastore) == ("m", Path("/x/t.gguf"), Path("/d"),
                                                                              Path("/s.npz"))
