@@ -36,6 +36,7 @@ class ModeTotals:
     target_steps: int | None = None
     first_tokens: int = 0
     drafted: int = 0
+    fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -84,7 +85,7 @@ def _hf(fn) -> Runner:
     return run
 
 
-def build_runners(cfg: BenchConfig, model: Llama, batch_size: int) -> dict[str, Runner]:
+def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     needs_draft = any(m.split(":")[0] in ("sd", "hf-assisted") for m in cfg.modes)
     draft = None
@@ -116,6 +117,8 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int) -> dict[str, 
         elif name == "ngram":
             policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
+        elif name in ("sd-remote", "ngram-remote"):
+            runners[mode] = remote.runner(name, cfg.max_tokens)
         elif name.startswith("hf-"):
             runners[mode] = _hf_runner(name, cfg, batch_size)
         else:
@@ -162,9 +165,33 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
+    remote = None
+    if any(m.endswith("-remote") for m in cfg.modes):
+        from bench.remote import RemoteCluster
+
+        remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore)
+    try:
+        rows = _run_batches(cfg, model, prompts, remote)
+    finally:
+        if remote is not None:
+            remote.close()
+    return {
+        "machine": machine_info(),
+        "model": cfg.model_path.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "workload": cfg.workload,
+        "limit": cfg.limit,
+        "max_tokens": cfg.max_tokens,
+        "draft": str(cfg.draft_dir) if cfg.draft_dir else None,
+        "datastore": str(cfg.datastore) if cfg.datastore else None,
+        "results": rows,
+    }
+
+
+def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remote) -> list[dict]:
     rows = []
     for b in cfg.batch_sizes:
-        runners = {m: r for m, r in build_runners(cfg, model, b).items() if r is not None}
+        runners = {m: r for m, r in build_runners(cfg, model, b, remote).items() if r is not None}
         totals = {m: ModeTotals() for m in runners}
         chunks = [prompts[i : i + b] for i in range(0, len(prompts), b)]
         for c, chunk in enumerate(tqdm(chunks, desc=f"batch {b}", unit="chunk")):
@@ -189,6 +216,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
                 "outputs_match_ar": None,
                 "near_ties": None,
+                "fallback_rounds": t.fallback_rounds,
             }
             if ref is not None and cfg.temperature == 0:
                 near, bad = 0, 0
@@ -200,17 +228,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                             bad += 1
                 row["outputs_match_ar"], row["near_ties"] = bad == 0, near
             rows.append(row)
-    return {
-        "machine": machine_info(),
-        "model": cfg.model_path.name,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "workload": cfg.workload,
-        "limit": cfg.limit,
-        "max_tokens": cfg.max_tokens,
-        "draft": str(cfg.draft_dir) if cfg.draft_dir else None,
-        "datastore": str(cfg.datastore) if cfg.datastore else None,
-        "results": rows,
-    }
+    return rows
 
 
 def print_table(report: dict) -> None:

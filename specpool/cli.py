@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
-                   help="ar, sd[:K], ngram[:K], hf-ar, hf-prompt-lookup, hf-assisted")
+                   help="ar, sd[:K], ngram[:K], sd-remote, ngram-remote, hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")

@@ -160,17 +160,19 @@ class Scheduler:
 
     def _deliver(self, moved: list[tuple[str, list[int]]]) -> None:
         now = time.monotonic()
+        touched: dict[str, Request] = {}
         for seq_id, tokens in moved:
             request, index = self._by_seq[seq_id]
+            touched[request.request_id] = request
             if tokens:
                 if request.first_token_at is None:
                     request.first_token_at = now
                     self.metrics.ttft.observe(now - request.submitted_at)
                 request.events.put(("delta", index, tokens))
-            if request.results[index].finish_reason:
-                del self._by_seq[seq_id]
-                if all(r.finish_reason for r in request.results):
-                    self._finish(request)
+        # Only after every delta of this step is queued: a request may finish several sequences at once.
+        for request in touched.values():
+            if all(r.finish_reason for r in request.results):
+                self._finish(request)
 
     def _finish(self, request: Request) -> None:
         if self._running.pop(request.request_id, None) is not None or request.finished_at is None:

@@ -154,7 +154,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kind = None  # no endpoint configured: local n-gram drafting
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
-            max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or None, n=n, drafter_kind=kind,
+            max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or ([] if r.ignore_eos else None), n=n,
+            drafter_kind=kind,
             max_draft_tokens=r.speculation.max_draft_tokens,
         )
 

@@ -41,6 +41,9 @@ class _Seq:
     kind: int | None  # DrafterKind asked of the endpoint; None: local n-gram; -1: no speculation
     max_draft: int = 0  # the request's own cap on drafts per round (0: none)
     opened: bool = False  # a session for it is open on the current endpoint connection
+    opening: bool = False  # an OpenSessions call for it is in flight
+    opened_at: int = 0  # len(context) when that call was sent
+    retry_at: float = 0.0  # after a declined open (capacity), when to ask again
     pending: list[int] = field(default_factory=list)  # emitted since its last round was sent
 
 
@@ -161,6 +164,9 @@ class SpeculationClient:
         self._configured: dict[str, tuple[int | None, SamplingParams]] = {}
         self._conn: _Connection | None = None
         self._round_id = 0
+        self._opens: list[tuple[_Connection, list[str], grpc.Future]] = []
+        self._to_close: list[str] = []
+        self._closing: list[grpc.Future] = []
         self._stop = threading.Event()
         if address:
             threading.Thread(target=self._attach_loop, daemon=True, name="spec-attach").start()
@@ -229,14 +235,26 @@ class SpeculationClient:
     def remove_sequence(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         self.local.remove_sequence(seq_id)
-        conn = self._conn
-        if seq is not None and seq.opened and conn is not None and not conn.broken.is_set():
-            conn.stub.CloseSessions.future(pb.CloseSessionsRequest(tenant=self.tenant, request_ids=[seq_id]))
+        if seq is not None and (seq.opened or seq.opening):
+            self._to_close.append(seq_id)
+        if not self._seqs:
+            self._flush_closes()
+
+    def _flush_closes(self) -> None:
+        """One CloseSessions per step for every sequence that left (fire and forget: leases back it up)."""
+        conn, ids, self._to_close = self._conn, self._to_close, []
+        # Hold the futures until done: grpc cancels a call whose future is garbage-collected.
+        self._closing = [f for f in self._closing if not f.done()]
+        if ids and conn is not None and not conn.broken.is_set():
+            self._closing.append(
+                conn.stub.CloseSessions.future(pb.CloseSessionsRequest(tenant=self.tenant, request_ids=ids))
+            )
 
     def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
         return self.propose_groups([DraftRequest(list(seq_ids), list(num_tokens), params, generator)])[0]
 
     def propose_groups(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        self._flush_closes()
         requests = [self._capped(r) for r in requests]
         remote = self._remote_drafts(requests)
         out = []
@@ -270,8 +288,9 @@ class SpeculationClient:
             self._detach(conn)
             self.on_fallback("endpoint_unavailable" if self.address else "no_endpoint", [s for s, _ in wanted])
             return {}
-        if not self._open_sessions(conn, [s for s, _ in wanted]):
-            self.on_fallback("open_failed", [s for s, _ in wanted])
+        self._open_sessions(conn, [s for s, _ in wanted])
+        if self._conn is not conn:
+            self.on_fallback("endpoint_failed", [s for s, _ in wanted])
             return {}
         dense_ok = conn.dense_ready
         ready = [(s, n) for s, n in wanted if self._seqs[s].opened and (dense_ok or not _needs_dense(self._seqs[s]))]
@@ -314,37 +333,63 @@ class SpeculationClient:
             drafts[d.request_id] = (list(d.tokens), q)
         return drafts
 
-    def _open_sessions(self, conn: _Connection, seq_ids: list[str]) -> bool:
-        closed = [s for s in seq_ids if not self._seqs[s].opened]
-        if not closed:
-            return True
-        specs = []
-        for s in closed:
-            seq = self._seqs[s]
-            p = seq.params
-            specs.append(pb.SessionSpec(
-                request_id=s, context=seq.context, drafter=seq.kind,
-                sampling=target_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
-            ))
-        try:
-            reply = conn.stub.OpenSessions(
+    def _open_sessions(self, conn: _Connection, seq_ids: list[str]) -> None:
+        """Open sessions for new (or re-attached) sequences, waiting at most the step deadline: a slow
+        open leaves its sequences drafting locally until it lands, never stalls the step."""
+        now = time.monotonic()
+        closed = [s for s in seq_ids if not (self._seqs[s].opened or self._seqs[s].opening)
+                  and self._seqs[s].retry_at <= now]
+        if closed:
+            specs = []
+            for s in closed:
+                seq = self._seqs[s]
+                seq.opening, seq.opened_at = True, len(seq.context)
+                p = seq.params
+                specs.append(pb.SessionSpec(
+                    request_id=s, context=seq.context, drafter=seq.kind,
+                    sampling=target_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
+                ))
+            future = conn.stub.OpenSessions.future(
                 pb.OpenSessionsRequest(tenant=self.tenant, target_model=self.target_model,
                                        lease_s=self.lease_s, sessions=specs),
-                timeout=self.deadline_s,
+                timeout=max(10.0, self.deadline_s),
             )
-        except grpc.RpcError as e:
-            log.warning("OpenSessions failed: %s %s", e.code().name, e.details())
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                self._detach(conn)
-            return False
-        for opened in reply.sessions:
-            seq = self._seqs[opened.request_id]
-            seq.opened = opened.ok
-            if opened.ok:
-                seq.pending = []  # the context it was opened with already holds them
-            else:
-                log.debug("endpoint declined %s: %s", opened.request_id, opened.error)
-        return True
+            self._opens.append((conn, closed, future))
+            try:
+                future.result(timeout=self.deadline_s)
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass  # collected below or on a later step
+        self._collect_opens()
+
+    def _collect_opens(self) -> None:
+        pending = []
+        for conn, seq_ids, future in self._opens:
+            if not future.done():
+                pending.append((conn, seq_ids, future))
+                continue
+            live = [self._seqs[s] for s in seq_ids if s in self._seqs]
+            for seq in live:
+                seq.opening = False
+            if conn is not self._conn:
+                continue  # opened on a connection we have since dropped
+            try:
+                reply = future.result()
+            except grpc.RpcError as e:
+                log.warning("OpenSessions failed: %s %s", e.code().name, e.details())
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self._detach(conn)
+                continue
+            for opened in reply.sessions:
+                seq = self._seqs.get(opened.request_id)
+                if seq is None:
+                    continue
+                seq.opened = opened.ok
+                if opened.ok:
+                    seq.pending = seq.context[seq.opened_at :]  # emitted while the open was in flight
+                else:
+                    seq.retry_at = time.monotonic() + self.reattach_s
+                    log.debug("endpoint declined %s: %s", opened.request_id, opened.error)
+        self._opens = pending
 
     def _detach(self, conn: _Connection | None) -> None:
         if conn is None or self._conn is not conn:
@@ -353,7 +398,7 @@ class SpeculationClient:
         self._conn = None
         conn.close()
         for seq in self._seqs.values():
-            seq.opened, seq.pending = False, []
+            seq.opened, seq.opening, seq.pending = False, False, []
 
 
 def _needs_dense(seq: _Seq) -> bool:
