@@ -115,6 +115,27 @@ def split_conflicts(items: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]
     return now, later
 
 
+class _StreamClock:
+    """When a stream's rounds arrive: the last one and a moving average of the gap between them."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.period = 0.0
+
+    def arrived(self, now: float) -> None:
+        if self.last:
+            gap = now - self.last
+            self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
+        self.last = now
+
+    @property
+    def next_at(self) -> float:
+        return self.last + self.period
+
+    def busy(self, now: float) -> bool:
+        return self.period > 0 and now - self.last < 2 * self.period
+
+
 class Batcher:
     def __init__(
         self,
@@ -125,6 +146,7 @@ class Batcher:
         channels: TenantChannels,
         drop: Callable[[Session], None],
         clock: Callable[[], float] = time.monotonic,
+        window_s: float = 0.0,
     ):
         self.registry = registry
         self.sessions = sessions
@@ -134,14 +156,19 @@ class Batcher:
         self.drop = drop
         self.clock = clock
         self.submitted = 0  # rounds queued so far
+        # The longest a step waits for another busy stream's round, so that tenants share one forward.
+        self.window_s = window_s
+        self._clocks: dict[int, _StreamClock] = {}  # id(stream) -> its round arrivals
         self._queue: queue.Queue[_Queued] = queue.Queue()
         self._carry: list[_Queued] = []
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.submitted += 1
+        self._clocks.setdefault(id(stream), _StreamClock()).arrived(time.monotonic())
         self._queue.put(_Queued(stream, round))
 
     def end(self, stream: RoundStream) -> None:
+        self._clocks.pop(id(stream), None)
         self._queue.put(_Queued(stream, None))
 
     def wake(self) -> None:
@@ -163,6 +190,7 @@ class Batcher:
                 items = [self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()]
             except queue.Empty:
                 return False
+        self._wait_for_busy_streams(items)
         with self.lock:
             # Drain under the lock: rounds that arrive while another thread holds it join this step.
             while True:
@@ -174,6 +202,29 @@ class Batcher:
             works = self._step(items)
         self._deliver(works)
         return True
+
+    def _wait_for_busy_streams(self, items: list[_Queued]) -> None:
+        """Wait (at most window_s, and at most half this stream's round period) for the rounds other
+        busy streams are expected to send: tenants then share one forward, and as their replies leave
+        together their next rounds arrive together too. Whichever stream comes first waits, so any
+        two streams with similar periods fall into step within a round or two."""
+        if self.window_s <= 0:
+            return
+        now = time.monotonic()
+        present = {id(i.stream) for i in items}
+        own = min((self._clocks[s].period for s in present if s in self._clocks), default=0.0)
+        budget = min(self.window_s, own / 2)
+        expected = {s: c.next_at for s, c in self._clocks.items()
+                    if s not in present and c.busy(now) and c.next_at - now <= budget}
+        until = max(expected.values(), default=now) + 0.002  # a little slack for jitter
+        while not set(expected) <= {id(i.stream) for i in items}:
+            left = min(until, now + budget) - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                items.append(self._queue.get(timeout=left))
+            except queue.Empty:
+                return
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class EndpointConfig:
     max_len: int = 2048
     lease_s: float = 30.0  # for sessions opened with lease_s 0
     endpoint_id: str = ""
+    batch_window_s: float = 0.0  # see Batcher.window_s
 
 
 class Endpoint:
@@ -61,7 +62,8 @@ class Endpoint:
         self.metrics = EndpointMetrics()
         self.sessions = SessionTable(clock)
         self.lock = threading.RLock()
-        self.batcher = Batcher(registry, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock)
+        self.batcher = Batcher(registry, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock,
+                               config.batch_window_s)
         self._streams: set[RoundStream] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

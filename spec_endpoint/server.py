@@ -115,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--channel-host", default="127.0.0.1",
                         help="address targets reach this endpoint's tensor-channel store on")
     parser.add_argument("--endpoint-id", default="", help="name in the capacity API (default: host:port)")
+    parser.add_argument("--batch-window-ms", type=float, default=50.0,
+                        help="the longest a draft step waits for another busy tenant's expected round, to share "
+                             "one forward (also at most half that tenant's round period; 0: never wait)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -142,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
     config = EndpointConfig(
         max_sessions=args.max_sessions, max_len=args.max_len, lease_s=args.lease_s,
         endpoint_id=args.endpoint_id or f"{socket.gethostname()}:{port}",
+        batch_window_s=args.batch_window_ms / 1000,
     )
     channels = ChannelHost(host=args.channel_host, device=device)
     endpoint = Endpoint(registry, config, channel_host=channels)
