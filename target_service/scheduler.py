@@ -12,10 +12,12 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.decoding import Decoder, GenerationResult
 from engine.sampling import SamplingParams
+from engine.speculation_policy import SpeculationPolicy
 from target_service.metrics import TargetMetrics
 from target_service.speculation_client import SpeculationClient
 
@@ -46,8 +48,10 @@ class Request:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, client: SpeculationClient | None, metrics: TargetMetrics,
-                 model_name: str, max_queue: int = 1024):
+                 model_name: str, max_queue: int = 1024,
+                 policy_for: Callable[[set[int | None]], SpeculationPolicy | None] | None = None):
         self.decoder = decoder
+        self.policy_for = policy_for  # the draft-length policy for the drafter kinds now running
         self.client = client
         self.metrics = metrics
         self.model_name = model_name
@@ -114,6 +118,8 @@ class Scheduler:
                 self._apply_cancels(cancels)
                 self._admit()
                 if self.decoder.has_work:
+                    if self.policy_for is not None:
+                        self.decoder.policy = self.policy_for({r.drafter_kind for r in self._running.values()})
                     start = time.perf_counter()
                     moved = self.decoder.step()
                     self.metrics.step_seconds.observe(time.perf_counter() - start)

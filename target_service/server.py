@@ -23,7 +23,7 @@ from engine.gguf_loader import default_model_path, model_name
 from engine.model import Llama
 from engine.ngram import NgramDrafter, SuffixArrayDatastore
 from engine.sampling import SamplingParams
-from engine.speculation_policy import SpeculationPolicy, cached_step_costs
+from engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
 from engine.tokenizer import Tokenizer
 from specpool.serving import (
     MetricsHttpServer,
@@ -216,6 +216,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
 
+class PolicySelector:
+    """The hardware-aware draft length, charged for the endpoint's draft model only while a running
+    sequence uses it (n-gram drafting, local or remote, costs the target nothing measurable)."""
+
+    def __init__(self, target_costs: StepCosts):
+        self.free = SpeculationPolicy(target_costs, max_draft=16)
+        self.draft_model: SpeculationPolicy | None = None  # set once the endpoint tells its draft costs
+
+    def choose(self, kinds: set[int | None]) -> SpeculationPolicy:
+        if spec_pb.DRAFTER_KIND_DRAFT_MODEL in kinds and self.draft_model is not None:
+            return self.draft_model
+        return self.free
+
+
 def _events(req: Request, context):
     """The request's events until it is done; stops early when the client has gone."""
     while True:
@@ -268,19 +282,17 @@ def main(args: argparse.Namespace) -> int:
     datastore = None
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
-    policy = None
-    target_costs = None
+    policies = None
     if not args.draft_tokens:
         log.info("measuring verify-step costs of %s (cached after the first run)", name)
-        target_costs = cached_step_costs(model, name)
-        policy = SpeculationPolicy(target_costs, max_draft=16)
-    decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens, policy)
+        policies = PolicySelector(cached_step_costs(model, name))
+    decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens,
+                      policies.free if policies else None)
 
     def on_attach(capacity) -> None:
         metrics.endpoint_attached.set(1)
-        if target_costs is not None:
-            # The endpoint's draft model is charged per step; n-gram drafting is free.
-            decoder.policy = SpeculationPolicy(target_costs, client.draft_costs(), max_draft=8)
+        if policies is not None:
+            policies.draft_model = SpeculationPolicy(policies.free.target_costs, client.draft_costs(), max_draft=8)
 
     scheduler_ref: list[Scheduler] = []
 
@@ -295,7 +307,7 @@ def main(args: argparse.Namespace) -> int:
         on_fallback=on_fallback, on_attach=on_attach,
     )
     decoder.drafter = client
-    scheduler = Scheduler(decoder, client, metrics, name)
+    scheduler = Scheduler(decoder, client, metrics, name, policy_for=policies.choose if policies else None)
     scheduler_ref.append(scheduler)
 
     server, port = build_server(args.port, host=args.host, max_message_bytes=MAX_REQUEST_BYTES)

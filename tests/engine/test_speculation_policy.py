@@ -62,6 +62,14 @@ def test_draft_model_starts_only_when_its_catch_up_pays_back():
     assert costly.choose(1, 0.8, catch_up=1, remaining=1) == 3  # steady state: nothing to absorb
 
 
+def test_measured_rows_are_made_non_decreasing():
+    from engine.speculation_policy import _non_decreasing
+
+    # A noisy dip (s=2 measured cheaper than s=1) is pooled with its neighbour, by hand: (5+3)/2 = 4.
+    assert _non_decreasing([1.0, 5.0, 3.0, 6.0]) == [1.0, 4.0, 4.0, 6.0]
+    assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
+
 def test_acceptance_estimate_is_geometric_mle():
     est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
     for _ in range(100):
