@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     ss = sub.add_parser("serve-spec", help="serve the pooled speculation endpoint over gRPC")
     ss.set_defaults(func=lambda a: _server("spec_endpoint.server").main(a))
     _server("spec_endpoint.server").add_arguments(ss)
+    pl = sub.add_parser("plan", help="size the speculation pool for a demand mix from measured statistics")
+    pl.set_defaults(func=lambda a: _server("cluster.plan").main(a))
+    _server("cluster.plan").add_arguments(pl)
     return parser
 
 

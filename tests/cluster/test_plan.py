@@ -1,0 +1,107 @@
+"""`specpool plan`: the draft-pool sizing model on numbers small enough to check by hand."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from cluster.plan import load_demand, make_plan, stats_from_bench, write_svg
+from specpool.cli import main
+
+# One model, 2 req/s x 200 output tokens = 400 tokens/s of demand, utilization 1, no prompts.
+# One replica at batch 4: 100 tokens/s AR, 2.0x with a draft slot. An endpoint holds 4 sessions.
+# Costs: a target 1, an endpoint 0.5. A full replica holds 4 sequences, so with R replicas and n
+# endpoints f = min(1, 4n / 4R) and R replicas make 100 (R + min(R, n)) tokens/s.
+#   n=0: f=0, speedup 1, R = 400/100 = 4                     cost 4
+#   n=1: R=3 makes 100 (3+1) = 400 (R=2: 300, too few); f = 4/12 = 1/3, speedup 1 + 1/3 = 1.33
+#                                                            cost 3 + 0.5 = 3.5
+#   n=2: R=2 makes 100 (2+2) = 400 (R=1: 200); f = 8/8 = 1, speedup 2     cost 2 + 1 = 3  <- best
+#   n=3: R=2 still (R=1 makes 200); f = 1, speedup 2          cost 2 + 1.5 = 3.5
+# Every sequence is drafted from n=2 on, so the scan stops one endpoint later, at n=3.
+DEMAND = """
+models:
+  tiny:
+    requests_per_s: 2
+    mean_output_tokens: 200
+    tokens_per_s_ar: 100
+    speedup: 2.0
+    batch_size: 4
+costs: {target: 1, endpoint: 0.5}
+endpoint_sessions: 4
+utilization: 1.0
+"""
+
+
+@pytest.fixture
+def demand_file(tmp_path):
+    path = tmp_path / "demand.yaml"
+    path.write_text(DEMAND)
+    return path
+
+
+def test_hand_computed_plan(demand_file):
+    plan = make_plan(load_demand(demand_file))
+    table = [(r.endpoints, r.replicas["tiny"], round(r.slot_fraction, 3), round(r.mean_speedup, 3), r.cost)
+             for r in plan.rows]
+    assert table == [
+        (0, 4, 0.0, 1.0, 4.0),
+        (1, 3, 0.333, 1.333, 3.5),
+        (2, 2, 1.0, 2.0, 3.0),
+        (3, 2, 1.0, 2.0, 3.5),
+    ]
+    assert plan.best.endpoints == 2
+
+
+def test_prompt_tokens_and_utilization_add_replicas(tmp_path):
+    # 2 req/s x (200/1 + 0.5 x 100 prompt tokens) = 500 AR tokens/s at n=0; at utilization 0.5 a replica
+    # counts for 50 tokens/s: 10 replicas.
+    path = tmp_path / "demand.yaml"
+    path.write_text(DEMAND.replace("batch_size: 4", "batch_size: 4\n    prompt_tokens: 100")
+                    .replace("utilization: 1.0", "utilization: 0.5\nprefill_token_cost: 0.5"))
+    assert make_plan(load_demand(path), max_endpoints=0).rows[0].replicas == {"tiny": 10}
+
+
+def test_stats_from_bench_takes_largest_batch_and_fastest_mode():
+    report = {"model": "m.gguf", "results": [
+        {"mode": "ar", "batch_size": 1, "tokens_per_s": 10.0, "speedup_vs_ar": 1.0},
+        {"mode": "ar", "batch_size": 8, "tokens_per_s": 40.0, "speedup_vs_ar": 1.0},
+        {"mode": "sd", "batch_size": 8, "tokens_per_s": 60.0, "speedup_vs_ar": 1.5},
+        {"mode": "ngram", "batch_size": 8, "tokens_per_s": 48.0, "speedup_vs_ar": 1.2},
+        {"mode": "hf-ar", "batch_size": 8, "tokens_per_s": 99.0, "speedup_vs_ar": 9.0},
+    ]}
+    stats = stats_from_bench([report])["m"]
+    assert (stats.batch_size, stats.tokens_per_s_ar, stats.speedup, stats.mode) == (8, 40.0, 1.5, "sd")
+    assert stats_from_bench([report], fallback_mode="ngram")["m"].fallback_speedup == 1.2
+
+
+def test_speculation_slower_than_fallback_recommends_no_endpoints(demand_file, tmp_path):
+    path = tmp_path / "slow.yaml"
+    path.write_text(demand_file.read_text().replace("speedup: 2.0", "speedup: 0.9"))
+    plan = make_plan(load_demand(path))
+    assert plan.best.endpoints == 0 and plan.notes
+
+
+def test_cli_writes_a_valid_svg(demand_file, tmp_path, capsys):
+    out = tmp_path / "plan.svg"
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"model": "tiny.gguf", "results": [
+        {"mode": "ar", "batch_size": 4, "tokens_per_s": 100.0, "speedup_vs_ar": 1.0},
+        {"mode": "sd", "batch_size": 4, "tokens_per_s": 200.0, "speedup_vs_ar": 2.0},
+    ]}))
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200}\n"
+                     "costs: {endpoint: 0.5}\nendpoint_sessions: 4\nutilization: 1\n")
+    assert main(["plan", "--demand", str(plain), "--stats", str(bench), "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "recommendation: 2 speculation endpoint(s) and 2 x tiny" in printed
+    root = ET.parse(out).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 2  # speedup and cost
+
+
+def test_write_svg_with_a_single_row(demand_file, tmp_path):
+    out = tmp_path / "one.svg"
+    write_svg(make_plan(load_demand(demand_file), max_endpoints=0), out)
+    ET.parse(out)
