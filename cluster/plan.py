@@ -1,6 +1,7 @@
 """`specpool plan`: how many speculation endpoints (and target replicas) a demand mix needs.
 
-The model, from measured statistics (a `specpool bench` JSON, a live /capacity JSON, or numbers
+The model, from measured statistics (a `specpool bench` JSON; a live /capacity JSON, which gives
+the endpoints' session capacity and the speedups the targets' own policies predict; or numbers
 written into the demand file):
 
 - A target replica of model m runs at batch b_m. Decoding alone it produces tps_ar_m tokens/s
@@ -217,17 +218,38 @@ def stats_from_bench(reports: list[dict], batch_size: int | None = None, mode: s
     return stats
 
 
+def _get(report: dict, key: str, default=None):
+    """A field of a /capacity JSON by its proto name, in protobuf's JSON (camelCase) or as written."""
+    camel = key.split("_")[0] + "".join(w.title() for w in key.split("_")[1:])
+    return report.get(camel, report.get(key, default))
+
+
 def sessions_from_capacity(capacity: dict) -> int | None:
     """Per-endpoint session capacity from a /capacity JSON: an endpoint's own report
-    ({"maxSessions": ...}) or a list of them ({"endpoints": [...]}, the smallest counts)."""
+    ({"maxSessions": ...}) or a router's ({"endpoints": [...]}; the smallest counts)."""
     def one(report: dict) -> int | None:
-        value = report.get("maxSessions", report.get("max_sessions"))
+        value = _get(report, "max_sessions")
         return int(value) if value else None
 
     if isinstance(capacity.get("endpoints"), list):
         values = [v for v in map(one, capacity["endpoints"]) if v]
         return min(values) if values else None
     return one(capacity)
+
+
+def stats_from_capacity(capacity: dict) -> dict[str, ModelStats]:
+    """What a router's /capacity knows per model: its targets' batch size and the speedup their own
+    policies predict (the better of draft model and n-gram). It does not measure AR throughput:
+    tokens_per_s_ar stays 0 until --stats or the demand file gives it."""
+    stats = {}
+    for pool in capacity.get("pools") or []:
+        targets = _get(pool, "targets", [])
+        batches = sorted(int(_get(t, "max_batch", 0)) for t in targets if _get(t, "max_batch", 0))
+        speedup = max(float(_get(pool, "predicted_speedup_draft", 1.0) or 1.0),
+                      float(_get(pool, "predicted_speedup_ngram", 1.0) or 1.0))
+        stats[pool["model"]] = ModelStats(batch_size=batches[len(batches) // 2] if batches else 1,
+                                          tokens_per_s_ar=0.0, speedup=speedup, mode="predicted by the targets")
+    return stats
 
 
 def fetch_capacity(url: str, timeout_s: float = 10.0) -> dict:
@@ -254,12 +276,14 @@ def load_demand(path: Path, stats: dict[str, ModelStats] | None = None, sessions
             base = measured or ModelStats(batch_size=1, tokens_per_s_ar=0.0, speedup=1.0)
             measured = replace(
                 base, tokens_per_s_ar=float(item.get("tokens_per_s_ar", base.tokens_per_s_ar)),
-                speedup=float(item.get("speedup", base.speedup)), mode="demand file",
+                speedup=float(item.get("speedup", base.speedup)),
+                mode="demand file" if "speedup" in item else base.mode,
                 batch_size=int(item.get("batch_size", base.batch_size)),
                 fallback_speedup=float(item.get("fallback_speedup", base.fallback_speedup)),
             )
         if measured is not None and measured.tokens_per_s_ar <= 0:
-            raise ValueError(f"{path}: models.{name}: tokens_per_s_ar must be > 0")
+            raise ValueError(f"{path}: models.{name}: AR throughput unknown (a live /capacity does not measure it): "
+                             "give --stats BENCH_JSON or tokens_per_s_ar in the demand file")
         models.append(ModelDemand(
             name=name, requests_per_s=float(item["requests_per_s"]),
             mean_output_tokens=float(item["mean_output_tokens"]),
@@ -388,6 +412,8 @@ def main(args) -> int:
         sessions = sessions_from_capacity(capacity)
         if sessions is None:
             raise ValueError(f"{args.capacity_url}: no maxSessions in the capacity report")
+        for model, live in stats_from_capacity(capacity).items():
+            stats.setdefault(model, live)  # measured side by side (--stats) beats predicted
     demand = load_demand(Path(args.demand), stats, sessions)
     plan = make_plan(demand, args.max_endpoints)
     print(describe(plan))
@@ -404,7 +430,9 @@ def add_arguments(p) -> None:
                                                    "optional prompt_tokens; costs, endpoint_sessions")
     p.add_argument("--stats", action="append", default=[], metavar="BENCH_JSON",
                    help="`specpool bench` JSON (repeatable; e.g. one per batch size)")
-    p.add_argument("--capacity-url", default=None, help="a live /capacity JSON (endpoint session capacity)")
+    p.add_argument("--capacity-url", default=None,
+                   help="a live /capacity JSON: a router's (endpoint sessions, targets' batch and predicted "
+                        "speedups) or an endpoint's (its sessions)")
     p.add_argument("--batch-size", type=int, default=None, help="operating batch (default: the largest measured)")
     p.add_argument("--mode", default=None, help="pooled speculation mode (default: the fastest measured)")
     p.add_argument("--fallback-mode", default="ar", help="how a sequence without a slot decodes (ar or a measured "

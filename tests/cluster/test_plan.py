@@ -105,3 +105,21 @@ def test_write_svg_with_a_single_row(demand_file, tmp_path):
     out = tmp_path / "one.svg"
     write_svg(make_plan(load_demand(demand_file), max_endpoints=0), out)
     ET.parse(out)
+
+
+def test_live_capacity_gives_sessions_and_predicted_speedup(tmp_path, capsys):
+    # A router's /capacity (protobuf JSON): endpoints of 4 sessions, targets at batch 4 predicting 2.0x.
+    # AR throughput is not in it, so the demand file carries it: the hand-computed case again.
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps({
+        "pools": [{"model": "tiny", "predictedSpeedupDraft": 2.0, "predictedSpeedupNgram": 1.1,
+                   "targets": [{"maxBatch": 4}, {"maxBatch": 4}]}],
+        "endpoints": [{"id": "spec", "maxSessions": 4}],
+    }))
+    demand = tmp_path / "demand.yaml"
+    demand.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200, tokens_per_s_ar: 100}\n"
+                      "costs: {endpoint: 0.5}\nutilization: 1\n")
+    assert main(["plan", "--demand", str(demand), "--capacity-url", capacity.as_uri()]) == 0
+    assert "recommendation: 2 speculation endpoint(s) and 2 x tiny (cost 3" in capsys.readouterr().out
+    demand.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200}\n")
+    assert main(["plan", "--demand", str(demand), "--capacity-url", capacity.as_uri()]) == 2  # no AR throughput
