@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="size the speculation pool for a demand mix from measured statistics")
     pl.set_defaults(func=lambda a: _server("cluster.plan").main(a))
     _server("cluster.plan").add_arguments(pl)
+    up = sub.add_parser("up", help="start a local cluster (default: Redis, a router, two targets, one endpoint)")
+    up.set_defaults(func=lambda a: _server("cluster.up").main(a))
+    _server("cluster.up").add_arguments(up)
+    dm = sub.add_parser("demo", help="the local cluster, a short workload through its router: speedup vs AR")
+    dm.set_defaults(func=lambda a: _server("cluster.demo").main(a))
+    _server("cluster.demo").add_arguments(dm)
     return parser
 
 

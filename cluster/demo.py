@@ -1,0 +1,227 @@
+"""`specpool demo` (what `make run` runs): the embedded cluster, a short workload through its router.
+
+It starts the default cluster (cluster/default.yaml, every port picked free), then sends a handful
+of HumanEval prompts through the router, greedy, one request at a time. Each prompt goes twice,
+interleaved and in alternating order: once with speculation left to the router (AUTO: it plans
+draft model, n-gram or none from the targets' predicted speedups and leases a draft slot), once
+with speculation method NONE, the autoregressive baseline, on the same router and targets.
+Tokens/s is the client's view: tokens received over the time from sending the request to its
+final message. Greedy decoding is lossless, so both answers of a prompt must be the same tokens;
+the demo checks that too. Then it stops the cluster.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from cluster.up import Cluster, ClusterConfig, format_members
+from specpool.v1 import target_pb2 as pb
+from specpool.v1 import target_pb2_grpc
+
+AUTO, NONE = "auto", "none"
+METHODS = {AUTO: pb.SPECULATION_METHOD_AUTO, NONE: pb.SPECULATION_METHOD_NONE}
+LABELS = {AUTO: "speculation planned by the router", NONE: "none (AR baseline)"}
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    text: str
+    seconds: float  # send to final message, at the client
+    first_token_s: float
+    method: str  # what the target used
+    accept_len: float  # tokens per target step, bonus included
+
+
+@dataclass
+class Totals:
+    tokens: int = 0
+    seconds: float = 0.0
+    first_token_s: list[float] = field(default_factory=list)
+    steps_weighted: float = 0.0  # sum of tokens / accept_len = target steps
+    methods: dict[str, int] = field(default_factory=dict)
+
+    def add(self, a: Answer) -> None:
+        self.tokens += len(a.tokens)
+        self.seconds += a.seconds
+        self.first_token_s.append(a.first_token_s)
+        self.steps_weighted += len(a.tokens) / a.accept_len if a.accept_len else len(a.tokens)
+        self.methods[a.method] = self.methods.get(a.method, 0) + 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class DemoReport:
+    totals: dict[str, Totals]
+    same_as_ar: int  # prompts whose two answers are the same tokens
+    prompts: int
+
+    @property
+    def speedup(self) -> float:
+        ar = self.totals[NONE].tokens_per_s
+        return self.totals[AUTO].tokens_per_s / ar if ar else 0.0
+
+
+def load_prompts(workload: str, limit: int) -> list[tuple[str, str]]:
+    """(name, prompt text) of the first `limit` prompts: HumanEval, or a jsonl with "prompt" fields."""
+    if workload == "humaneval":
+        from bench.workloads import humaneval_path
+
+        path = humaneval_path()
+    else:
+        path = Path(workload)
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if "prompt" not in item:
+                raise ValueError(f"{path}: line {i + 1} has no 'prompt' field")
+            prompts.append((item.get("task_id", f"prompt {i}"), item["prompt"]))
+            if len(prompts) >= limit:
+                break
+    return prompts
+
+
+def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: str, max_tokens: int,
+        timeout_s: float = 300.0) -> Answer:
+    """One greedy request (text, or token ids for models without a tokenizer), streamed."""
+    request = pb.GenerateRequest(
+        max_tokens=max_tokens, sampling=pb.SamplingParams(temperature=0.0),
+        speculation=pb.SpeculationPreference(method=METHODS[mode]),
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_ids.ids.extend(prompt)
+    start = time.perf_counter()
+    first = None
+    final = None
+    for msg in stub.Generate(request, timeout=timeout_s):
+        if msg.HasField("delta") and first is None and msg.delta.token_ids:
+            first = time.perf_counter() - start
+        elif msg.HasField("final"):
+            final = msg.final
+    seconds = time.perf_counter() - start
+    if final is None or not final.completions:
+        raise RuntimeError("the router's stream ended without a final message")
+    c = final.completions[0]
+    return Answer(list(c.token_ids), c.text, seconds, first or seconds, c.speculation.method or "none",
+                  c.speculation.mean_accept_len)
+
+
+def generated_tokens(cluster: Cluster) -> dict[str, float]:
+    """Tokens each target service has emitted so far (from its /metrics)."""
+    out = {}
+    for tenant, server in cluster.targets.items():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        out[tenant] = sum(float(m.group(1)) for m in re.finditer(
+            r"^specpool_target_generated_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
+    return out
+
+
+def snippet(text: str, lines: int = 4, width: int = 88) -> str:
+    rows = [r.rstrip() for r in text.strip("\n").splitlines() if r.strip()][:lines]
+    return "\n".join("    | " + (r if len(r) <= width else r[: width - 3] + "...") for r in rows)
+
+
+def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_tokens: int,
+             out=sys.stdout) -> DemoReport:
+    def say(text: str = "") -> None:
+        print(text, file=out, flush=True)
+
+    totals = {AUTO: Totals(), NONE: Totals()}
+    same = 0
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        # Not measured: first requests pay for allocations, endpoint sessions and the router's first look.
+        for mode in (AUTO, NONE):
+            ask(stub, prompts[0][1], mode, 8)
+        before = generated_tokens(cluster)
+        for i, (name, prompt) in enumerate(prompts):
+            order = (AUTO, NONE) if i % 2 == 0 else (NONE, AUTO)
+            answers = {mode: ask(stub, prompt, mode, max_tokens) for mode in order}
+            for mode, a in answers.items():
+                totals[mode].add(a)
+            a, b = answers[AUTO], answers[NONE]
+            identical = a.tokens == b.tokens
+            same += identical
+            lines = [r for r in prompt.splitlines() if r.strip()] if isinstance(prompt, str) else []
+            head = next((r for r in lines if r.lstrip().startswith("def ")), lines[0] if lines else "")
+            say(f"[{name}] {head[:80]}")
+            say(f"  auto ({a.method}, {a.accept_len:.2f} tokens/step): {len(a.tokens) / a.seconds:5.1f} tokens/s   "
+                f"AR: {len(b.tokens) / b.seconds:5.1f} tokens/s   same tokens: {'yes' if identical else 'NO'}")
+            say(snippet(a.text))
+        after = generated_tokens(cluster)
+
+    ar = totals[NONE].tokens_per_s
+    say()
+    say(f"{'mode':<36} {'requests':>8} {'tokens':>7} {'tokens/s':>9} {'speedup':>8} {'TTFT s':>7} "
+        f"{'accept':>7}  methods")
+    for mode in (AUTO, NONE):
+        t = totals[mode]
+        accept = t.tokens / t.steps_weighted if t.steps_weighted else 0.0
+        ttft = sum(t.first_token_s) / len(t.first_token_s) if t.first_token_s else 0.0
+        methods = ", ".join(f"{k} x{v}" for k, v in sorted(t.methods.items()))
+        say(f"{LABELS[mode]:<36} {len(t.first_token_s):>8} {t.tokens:>7} {t.tokens_per_s:>9.1f} "
+            f"{(t.tokens_per_s / ar if ar else 0):>7.2f}x {ttft:>7.2f} {accept:>7.2f}  {methods}")
+    say(f"same tokens as AR: {same}/{len(prompts)} prompts (greedy speculation is lossless)")
+    served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    if served:
+        say("tokens served per tenant: " + ", ".join(f"{k} {v:.0f}" for k, v in served.items()))
+    say("accept = tokens per target step, bonus included; tokens/s as the client sees it, one request at a time, "
+        "both modes side by side in this run on this machine")
+    return DemoReport(totals, same, len(prompts))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="cluster YAML (default: the embedded default)")
+    p.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file with 'prompt' fields")
+    p.add_argument("--prompts", type=int, default=5, help="how many prompts (each is sent twice)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--verbose", action="store_true", help="echo every server's log lines to stderr")
+
+
+def main(args) -> int:
+    if args.prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--prompts and --max-tokens must be >= 1")
+    prompts = load_prompts(args.workload, args.prompts)
+    config = ClusterConfig.load(args.config).with_free_ports()
+    if config.routers.count < 1:
+        raise ValueError("the demo sends its requests through a router: the config needs routers.count >= 1")
+    started = time.monotonic()
+    print("specpool demo: starting the cluster (first run: the targets measure their step costs once, cached)",
+          flush=True)
+    cluster = Cluster.start(config, echo=args.verbose,
+                            progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
+    try:
+        print(f"cluster up in {time.monotonic() - started:.0f}s:")
+        print(format_members(cluster))
+        for note in cluster.notes:
+            print(f"note: {note}")
+        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, through the router at "
+              f"{cluster.router_address}; each prompt twice, interleaved: auto (router plans) and none (AR)\n",
+              flush=True)
+        run_demo(cluster, prompts, args.max_tokens)
+    finally:
+        print("stopping the cluster", file=sys.stderr, flush=True)
+        cluster.stop()
+    print(f"done in {time.monotonic() - started:.0f}s")
+    return 0
