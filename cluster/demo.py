@@ -168,7 +168,8 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
             say(f"[{name}] {head[:80]}")
             say(f"  auto ({a.method}, {a.accept_len:.2f} tokens/step): {len(a.tokens) / a.seconds:5.1f} tokens/s   "
                 f"AR: {len(b.tokens) / b.seconds:5.1f} tokens/s   same tokens: {'yes' if identical else 'NO'}")
-            say(snippet(a.text))
+            if a.text.strip():
+                say(snippet(a.text))
         after = generated_tokens(cluster)
 
     ar = totals[NONE].tokens_per_s

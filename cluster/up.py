@@ -291,7 +291,14 @@ class Cluster:
                 args += ["--threads", str(t.threads)]
             jobs[t.tenant] = (args + list(t.args), t.cpus, t.threads)
         say(f"targets: starting {', '.join(jobs) or 'none'} (loading models; the first run measures step costs)")
-        self.targets = self._start_tier(jobs, spawn)
+        # Targets of one model, dtype and thread count share a cached step-cost table: the first of
+        # each starts alone, so a first run measures it once and not under its siblings' load.
+        firsts: dict[tuple, str] = {}
+        for t in self.config.targets:
+            firsts.setdefault((t.model, t.dtype, t.threads), t.tenant)
+        leaders = set(firsts.values())
+        self.targets = self._start_tier({k: v for k, v in jobs.items() if k in leaders}, spawn)
+        self.targets |= self._start_tier({k: v for k, v in jobs.items() if k not in leaders}, spawn)
 
         r = self.config.routers
         jobs = {}
