@@ -221,6 +221,7 @@ class Cluster:
         self.targets: dict[str, ServerProcess] = {}
         self.routers: list[ServerProcess] = []
         self.notes: list[str] = []
+        self.pins: dict[str, list[int] | None] = {}  # the cores each server actually runs on (None: any)
         self._stopped = False
 
     # -- start -------------------------------------------------------------------------------------
@@ -333,14 +334,14 @@ class Cluster:
         return done
 
     def _pin(self, name: str, cpus, allowed: set[int]) -> list[int] | None:
-        if not cpus:
-            return None
-        missing = sorted(set(cpus) - allowed)
+        pin = list(cpus) if cpus else None
+        missing = sorted(set(cpus or ()) - allowed)
         if missing:
-            self.notes.append(f"{name}: cpus {list(cpus)} include {missing}, not available here "
-                              f"(have {sorted(allowed)}); running unpinned")
-            return None
-        return list(cpus)
+            self.notes.append(f"{name}: cpus {list(cpus)}: {missing} not available here (have {sorted(allowed)}); "
+                              "running unpinned")
+            pin = None
+        self.pins[name] = pin
+        return pin
 
     # -- use -----------------------------------------------------------------------------------------
 
@@ -355,18 +356,20 @@ class Cluster:
         return [r.address for r in self.routers]
 
     def members(self) -> list[Member]:
-        out = [Member("router", r.name, r.address, r.metrics_port, "Target API, the front door") for r in self.routers]
+        out = [Member("router", r.name, r.address, r.metrics_port,
+                      f"Target API (front door); capacity: http://127.0.0.1:{r.metrics_port}/capacity")
+               for r in self.routers]
         for t in self.config.targets:
             s = self.targets.get(t.tenant)
             if s is not None:
                 out.append(Member("target", t.tenant, s.address, s.metrics_port,
                                   f"{Path(t.model).name if t.model else 'SmolLM2-135M-Instruct'}, "
-                                  f"batch {t.max_batch}, cpus {_cpus_text(t.cpus)}"))
+                                  f"batch {t.max_batch}, cpus {_cpus_text(self.pins.get(t.tenant))}"))
         for e in self.config.endpoints:
             s = self.endpoints.get(e.name)
             if s is not None:
                 out.append(Member("endpoint", e.name, s.address, s.metrics_port,
-                                  f"{e.max_sessions} sessions, cpus {_cpus_text(e.cpus)}"))
+                                  f"{e.max_sessions} sessions, cpus {_cpus_text(self.pins.get(e.name))}"))
         if self.redis_url:
             out.append(Member("redis", "registry", self.redis_url, 0,
                               "started here" if self.redis is not None else "external"))
