@@ -6,9 +6,11 @@ written into the demand file):
 
 - A target replica of model m runs at batch b_m. Decoding alone it produces tps_ar_m tokens/s
   (the batch's total; bench mode `ar` at batch b). A sequence that holds a draft slot on an
-  endpoint speculates and its share of the replica runs `speedup_m` times faster (the best
-  speculative mode measured at batch b, `speedup_vs_ar`); one without a slot decodes with the
-  fallback (AR, speedup 1, unless the demand file names a local mode such as `ngram`).
+  endpoint drafts with the draft model and its share of the replica runs s_m times faster (the
+  fastest draft-model mode measured at batch b, sd/ssd, `speedup_vs_ar`; or what the targets'
+  policies predict). One without a slot gets what the router gives it then: n-gram drafting,
+  which needs no slot, when that beats AR (speedup s0_m, measured `ngram`), else AR (s0_m = 1).
+  `--fallback-mode ar` makes the simplest model: a slot buys s_m, no slot is AR.
 - An endpoint serves up to C concurrent sessions (its capacity: /capacity's maxSessions, the
   demand file's `endpoint_sessions`, or by default the batch size the bench measured, since the
   bench's drafter served that many sequences at that speedup).
@@ -51,6 +53,7 @@ class ModelStats:
     speedup: float  # with a draft slot (the pooled mode)
     mode: str = "measured"  # which measured mode gave `speedup`
     fallback_speedup: float = 1.0  # without a slot (1: AR)
+    fallback_mode: str = "ar"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,8 @@ def make_plan(demand: Demand, max_endpoints: int | None = None) -> Plan:
             break
     notes = []
     if all(m.stats.speedup <= m.stats.fallback_speedup for m in demand.models):
-        notes.append("speculation is not faster than the fallback at these batch sizes: endpoints add only cost")
+        notes.append("a draft slot is not faster than decoding without one (the fallback) at these batch sizes: "
+                     "endpoints add only cost")
     return Plan(tuple(rows), sessions, demand, tuple(notes))
 
 
@@ -176,13 +180,33 @@ def _wire_name(model: str) -> str:
     return model.removesuffix(".gguf")
 
 
+DRAFT_MODEL_MODES = ("sd", "ssd")  # bench modes (and their -remote/:K variants) that hold a draft slot
+NGRAM_MODES = ("ngram",)  # drafting a target does without a slot (the router's fallback)
+
+
+def _family(mode: str) -> str:
+    return mode.split(":")[0].removesuffix("-remote")
+
+
+def _pick_mode(speedups: dict[str, float], wanted: str | None, families: tuple[str, ...],
+               where: str) -> tuple[str, float] | None:
+    """(mode, speedup): `wanted`, else the fastest measured mode of these families (None: none measured)."""
+    if wanted is not None:
+        if wanted not in speedups:
+            raise ValueError(f"{where}: no mode {wanted!r} (measured: {sorted(speedups)})")
+        return wanted, speedups[wanted]
+    found = [(m, v) for m, v in speedups.items() if _family(m) in families]
+    return max(found, key=lambda mv: mv[1], default=None)
+
+
 def stats_from_bench(reports: list[dict], batch_size: int | None = None, mode: str | None = None,
-                     fallback_mode: str = "ar") -> dict[str, ModelStats]:
+                     fallback_mode: str | None = None) -> dict[str, ModelStats]:
     """ModelStats per model (wire name) from `specpool bench` reports (merged; later files win).
 
-    The operating batch is `batch_size` or the largest one with an `ar` result; the pooled mode is
-    `mode` or the fastest measured one: among the pooled `-remote` modes when the bench ran them,
-    else among all (transformers' hf-* peers excluded)."""
+    The operating batch is `batch_size` or the largest one with an `ar` result. What a draft slot
+    buys is `mode` or the fastest draft-model mode (sd, ssd; a draft slot is what the router leases
+    for them); without a slot a sequence gets `fallback_mode` or, as the router decides, the fastest
+    n-gram mode when it beats AR (n-gram drafting needs no slot), else AR."""
     by_model: dict[str, dict[tuple[str, int], dict]] = {}
     for report in reports:
         results = by_model.setdefault(_wire_name(report.get("model", "")), {})
@@ -196,25 +220,18 @@ def stats_from_bench(reports: list[dict], batch_size: int | None = None, mode: s
         b = batch_size or batches[-1]
         if ("ar", b) not in results:
             raise ValueError(f"bench results for {model!r} have no 'ar' run at batch {b} (measured: {batches})")
-        candidates = {m: r for (m, bb), r in results.items() if bb == b and m != "ar" and not m.startswith("hf-")}
-        pooled = {m: r for m, r in candidates.items() if m.endswith("-remote")}
-        if mode is not None:
-            if mode not in candidates:
-                raise ValueError(f"bench results for {model!r} have no mode {mode!r} at batch {b}")
-            candidates = {mode: candidates[mode]}
-        elif pooled:
-            candidates = pooled  # measured through a speculation endpoint: what the pool provides
-        best = max(candidates, key=lambda m: candidates[m]["speedup_vs_ar"], default=None)
-        fallback = 1.0
-        if fallback_mode != "ar":
-            if (fallback_mode, b) not in results:
-                raise ValueError(f"bench results for {model!r} have no fallback mode {fallback_mode!r} at batch {b}")
-            fallback = results[(fallback_mode, b)]["speedup_vs_ar"]
-        stats[model] = ModelStats(
-            batch_size=b, tokens_per_s_ar=results[("ar", b)]["tokens_per_s"],
-            speedup=candidates[best]["speedup_vs_ar"] if best else 1.0, mode=best or "none",
-            fallback_speedup=fallback,
-        )
+        at_b = {m: r["speedup_vs_ar"] for (m, bb), r in results.items() if bb == b}
+        where = f"bench results for {model!r} at batch {b}"
+        pooled = _pick_mode(at_b, mode, DRAFT_MODEL_MODES, where) or ("none", 1.0)
+        if fallback_mode == "ar":
+            fallback = ("ar", 1.0)
+        else:
+            fallback = _pick_mode(at_b, fallback_mode, NGRAM_MODES, where)
+            if fallback is None or (fallback_mode is None and fallback[1] <= 1.0):
+                fallback = ("ar", 1.0)  # the router does not draft where it loses
+        stats[model] = ModelStats(batch_size=b, tokens_per_s_ar=results[("ar", b)]["tokens_per_s"],
+                                  speedup=pooled[1], mode=pooled[0],
+                                  fallback_speedup=fallback[1], fallback_mode=fallback[0])
     return stats
 
 
@@ -238,17 +255,21 @@ def sessions_from_capacity(capacity: dict) -> int | None:
 
 
 def stats_from_capacity(capacity: dict) -> dict[str, ModelStats]:
-    """What a router's /capacity knows per model: its targets' batch size and the speedup their own
-    policies predict (the better of draft model and n-gram). It does not measure AR throughput:
-    tokens_per_s_ar stays 0 until --stats or the demand file gives it."""
+    """What a router's /capacity knows per model: its targets' batch size and the speedups their own
+    policies predict, with the draft model (a slot) and with n-gram drafting (no slot; the router's
+    fallback). It does not measure AR throughput: tokens_per_s_ar stays 0 until --stats or the
+    demand file gives it."""
     stats = {}
     for pool in capacity.get("pools") or []:
         targets = _get(pool, "targets", [])
         batches = sorted(int(_get(t, "max_batch", 0)) for t in targets if _get(t, "max_batch", 0))
-        speedup = max(float(_get(pool, "predicted_speedup_draft", 1.0) or 1.0),
-                      float(_get(pool, "predicted_speedup_ngram", 1.0) or 1.0))
-        stats[pool["model"]] = ModelStats(batch_size=batches[len(batches) // 2] if batches else 1,
-                                          tokens_per_s_ar=0.0, speedup=speedup, mode="predicted by the targets")
+        draft = float(_get(pool, "predicted_speedup_draft", 1.0) or 1.0)
+        ngram = float(_get(pool, "predicted_speedup_ngram", 1.0) or 1.0)
+        stats[pool["model"]] = ModelStats(
+            batch_size=batches[len(batches) // 2] if batches else 1, tokens_per_s_ar=0.0, speedup=draft,
+            mode="draft model, predicted by the targets", fallback_speedup=max(1.0, ngram),
+            fallback_mode="ngram, predicted" if ngram > 1.0 else "ar",
+        )
     return stats
 
 
@@ -325,7 +346,7 @@ def describe(plan: Plan) -> str:
         s = m.stats
         lines.append(f"{m.name}: {m.requests_per_s:g} req/s x {m.mean_output_tokens:g} tokens; one replica at batch "
                      f"{s.batch_size}: {s.tokens_per_s_ar:g} tokens/s AR, {s.speedup:.2f}x with a draft slot "
-                     f"({s.mode}), {s.fallback_speedup:.2f}x without")
+                     f"({s.mode}), {s.fallback_speedup:.2f}x without ({s.fallback_mode})")
     lines.append(f"endpoint capacity: {plan.endpoint_sessions} sessions; costs: endpoint {plan.demand.endpoint_cost:g}, "
                  f"utilization {plan.demand.utilization:g}")
     b = plan.best
@@ -434,8 +455,10 @@ def add_arguments(p) -> None:
                    help="a live /capacity JSON: a router's (endpoint sessions, targets' batch and predicted "
                         "speedups) or an endpoint's (its sessions)")
     p.add_argument("--batch-size", type=int, default=None, help="operating batch (default: the largest measured)")
-    p.add_argument("--mode", default=None, help="pooled speculation mode (default: the fastest measured)")
-    p.add_argument("--fallback-mode", default="ar", help="how a sequence without a slot decodes (ar or a measured "
-                                                           "local mode such as ngram)")
+    p.add_argument("--mode", default=None,
+                   help="bench mode a draft slot buys (default: the fastest draft-model mode, sd/ssd)")
+    p.add_argument("--fallback-mode", default=None,
+                   help="bench mode without a slot: ar, or e.g. ngram (default: the fastest n-gram mode when it "
+                        "beats AR, as the router falls back)")
     p.add_argument("--max-endpoints", type=int, default=None, help="scan 0..N endpoints (default: until all drafted)")
     p.add_argument("--plot", default=None, help="write an SVG of speedup and cost against endpoints here")

@@ -63,7 +63,7 @@ def test_prompt_tokens_and_utilization_add_replicas(tmp_path):
     assert make_plan(load_demand(path), max_endpoints=0).rows[0].replicas == {"tiny": 10}
 
 
-def test_stats_from_bench_takes_largest_batch_and_fastest_mode():
+def test_stats_from_bench_takes_largest_batch_draft_model_mode_and_ngram_fallback():
     report = {"model": "m.gguf", "results": [
         {"mode": "ar", "batch_size": 1, "tokens_per_s": 10.0, "speedup_vs_ar": 1.0},
         {"mode": "ar", "batch_size": 8, "tokens_per_s": 40.0, "speedup_vs_ar": 1.0},
@@ -73,7 +73,9 @@ def test_stats_from_bench_takes_largest_batch_and_fastest_mode():
     ]}
     stats = stats_from_bench([report])["m"]
     assert (stats.batch_size, stats.tokens_per_s_ar, stats.speedup, stats.mode) == (8, 40.0, 1.5, "sd")
-    assert stats_from_bench([report], fallback_mode="ngram")["m"].fallback_speedup == 1.2
+    assert (stats.fallback_speedup, stats.fallback_mode) == (1.2, "ngram")  # n-gram drafting needs no slot
+    assert stats_from_bench([report], fallback_mode="ar")["m"].fallback_speedup == 1.0
+    assert stats_from_bench([report], batch_size=1)["m"].speedup == 1.0  # nothing but AR measured at batch 1
 
 
 def test_speculation_slower_than_fallback_recommends_no_endpoints(demand_file, tmp_path):
@@ -108,11 +110,12 @@ def test_write_svg_with_a_single_row(demand_file, tmp_path):
 
 
 def test_live_capacity_gives_sessions_and_predicted_speedup(tmp_path, capsys):
-    # A router's /capacity (protobuf JSON): endpoints of 4 sessions, targets at batch 4 predicting 2.0x.
+    # A router's /capacity (protobuf JSON): endpoints of 4 sessions, targets at batch 4 predicting 2.0x with
+    # the draft model and 0.9x with n-gram drafting (so a sequence without a slot runs AR).
     # AR throughput is not in it, so the demand file carries it: the hand-computed case again.
     capacity = tmp_path / "capacity.json"
     capacity.write_text(json.dumps({
-        "pools": [{"model": "tiny", "predictedSpeedupDraft": 2.0, "predictedSpeedupNgram": 1.1,
+        "pools": [{"model": "tiny", "predictedSpeedupDraft": 2.0, "predictedSpeedupNgram": 0.9,
                    "targets": [{"maxBatch": 4}, {"maxBatch": 4}]}],
         "endpoints": [{"id": "spec", "maxSessions": 4}],
     }))
