@@ -369,7 +369,7 @@ def write_svg(plan: Plan, path: Path) -> None:
     speedups = [r.mean_speedup for r in plan.rows]
     costs = [r.cost for r in plan.rows]
     x_max = max(max(xs), 1)
-    s_lo, s_hi = _axis_range(speedups, floor=0.0)
+    s_lo, s_hi = _axis_range(speedups, floor=1.0)  # from AR up: the differences are what matter
     c_lo, c_hi = _axis_range(costs, floor=0.0)
 
     def px(x: float) -> float:
