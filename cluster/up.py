@@ -8,9 +8,12 @@ Redis. Other topologies are other files (cluster/examples/). As a library:
         stub = TargetServiceStub(grpc.insecure_channel(cluster.router_address))
 
 Servers start tier by tier (Redis, endpoints, targets, routers; the servers of one tier in
-parallel) and each counts as up once its gRPC health service reports `readiness` SERVING. stop()
-drains in the opposite order: SIGTERM to every server of a tier (each drains its in-flight
-requests), wait, then the next tier.
+parallel, except that the first target of each model starts before its siblings, so a first run
+measures the shared step-cost table once) and each counts as up once its gRPC health service
+reports `readiness` SERVING. A server's `cpus` pin it with taskset (cores this machine lacks:
+unpinned, with a note) and its `threads` set torch's and OpenMP's thread counts. stop() drains
+front to back: SIGTERM to every router (each drains its in-flight requests), wait, then the
+targets, then the endpoints, then Redis.
 """
 
 from __future__ import annotations
