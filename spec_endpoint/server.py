@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=50.0,
                         help="the longest a draft step waits for another busy tenant's expected round, to share "
                              "one forward (also at most half that tenant's round period; 0: never wait)")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="register in the cluster registry at this Redis (heartbeats; default: none)")
+    parser.add_argument("--advertise-host", default="127.0.0.1", help="host targets and routers reach this on")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -157,10 +160,24 @@ def main(args: argparse.Namespace) -> int:
     metrics.start()
     endpoint.start()
     server.start()
+    heartbeat = None
+    if args.redis:
+        from spec_endpoint.registration import heartbeat_fields
+        from specpool.registry import Heartbeat
+
+        address = f"{args.advertise_host}:{port}"
+        heartbeat = Heartbeat(args.redis, "endpoint", config.endpoint_id,
+                              lambda: heartbeat_fields(endpoint.capacity(), address)).start()
     log.info("serving SpeculationService on port %d, metrics on port %d", port, metrics.port)
     health.set_ready(True)
+
+    def drain() -> None:
+        if heartbeat is not None:
+            heartbeat.stop()  # routers stop leasing its slots at once
+        endpoint.drain()
+
     try:
-        serving.serve_until_signal(server, health, on_drain=endpoint.drain, metrics=metrics)
+        serving.serve_until_signal(server, health, on_drain=drain, metrics=metrics)
     finally:
         endpoint.stop()  # also closes the tensor channels
     return 0

@@ -266,6 +266,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore for local drafting ('' for none)")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="register in the cluster registry at this Redis (heartbeats; default: none)")
+    p.add_argument("--advertise-host", default="127.0.0.1", help="host routers reach this service on")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -320,11 +323,23 @@ def main(args: argparse.Namespace) -> int:
     if args.spec_endpoint:
         client.wait_attached(5.0)
     health.set_ready(True)
+    heartbeat = None
+    if args.redis:
+        from specpool.registry import Heartbeat
+        from target_service.registration import HeartbeatFields
+
+        address = f"{args.advertise_host}:{port}"
+        fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
+                                 policies.free if policies else None,
+                                 lambda: policies.draft_model if policies else None)
+        heartbeat = Heartbeat(args.redis, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
 
     def drain() -> None:
         scheduler.accepting = False
+        if heartbeat is not None:
+            heartbeat.stop()  # routers stop sending new work at once
 
     serve_until_signal(server, health, args.grace_s, on_drain=drain, metrics=metrics_server)
     scheduler.stop()

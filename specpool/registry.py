@@ -1,0 +1,386 @@
+"""The cluster registry in Redis: who serves what (TTL heartbeats) and who holds which draft slot (leases).
+
+Schema (prefix "specpool" by default; every value is a string; ID is a member id, EP an endpoint id):
+
+    specpool:targets                 set of target ids (an index; readers prune ids whose hash is gone)
+    specpool:target:ID               hash of TargetRegistration fields; expires ttl_s after the last beat
+    specpool:endpoints               set of endpoint ids
+    specpool:endpoint:ID             hash of EndpointRegistration fields; expires ttl_s after the last beat
+    specpool:leases:{EP}             sorted set: lease id -> expiry (Redis server time, ms)
+    specpool:lease-tenants:{EP}      hash: lease id -> tenant
+
+The two lease keys share a hash tag ({endpoint_id}), so one Lua script may touch both on a Redis
+Cluster too. Both expire once their newest lease could have run out.
+
+Publishers (target services, speculation endpoints) run a `Heartbeat`; readers (router replicas)
+use `Registry`. Nothing lives only in a process: a Redis that restarts empty is refilled by the next
+beats, and a lease whose holder died expires on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+PREFIX = "specpool"
+Kind = Literal["target", "endpoint"]
+KINDS: tuple[str, ...] = ("target", "endpoint")
+
+
+@dataclass(frozen=True, slots=True)
+class TargetRegistration:
+    id: str  # the address a router reaches it on, host:port
+    address: str
+    model: str
+    tenant: str = ""  # its service id towards speculation endpoints
+    max_batch: int = 0
+    running: int = 0  # sequences in the batch
+    queued: int = 0  # requests waiting for a slot
+    spec_endpoint: str = ""  # address of its speculation endpoint ("" none)
+    mean_accept_len: float = 0.0  # measured tokens per target step, bonus included (0: no data yet)
+    # What its own hardware-aware policy predicts at batch size running + 1 (1.0: not known).
+    predicted_speedup_draft: float = 1.0
+    predicted_speedup_ngram: float = 1.0
+    methods: tuple[str, ...] = ()  # speculation it can do: draft_model, ngram, ssd
+    updated: float = 0.0  # unix seconds of the beat
+
+    @property
+    def load(self) -> int:
+        return self.running + self.queued
+
+    @property
+    def free(self) -> int:
+        return max(0, self.max_batch - self.load)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRegistration:
+    id: str
+    address: str
+    models: tuple[str, ...] = ()  # target models it drafts for
+    max_sessions: int = 0
+    active_sessions: int = 0
+    draft_busy_ratio: float = 0.0  # 0-1
+    acceptance: float = 0.0  # accepted / drafted tokens, all tenants (0-1)
+    hit_ratio: float = 0.0  # SSD speculation-cache hits / lookups (0-1)
+    updated: float = 0.0
+
+
+RECORDS: dict[str, type] = {"target": TargetRegistration, "endpoint": EndpointRegistration}
+
+
+def member_key(prefix: str, kind: str, member_id: str) -> str:
+    return f"{prefix}:{kind}:{member_id}"
+
+
+def index_key(prefix: str, kind: str) -> str:
+    return f"{prefix}:{kind}s"
+
+
+def lease_keys(prefix: str, endpoint_id: str) -> list[str]:
+    return [f"{prefix}:leases:{{{endpoint_id}}}", f"{prefix}:lease-tenants:{{{endpoint_id}}}"]
+
+
+def encode_fields(fields: Mapping[str, object]) -> dict[str, str]:
+    """Hash values: lists joined by commas, booleans 1/0, the rest str()."""
+    out = {}
+    for name, value in fields.items():
+        if isinstance(value, (list, tuple, set, frozenset)):
+            out[name] = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            out[name] = "1" if value else "0"
+        else:
+            out[name] = str(value)
+    return out
+
+
+def decode_record(cls: type, raw: Mapping[str, str]):
+    """A registration from its hash; unknown fields are ignored, missing or malformed ones keep defaults."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        text = raw[f.name]
+        try:
+            if f.type == "int":
+                kwargs[f.name] = int(float(text))
+            elif f.type == "float":
+                kwargs[f.name] = float(text)
+            elif f.type.startswith("tuple"):
+                kwargs[f.name] = tuple(x for x in text.split(",") if x)
+            else:
+                kwargs[f.name] = text
+        except ValueError:
+            log.warning("registry: %s.%s=%r is not a %s; ignored", cls.__name__, f.name, text, f.type)
+    return cls(**kwargs)
+
+
+def connect(redis_url: str, timeout_s: float = 1.0) -> redis.Redis:
+    """A client that fails fast while Redis is down and reconnects once it is back (one quick retry,
+    which absorbs the stale pooled connection a restart leaves behind)."""
+    return redis.Redis.from_url(
+        redis_url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+# -- publishers ---------------------------------------------------------------------------------------
+
+
+class Heartbeat:
+    """Publishes one member's fields every interval_s under a TTL of ttl_s, from a daemon thread.
+
+    fields_fn() is read on every beat (live load); `id` and `updated` are added. Redis being down
+    only delays the next beat: the thread keeps trying, and a restarted Redis is refilled. A
+    fields_fn that raises skips the beat, so a broken member drops out when its TTL runs out.
+    """
+
+    def __init__(self, redis_url: str, kind: Kind, member_id: str, fields_fn: Callable[[], dict],
+                 ttl_s: float = 5.0, interval_s: float = 1.0, prefix: str = PREFIX):
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        if not member_id:
+            raise ValueError("member_id must not be empty")
+        if not 0 < interval_s < ttl_s:
+            raise ValueError(f"need 0 < interval_s < ttl_s, got {interval_s} and {ttl_s}")
+        self.kind = kind
+        self.member_id = member_id
+        self.fields_fn = fields_fn
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self.prefix = prefix
+        self.key = member_key(prefix, kind, member_id)
+        self._client = connect(redis_url, timeout_s=min(1.0, interval_s))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._healthy = True
+        self.beats = 0  # successful writes
+
+    def start(self) -> Heartbeat:
+        if self._thread is not None:
+            raise RuntimeError("Heartbeat already started")
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.kind}", daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self) -> bool:
+        """One write; True when Redis took it."""
+        try:
+            fields = encode_fields({**self.fields_fn(), "id": self.member_id, "updated": f"{time.time():.3f}"})
+        except Exception:
+            log.exception("heartbeat %s: reading fields failed; beat skipped", self.key)
+            return False
+        try:
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.delete(self.key)  # fields a member stops sending do not linger
+                pipe.hset(self.key, mapping=fields)
+                pipe.pexpire(self.key, int(self.ttl_s * 1000))
+                pipe.sadd(index_key(self.prefix, self.kind), self.member_id)
+                pipe.execute()
+        except redis.RedisError as e:
+            if self._healthy:
+                log.warning("heartbeat %s: Redis unavailable (%s); retrying every %.1fs",
+                            self.key, e, self.interval_s)
+            self._healthy = False
+            return False
+        if not self._healthy:
+            log.info("heartbeat %s: Redis is back; registered again", self.key)
+        self._healthy = True
+        self.beats += 1
+        return True
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stops beating; deregister=False leaves the entry to expire (as a crashed member's would)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if deregister:
+            try:
+                self._client.delete(self.key)
+                self._client.srem(index_key(self.prefix, self.kind), self.member_id)
+            except redis.RedisError as e:
+                log.warning("heartbeat %s: could not deregister (%s); it expires in %.1fs", self.key, e, self.ttl_s)
+        self._client.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.beat()
+            self._stop.wait(self.interval_s)
+
+
+# -- draft-slot leases (atomic, in Lua) ----------------------------------------------------------------
+
+# A lease is granted when, after granting it, every other tenant's unused guarantee still fits in the
+# free slots: tenant t is guaranteed floor(capacity * w_t / sum w) slots, may borrow beyond that only
+# slots nobody reserves, and tenants without a weight hold no guarantee. Expired leases are dropped
+# first; acquiring a lease id already held renews it (a retried call is idempotent).
+_PRUNE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  redis.call('HDEL', KEYS[2], unpack(expired))
+end
+"""
+
+_KEEP_KEYS = """
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+"""
+
+ACQUIRE_LUA = _PRUNE + """
+local me, lease, capacity, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+if redis.call('ZSCORE', KEYS[1], lease) then
+  redis.call('ZADD', KEYS[1], now + ttl, lease)
+""" + _KEEP_KEYS + """
+  return 1
+end
+local used, total = {}, 0
+for _, tenant in ipairs(redis.call('HVALS', KEYS[2])) do
+  used[tenant] = (used[tenant] or 0) + 1
+  total = total + 1
+end
+local weights, wsum = {}, 0
+for i = 5, #ARGV, 2 do
+  local w = tonumber(ARGV[i + 1])
+  weights[ARGV[i]] = w
+  wsum = wsum + w
+end
+local reserved = 0
+if wsum > 0 then
+  for tenant, w in pairs(weights) do
+    if tenant ~= me then
+      local guaranteed = math.floor(capacity * w / wsum + 1e-9)
+      reserved = reserved + math.max(0, guaranteed - (used[tenant] or 0))
+    end
+  end
+end
+if capacity - total - reserved < 1 then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + ttl, lease)
+redis.call('HSET', KEYS[2], lease, me)
+""" + _KEEP_KEYS + """
+return 1
+"""
+
+RENEW_LUA = _PRUNE + """
+local lease, ttl = ARGV[1], tonumber(ARGV[2])
+if not redis.call('ZSCORE', KEYS[1], lease) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + ttl, lease)
+""" + _KEEP_KEYS + """
+return 1
+"""
+
+RELEASE_LUA = """
+redis.call('HDEL', KEYS[2], ARGV[1])
+return redis.call('ZREM', KEYS[1], ARGV[1])
+"""
+
+HELD_LUA = _PRUNE + """
+return redis.call('HVALS', KEYS[2])
+"""
+
+
+def guarantees(capacity: int, shares: Mapping[str, float]) -> dict[str, int]:
+    """Slots reserved for each tenant: floor(capacity * w / sum w) (what ACQUIRE_LUA computes)."""
+    total = sum(shares.values())
+    if total <= 0:
+        return {t: 0 for t in shares}
+    return {t: int(capacity * w / total + 1e-9) for t, w in shares.items()}
+
+
+# -- the reader --------------------------------------------------------------------------------------
+
+
+class Registry:
+    """Live targets and endpoints, and draft-slot leases; every call is one or two Redis round trips.
+
+    Calls raise redis.RedisError while Redis is unreachable: callers decide what an outage means.
+    """
+
+    def __init__(self, redis_url: str, prefix: str = PREFIX, timeout_s: float = 1.0):
+        self.prefix = prefix
+        self.client = connect(redis_url, timeout_s)
+        self._acquire = self.client.register_script(ACQUIRE_LUA)
+        self._renew = self.client.register_script(RENEW_LUA)
+        self._release = self.client.register_script(RELEASE_LUA)
+        self._held = self.client.register_script(HELD_LUA)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- members
+
+    def targets(self) -> list[TargetRegistration]:
+        return self._members("target")
+
+    def endpoints(self) -> list[EndpointRegistration]:
+        return self._members("endpoint")
+
+    def _members(self, kind: str) -> list:
+        index = index_key(self.prefix, kind)
+        ids = sorted(self.client.smembers(index))
+        if not ids:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            for member_id in ids:
+                pipe.hgetall(member_key(self.prefix, kind, member_id))
+            hashes = pipe.execute()
+        gone = [member_id for member_id, raw in zip(ids, hashes) if not raw]
+        if gone:
+            # Expired members leave their id in the index; a live one re-adds itself on its next beat.
+            self.client.srem(index, *gone)
+        return [decode_record(RECORDS[kind], raw) for raw in hashes if raw]
+
+    # -- leases
+
+    def acquire(self, endpoint_id: str, tenant: str, lease_id: str, capacity: int,
+                shares: Mapping[str, float], ttl_s: float) -> bool:
+        """Takes one draft slot on endpoint_id for tenant, or returns False (see ACQUIRE_LUA)."""
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        bad = {t: w for t, w in shares.items() if not w > 0}
+        if bad:
+            raise ValueError(f"share weights must be > 0, got {bad}")
+        args: list[object] = [tenant, lease_id, capacity, _ms(ttl_s)]
+        for t, w in sorted(shares.items()):
+            args += [t, repr(float(w))]
+        return bool(self._acquire(keys=lease_keys(self.prefix, endpoint_id), args=args))
+
+    def renew(self, endpoint_id: str, lease_id: str, ttl_s: float) -> bool:
+        """Extends a held lease to ttl_s from now; False when it is gone (expired or released)."""
+        return bool(self._renew(keys=lease_keys(self.prefix, endpoint_id), args=[lease_id, _ms(ttl_s)]))
+
+    def release(self, endpoint_id: str, lease_id: str) -> bool:
+        """Frees the slot; False when the lease was not held (already released or expired)."""
+        return bool(self._release(keys=lease_keys(self.prefix, endpoint_id), args=[lease_id]))
+
+    def held(self, endpoint_id: str) -> dict[str, int]:
+        """Live leases on endpoint_id per tenant."""
+        counts: dict[str, int] = {}
+        for tenant in self._held(keys=lease_keys(self.prefix, endpoint_id)):
+            counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))

@@ -1,0 +1,70 @@
+"""What a target service tells the registry on every heartbeat: address, load and predicted speedups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.decoding import Decoder
+from engine.speculation_policy import SpeculationPolicy, expected_tokens
+from target_service.metrics import TargetMetrics
+from target_service.scheduler import Scheduler
+from target_service.speculation_client import SpeculationClient
+
+
+def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, alpha: float) -> float:
+    """Best speculative rate over plain decoding at this batch size: max over s >= 1 of
+    E(alpha, s) / T(b, s), divided by 1 / T(b, 0). Below 1, speculating would slow the batch down;
+    1.0 when there is no policy to ask."""
+    if policy is None:
+        return 1.0
+    plain_rate = 1.0 / policy.step_time(batch_size, 0)
+    best = max(expected_tokens(alpha, s) / policy.step_time(batch_size, s) for s in range(1, policy.max_draft + 1))
+    return best / plain_rate
+
+
+@dataclass
+class HeartbeatFields:
+    """Reads the live process (scheduler load, measured acceptance, its policies) for `Heartbeat`."""
+
+    address: str
+    model: str
+    tenant: str
+    max_batch: int
+    scheduler: Scheduler
+    decoder: Decoder
+    metrics: TargetMetrics
+    client: SpeculationClient | None
+    free_policy: SpeculationPolicy | None  # n-gram drafting (costs the target nothing measurable)
+    # The draft-model policy, which exists once the endpoint has told its draft costs.
+    draft_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None
+
+    def fields(self) -> dict:
+        running, queued = self.scheduler.load()
+        alpha = self.decoder.acceptance.alpha
+        batch = running + 1  # what admitting one more request would run at
+        draft_policy = self.draft_policy_fn()
+        has_endpoint = bool(self.client and self.client.address)
+        methods = ["ngram"]
+        if has_endpoint and self.client.attached:
+            methods.insert(0, "draft_model")
+        return {
+            "address": self.address,
+            "model": self.model,
+            "tenant": self.tenant,
+            "max_batch": self.max_batch,
+            "running": running,
+            "queued": queued,
+            "spec_endpoint": self.client.address if has_endpoint else "",
+            "mean_accept_len": round(self._mean_accept_len(), 4),
+            "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, alpha), 4),
+            "predicted_speedup_ngram": round(predicted_speedup(self.free_policy, batch, alpha), 4),
+            "methods": methods,
+        }
+
+    def _mean_accept_len(self) -> float:
+        labels = {"model": self.model, "tenant": self.tenant}
+        registry = self.metrics.registry
+        count = registry.get_sample_value("specpool_target_accept_length_count", labels) or 0.0
+        total = registry.get_sample_value("specpool_target_accept_length_sum", labels) or 0.0
+        return total / count if count else 0.0

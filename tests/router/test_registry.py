@@ -1,0 +1,271 @@
+"""The Redis registry against a real redis-server: heartbeats with TTLs, and draft-slot leases.
+
+- a member appears with its fields, drops out when it stops beating (TTL), and at once when it
+  deregisters; its heartbeat outlives a Redis restart and registers it again;
+- leases: each tenant keeps floor(capacity * w / sum w) slots a greedy tenant cannot take, even
+  with many routers acquiring at once; unweighted tenants only borrow unreserved slots; expired
+  leases free their slot; release and renew;
+- the target's predicted speedup from its policy, and the endpoint's heartbeat fields.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from cluster.redis_server import start_redis
+from engine.speculation_policy import SpeculationPolicy, StepCosts
+from spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
+from spec_endpoint.registration import heartbeat_fields
+from specpool.registry import (
+    EndpointRegistration,
+    Heartbeat,
+    Registry,
+    TargetRegistration,
+    decode_record,
+    encode_fields,
+    guarantees,
+)
+from target_service.registration import predicted_speedup
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = start_redis()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def registry(redis_server):
+    reg = Registry(redis_server.url)
+    reg.client.flushdb()
+    yield reg
+    reg.close()
+
+
+def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.02):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met in {timeout_s}s")
+
+
+def target_fields(**overrides) -> dict:
+    return {"address": "127.0.0.1:7001", "model": "m", "tenant": "t1", "max_batch": 8, "running": 3, "queued": 1,
+            "spec_endpoint": "127.0.0.1:7100", "mean_accept_len": 1.7, "predicted_speedup_draft": 1.4,
+            "predicted_speedup_ngram": 1.1, "methods": ["draft_model", "ngram"], **overrides}
+
+
+# -- heartbeats -------------------------------------------------------------------------------------
+
+
+def test_a_member_registers_and_drops_out_when_it_stops_beating(registry, redis_server):
+    beat = Heartbeat(redis_server.url, "target", "127.0.0.1:7001", lambda: target_fields(),
+                     ttl_s=0.5, interval_s=0.1).start()
+    try:
+        [t] = wait_for(registry.targets)
+        assert t == TargetRegistration(
+            id="127.0.0.1:7001", address="127.0.0.1:7001", model="m", tenant="t1", max_batch=8, running=3,
+            queued=1, spec_endpoint="127.0.0.1:7100", mean_accept_len=1.7, predicted_speedup_draft=1.4,
+            predicted_speedup_ngram=1.1, methods=("draft_model", "ngram"), updated=t.updated)
+        assert abs(t.updated - time.time()) < 2
+        assert 0 < registry.client.pttl("specpool:target:127.0.0.1:7001") <= 500
+    finally:
+        beat.stop(deregister=False)  # as if it crashed
+    assert registry.targets(), "still listed until its TTL runs out"
+    wait_for(lambda: not registry.targets(), timeout_s=2.0)
+    assert registry.client.smembers("specpool:targets") == set(), "readers prune the index"
+
+
+def test_deregistering_removes_a_member_at_once(registry, redis_server):
+    beat = Heartbeat(redis_server.url, "endpoint", "ep-1", lambda: {"address": "h:1", "models": ["m"],
+                                                                     "max_sessions": 4}).start()
+    wait_for(registry.endpoints)
+    beat.stop()
+    assert registry.endpoints() == []
+
+
+def test_live_fields_are_read_on_every_beat(registry, redis_server):
+    load = {"running": 0}
+    beat = Heartbeat(redis_server.url, "target", "t", lambda: target_fields(**load), ttl_s=1.0,
+                     interval_s=0.05).start()
+    try:
+        wait_for(registry.targets)
+        load["running"] = 5
+        wait_for(lambda: registry.targets()[0].running == 5)
+    finally:
+        beat.stop()
+
+
+def test_a_heartbeat_registers_again_after_a_redis_restart(tmp_path):
+    server = start_redis()
+    try:
+        reg = Registry(server.url)
+        beat = Heartbeat(server.url, "target", "t", lambda: target_fields(), ttl_s=1.0, interval_s=0.05).start()
+        wait_for(reg.targets)
+        server.stop()
+        with pytest.raises(redis.RedisError):
+            reg.targets()
+        time.sleep(0.2)  # beats fail meanwhile, and keep trying
+        server.start()  # empty (no persistence) until the next beat
+        [t] = wait_for(reg.targets, timeout_s=2.0)
+        assert t.id == "t"
+        beat.stop()
+        reg.close()
+    finally:
+        server.close()
+
+
+def test_malformed_or_unknown_fields_keep_defaults():
+    record = decode_record(EndpointRegistration, {"id": "e", "address": "a", "max_sessions": "x", "future": "1",
+                                                  "models": "m1,m2"})
+    assert record == EndpointRegistration(id="e", address="a", models=("m1", "m2"))
+    assert encode_fields({"a": [1, 2], "b": True, "c": 0.5}) == {"a": "1,2", "b": "1", "c": "0.5"}
+
+
+def test_heartbeat_rejects_bad_arguments(redis_server):
+    with pytest.raises(ValueError, match="kind"):
+        Heartbeat(redis_server.url, "router", "x", dict)
+    with pytest.raises(ValueError, match="interval_s"):
+        Heartbeat(redis_server.url, "target", "x", dict, ttl_s=1.0, interval_s=1.0)
+
+
+# -- leases -----------------------------------------------------------------------------------------
+
+SHARES = {"alpha": 1.0, "beta": 1.0}
+
+
+def test_a_greedy_tenant_cannot_take_anothers_reserved_slots(registry):
+    granted = [registry.acquire("ep", "alpha", f"a{i}", 4, SHARES, 60) for i in range(10)]
+    assert granted == [True, True, False, False, False, False, False, False, False, False]
+    assert [registry.acquire("ep", "beta", f"b{i}", 4, SHARES, 60) for i in range(3)] == [True, True, False]
+    assert registry.held("ep") == {"alpha": 2, "beta": 2}
+
+
+def test_a_tenant_borrows_only_unreserved_slots(registry):
+    shares = {"alpha": 1.0, "beta": 1.0}
+    # capacity 5: 2 + 2 guaranteed, 1 free for anyone.
+    assert [registry.acquire("ep", "alpha", f"a{i}", 5, shares, 60) for i in range(4)] == [True, True, True, False]
+    assert registry.acquire("ep", "gamma", "g0", 5, shares, 60) is False, "unweighted: only unreserved slots"
+    assert [registry.acquire("ep", "beta", f"b{i}", 5, shares, 60) for i in range(3)] == [True, True, False]
+    registry.release("ep", "a2")  # the borrowed slot comes back to the unreserved pool
+    assert registry.acquire("ep", "gamma", "g0", 5, shares, 60) is True
+
+
+def test_weights_set_the_guarantees(registry):
+    shares = {"alpha": 3.0, "beta": 1.0}
+    assert guarantees(8, shares) == {"alpha": 6, "beta": 2}
+    assert sum(registry.acquire("ep", "beta", f"b{i}", 8, shares, 60) for i in range(8)) == 2
+    assert sum(registry.acquire("ep", "alpha", f"a{i}", 8, shares, 60) for i in range(8)) == 6
+
+
+def test_without_weights_slots_are_first_come_first_served(registry):
+    assert sum(registry.acquire("ep", "alpha", f"a{i}", 3, {}, 60) for i in range(5)) == 3
+    assert registry.acquire("ep", "beta", "b0", 3, {}, 60) is False
+
+
+def test_shares_hold_under_contention_from_many_routers(registry, redis_server):
+    """Eight clients (as eight router replicas) race for 12 slots: 16 alpha and 16 beta attempts."""
+    clients = [Registry(redis_server.url) for _ in range(8)]
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> list[tuple[str, bool]]:
+        barrier.wait()
+        out = []
+        for j in range(4):
+            tenant = "alpha" if (i + j) % 2 else "beta"
+            out.append((tenant, clients[i].acquire("ep", tenant, f"{tenant}-{i}-{j}", 12, SHARES, 60)))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(race, range(8)) for r in rs]
+    for c in clients:
+        c.close()
+    won = {t: sum(ok for tenant, ok in results if tenant == t) for t in SHARES}
+    assert won == {"alpha": 6, "beta": 6}
+    assert registry.held("ep") == {"alpha": 6, "beta": 6}
+
+
+def test_expired_leases_free_their_slots(registry):
+    assert registry.acquire("ep", "alpha", "short", 1, {}, 0.1)
+    assert registry.acquire("ep", "beta", "b", 1, {}, 60) is False
+    time.sleep(0.15)
+    assert registry.acquire("ep", "beta", "b", 1, {}, 60)
+    assert registry.held("ep") == {"beta": 1}
+
+
+def test_release_and_renew(registry):
+    assert registry.acquire("ep", "alpha", "x", 2, SHARES, 0.2)
+    assert registry.acquire("ep", "alpha", "x", 2, SHARES, 0.2), "re-acquiring a held lease renews it"
+    assert registry.held("ep") == {"alpha": 1}
+    assert registry.renew("ep", "x", 60)
+    time.sleep(0.25)
+    assert registry.held("ep") == {"alpha": 1}, "renewed past its first TTL"
+    assert registry.release("ep", "x") is True
+    assert registry.release("ep", "x") is False
+    assert registry.renew("ep", "x", 60) is False
+    assert registry.held("ep") == {}
+
+
+def test_lease_arguments_are_checked(registry):
+    with pytest.raises(ValueError, match="weights"):
+        registry.acquire("ep", "alpha", "x", 2, {"alpha": 0.0}, 1)
+    with pytest.raises(ValueError, match="ttl_s"):
+        registry.acquire("ep", "alpha", "x", 2, {}, 0)
+
+
+# -- what services publish --------------------------------------------------------------------------
+
+
+def costs(per_token: float) -> StepCosts:
+    """T(b, s) = 10 ms + per_token * b * (s + 1)."""
+    bs, lens = (1, 2, 4, 8, 16), (0, 1, 2, 4, 8)
+    return StepCosts(bs, lens, tuple(tuple(0.010 + per_token * b * (s + 1) for s in lens) for b in bs))
+
+
+def test_predicted_speedup_follows_the_policy():
+    cheap = SpeculationPolicy(costs(0.0001), max_draft=8)
+    assert predicted_speedup(cheap, 1, 0.8) > 2.0, "memory-bound: drafts are nearly free"
+    expensive = SpeculationPolicy(costs(0.01), max_draft=8)
+    assert predicted_speedup(expensive, 16, 0.3) < 1.0, "compute-bound: every draft costs a full token"
+    assert predicted_speedup(cheap, 16, 0.8) < predicted_speedup(cheap, 1, 0.8)
+    assert predicted_speedup(None, 4, 0.5) == 1.0
+
+
+def test_endpoint_heartbeat_fields_flatten_its_capacity_report():
+    report = CapacityReport(endpoint_id="ep", max_sessions=8, active_sessions=3, draft_busy_ratio=0.25,
+                            models=(ModelReport("m", (), None),),
+                            tenants=(TenantReport("a", 2, 30, 15), TenantReport("b", 1, 10, 5)))
+    fields = heartbeat_fields(report, "127.0.0.1:7100")
+    assert fields == {"address": "127.0.0.1:7100", "models": ["m"], "max_sessions": 8, "active_sessions": 3,
+                      "draft_busy_ratio": 0.25, "acceptance": 0.5, "hit_ratio": 0.0}
+
+
+def test_target_heartbeat_fields_read_the_live_process():
+    from types import SimpleNamespace
+
+    from target_service.metrics import TargetMetrics
+    from target_service.registration import HeartbeatFields
+
+    metrics = TargetMetrics("m", "t1")
+    metrics.accept_length.observe(2.0)
+    metrics.accept_length.observe(3.0)
+    draft = SpeculationPolicy(costs(0.01), costs(0.001), max_draft=8)
+    fields = HeartbeatFields(
+        "h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (15, 2)),
+        decoder=SimpleNamespace(acceptance=SimpleNamespace(alpha=0.3)), metrics=metrics,
+        client=SimpleNamespace(address="h:9", attached=True), free_policy=SpeculationPolicy(costs(0.0001)),
+        draft_policy_fn=lambda: draft,
+    ).fields()
+    assert fields["running"] == 15 and fields["queued"] == 2 and fields["mean_accept_len"] == 2.5
+    assert fields["predicted_speedup_draft"] == round(predicted_speedup(draft, 16, 0.3), 4) < 1.0
+    assert fields["predicted_speedup_ngram"] > 1.0
+    assert fields["spec_endpoint"] == "h:9" and fields["methods"] == ["draft_model", "ngram"]
