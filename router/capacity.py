@@ -1,0 +1,82 @@
+"""The capacity API: pools per model, endpoints with their leased slots, and this router's decisions.
+
+One ClusterCapacity message serves both ClusterState.GetClusterCapacity and GET /capacity (as JSON).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from google.protobuf.json_format import MessageToDict
+
+from router.view import Snapshot
+from specpool.registry import EndpointRegistration, TargetRegistration, guarantees
+from specpool.v1 import cluster_pb2 as pb
+
+
+def cluster_capacity(
+    snapshot: Snapshot,
+    held: Callable[[str], dict[str, int] | None],  # endpoint id -> leases per tenant (None: unknown)
+    shares: Mapping[str, float],
+    decisions: list[tuple[str, str, str, int]],
+    now_s: float | None = None,
+    monotonic_now: float | None = None,
+) -> pb.ClusterCapacity:
+    now_s = time.time() if now_s is None else now_s
+    monotonic_now = time.monotonic() if monotonic_now is None else monotonic_now
+    pools = []
+    for model in snapshot.models():
+        targets = [t for t in snapshot.targets if t.model == model]
+        pools.append(_pool(model, targets, now_s))
+    return pb.ClusterCapacity(
+        pools=pools,
+        endpoints=[_endpoint(e, held(e.id), shares, now_s) for e in snapshot.endpoints],
+        decisions=[pb.DecisionCount(model=m, plan=p, reason=r, count=c) for m, p, r, c in decisions],
+        registry_reachable=snapshot.reachable,
+        snapshot_age_s=round(monotonic_now - snapshot.read_at, 3) if snapshot.read_at else 0.0,
+    )
+
+
+def capacity_json(message: pb.ClusterCapacity) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _pool(model: str, targets: list[TargetRegistration], now_s: float) -> pb.ModelPool:
+    capacity = sum(t.max_batch for t in targets)
+    running = sum(t.running for t in targets)
+    queued = sum(t.queued for t in targets)
+    measured = [t.mean_accept_len for t in targets if t.mean_accept_len > 0]
+    return pb.ModelPool(
+        model=model,
+        targets=[_target(t, now_s) for t in targets],
+        capacity=capacity, running=running, queued=queued,
+        utilization=(running + queued) / capacity if capacity else 0.0,
+        mean_accept_len=sum(measured) / len(measured) if measured else 0.0,
+        predicted_speedup_draft=sum(t.predicted_speedup_draft for t in targets) / len(targets),
+        predicted_speedup_ngram=sum(t.predicted_speedup_ngram for t in targets) / len(targets),
+    )
+
+
+def _target(t: TargetRegistration, now_s: float) -> pb.TargetReplica:
+    return pb.TargetReplica(
+        id=t.id, address=t.address, model=t.model, tenant=t.tenant, max_batch=t.max_batch,
+        running=t.running, queued=t.queued, spec_endpoint=t.spec_endpoint, mean_accept_len=t.mean_accept_len,
+        predicted_speedup_draft=t.predicted_speedup_draft, predicted_speedup_ngram=t.predicted_speedup_ngram,
+        methods=list(t.methods), heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
+    )
+
+
+def _endpoint(e: EndpointRegistration, held: dict[str, int] | None, shares: Mapping[str, float],
+              now_s: float) -> pb.SpeculationEndpoint:
+    held = held or {}
+    guaranteed = guarantees(e.max_sessions, shares)
+    tenants = sorted(set(held) | set(guaranteed))
+    return pb.SpeculationEndpoint(
+        id=e.id, address=e.address, models=list(e.models), max_sessions=e.max_sessions,
+        active_sessions=e.active_sessions, draft_busy_ratio=e.draft_busy_ratio, acceptance=e.acceptance,
+        hit_ratio=e.hit_ratio, leased=sum(held.values()),
+        tenants=[pb.TenantLeases(tenant=t, leased=held.get(t, 0), guaranteed=guaranteed.get(t, 0))
+                 for t in tenants],
+        heartbeat_age_s=round(max(0.0, now_s - e.updated), 3),
+    )

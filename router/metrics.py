@@ -1,0 +1,42 @@
+"""The router's Prometheus metrics (own registry; labelled by model/plan/reason, never by request id)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("specpool_router_decisions", "Speculation plans chosen, by reason",
+                                 ["model", "plan", "reason"], registry=r)
+        self.requests = Counter("specpool_router_requests", "Finished requests by outcome (ok, error, cancelled)",
+                                ["model", "outcome"], registry=r)
+        self.request_seconds = Histogram("specpool_router_request_seconds", "Routing to the last response",
+                                         ["model", "plan"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specpool_router_time_to_first_token_seconds",
+                              "Routing to the first token (streaming requests)", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.placement_seconds = Histogram("specpool_router_placement_seconds",
+                                           "Choosing replica, plan and slot (registry reads included)",
+                                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                                           registry=r)
+        self.in_flight = Gauge("specpool_router_in_flight_requests", "Requests being forwarded", ["model"],
+                               registry=r)
+        self.leases_held = Gauge("specpool_router_draft_leases_held", "Draft slots this replica holds", registry=r)
+        self.registry_errors = Counter("specpool_router_registry_errors", "Redis operations that failed",
+                                       ["op"], registry=r)
+        self.retries = Counter("specpool_router_retries", "Requests re-placed after a replica was unavailable",
+                               ["model"], registry=r)
+
+    def decision_counts(self) -> list[tuple[str, str, str, int]]:
+        """(model, plan, reason, count) for every labelled series."""
+        out = []
+        for family in self.decisions.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    labels = sample.labels
+                    out.append((labels["model"], labels["plan"], labels["reason"], int(sample.value)))
+        return sorted(out)

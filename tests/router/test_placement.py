@@ -1,0 +1,152 @@
+"""Placement (filters -> scorers -> picker) and the speculation plan, as pure functions of a snapshot."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.placement import SCORE_FLOOR, PlacementRequest, free_capacity, place, rendezvous, session_home
+from router.planning import (
+    DRAFT_MODEL,
+    ENDPOINT_BUSY,
+    NGRAM,
+    NO_ENDPOINT,
+    NO_SLOT,
+    NO_SPEEDUP,
+    NONE,
+    PREDICTED_SPEEDUP,
+    REGISTRY_UNAVAILABLE,
+    REQUESTED,
+    SSD,
+    Decision,
+    LeaseUnavailable,
+    decide,
+    draft_endpoint,
+)
+from specpool.registry import EndpointRegistration, TargetRegistration
+from specpool.v1 import target_pb2 as pb
+
+
+def target(id: str, model: str = "m", running: int = 0, queued: int = 0, max_batch: int = 8, **kw):
+    return TargetRegistration(id=id, address=id, model=model, max_batch=max_batch, running=running, queued=queued,
+                              **kw)
+
+
+# -- placement --------------------------------------------------------------------------------------
+
+
+def test_filters_by_model_and_exclusions():
+    targets = [target("a", "m"), target("b", "other"), target("c", "m")]
+    assert place(PlacementRequest("other", "k"), targets).id == "b"
+    assert place(PlacementRequest("m", "k", exclude=frozenset({"a", "c"})), targets) is None
+    assert place(PlacementRequest("missing", "k"), targets) is None
+
+
+def draws(targets, n: int = 2000) -> Counter:
+    return Counter(place(PlacementRequest("m", f"req-{i}"), targets).id for i in range(n))
+
+
+def test_equal_loads_spread_evenly():
+    counts = draws([target("a"), target("b"), target("c")], 3000)
+    assert set(counts) == {"a", "b", "c"} and min(counts.values()) > 850, counts
+
+
+@pytest.mark.parametrize(("running", "queued"), [({"a": 6, "b": 1}, {}), ({"a": 1, "b": 2}, {"b": 3})])
+def test_replicas_are_drawn_in_proportion_to_their_free_capacity(running, queued):
+    targets = [target(i, running=r, queued=queued.get(i, 0)) for i, r in running.items()]
+    weight = {t.id: free_capacity(PlacementRequest("m", ""), t, targets) + SCORE_FLOOR for t in targets}
+    counts = draws(targets)
+    for t in targets:
+        assert counts[t.id] / 2000 == pytest.approx(weight[t.id] / sum(weight.values()), abs=0.04), counts
+
+
+def test_a_full_replica_gets_almost_nothing_while_another_has_room():
+    counts = draws([target("a", running=8), target("b", running=4, queued=3)])
+    assert counts["a"] < 0.1 * counts["b"], counts
+    assert free_capacity(PlacementRequest("m", ""), target("x", running=8, queued=5), []) == 0.0
+
+
+def test_a_session_sticks_to_its_replica_while_it_has_room():
+    targets = [target("a", running=5), target("b", running=0), target("c", running=2)]
+    home = max(targets, key=lambda t: rendezvous("session-7", t.id)).id
+    req = PlacementRequest("m", "session-7", session_id="session-7")
+    assert place(req, targets).id == home, "affinity, whatever the load"
+    assert session_home(req, targets) == [t for t in targets if t.id == home]
+    full = [target(t.id, running=8 if t.id == home else t.running) for t in targets]
+    moved = place(req, full).id
+    assert moved != home, "a full home sends the session to its next choice"
+    assert place(req, full).id == moved
+    assert place(req, [target(t.id, running=8) for t in targets]).id == home, "all full: home again"
+
+
+def test_placement_depends_only_on_the_snapshot():
+    targets = [target("a", running=1), target("b", running=1), target("c", running=3)]
+    for i in range(50):
+        req = PlacementRequest("m", f"r{i}", session_id=f"s{i}" if i % 2 else "")
+        assert place(req, targets).id == place(req, list(reversed(targets))).id
+
+
+# -- the speculation plan ---------------------------------------------------------------------------
+
+ENDPOINT = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8)
+AUTO, DRAFT, NG, NO, SSD_M = (pb.SPECULATION_METHOD_AUTO, pb.SPECULATION_METHOD_DRAFT_MODEL,
+                              pb.SPECULATION_METHOD_NGRAM, pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_SSD)
+
+
+def planned(requested: int, draft: float, ngram: float, slot: bool | None = True,
+            endpoint: EndpointRegistration | None = ENDPOINT, methods=("draft_model", "ngram")) -> Decision:
+    t = target("a", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=ngram,
+               methods=methods)
+
+    def take_slot(e):
+        if slot is None:
+            raise LeaseUnavailable
+        return slot
+
+    return decide(requested, t, endpoint, take_slot)
+
+
+GRANTED = {"leased": True}
+
+
+@pytest.mark.parametrize(("requested", "draft", "ngram", "context", "expected"), [
+    # AUTO: the best predicted method, if it beats plain decoding
+    (AUTO, 1.6, 1.2, {}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 1.1, 1.3, {}, Decision(NGRAM, PREDICTED_SPEEDUP)),
+    (AUTO, 0.8, 0.9, {}, Decision(NONE, NO_SPEEDUP)),
+    (AUTO, 0.7, 0.95, {}, Decision(NONE, NO_SPEEDUP)),
+    (AUTO, 1.6, 1.2, {"methods": ("draft_model", "ssd")}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    # AUTO wanted the draft model and could not have it
+    (AUTO, 1.6, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
+    (AUTO, 1.6, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
+    (AUTO, 1.6, 1.2, {"endpoint": None}, Decision(NGRAM, NO_ENDPOINT)),
+    (AUTO, 1.6, 1.2, {"slot": None}, Decision(NGRAM, REGISTRY_UNAVAILABLE)),
+    # explicit methods are honoured whatever the prediction, unless no slot is free
+    (DRAFT, 0.5, 0.5, {}, Decision(DRAFT_MODEL, REQUESTED, **GRANTED)),
+    (SSD_M, 1.5, 1.0, {}, Decision(SSD, REQUESTED, **GRANTED)),
+    (DRAFT, 1.5, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
+    (DRAFT, 1.5, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
+    (NG, 2.0, 0.5, {}, Decision(NGRAM, REQUESTED)),
+    (NO, 2.0, 2.0, {}, Decision(NONE, REQUESTED)),
+])
+def test_plans(requested, draft, ngram, context, expected):
+    assert planned(requested, draft, ngram, **context) == expected
+
+
+def test_a_saturated_endpoint_is_not_chosen_automatically():
+    busy = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, draft_busy_ratio=0.99)
+    assert planned(AUTO, 1.6, 1.2, endpoint=busy) == Decision(NGRAM, ENDPOINT_BUSY)
+    full = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, active_sessions=8)
+    assert planned(AUTO, 1.6, 0.5, endpoint=full) == Decision(NONE, ENDPOINT_BUSY)
+    assert planned(DRAFT, 1.6, 1.2, endpoint=busy).plan == DRAFT_MODEL, "an explicit request still tries"
+
+
+def test_a_target_drafts_on_the_endpoint_it_names_if_that_drafts_its_model():
+    endpoints = [EndpointRegistration(id="ep-1", address="h:1", models=("m",)),
+                 EndpointRegistration(id="ep-2", address="h:2", models=("other",))]
+    assert draft_endpoint(target("a", spec_endpoint="h:1"), endpoints).id == "ep-1"
+    assert draft_endpoint(target("a", spec_endpoint="ep-1"), endpoints).id == "ep-1"
+    assert draft_endpoint(target("a", spec_endpoint="h:2"), endpoints) is None
+    assert draft_endpoint(target("a", spec_endpoint="h:3"), endpoints) is None
+    assert draft_endpoint(target("a"), endpoints) is None

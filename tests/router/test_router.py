@@ -1,0 +1,425 @@
+"""The router as a process, against a real Redis: in-process fake targets (no model) for placement and
+plans, real tiny serve-target/serve-spec processes for leases and a Redis restart.
+
+- the router declines to speculate when no method is predicted to beat plain decoding;
+- placement spreads load across two replicas; two router replicas place sessions the same way;
+- a tenant's share of draft slots holds through the router while a greedy tenant asks for more;
+- /capacity (JSON) carries what ClusterState does;
+- after 200 requests that complete, are cancelled or are abandoned by their client, no slot is held;
+- a Redis restart loses no in-flight request, and the registry rebuilds from heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.processes import ServerProcess, start_server
+from cluster.redis_server import start_redis
+from engine.gguf_loader import model_name
+from router.capacity import capacity_json
+from specpool.registry import Heartbeat, Registry
+from specpool.serving import build_server
+from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
+from specpool.v1 import target_pb2 as pb
+from tests.cluster.test_disaggregation import ONE_THREAD, metric, tiny_files
+
+pytestmark = pytest.mark.slow
+
+DRAFT, NGRAM, NONE, AUTO = (pb.SPECULATION_METHOD_DRAFT_MODEL, pb.SPECULATION_METHOD_NGRAM,
+                            pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_AUTO)
+
+
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met in {timeout_s}s")
+
+
+class FakeTarget(target_pb2_grpc.TargetServiceServicer):
+    """A TargetService without a model: records what the router sent, answers with one token, and
+    holds each request until `gate` is set. Registers itself like serve-target does."""
+
+    def __init__(self, member_id: str, model: str, redis_url: str, draft: float, ngram: float,
+                 spec_endpoint: str = ""):
+        self.member_id, self.model = member_id, model
+        self.draft, self.ngram, self.spec_endpoint = draft, ngram, spec_endpoint
+        self.received: list[pb.GenerateRequest] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self.server, self.port = build_server(0, max_workers=32, host="127.0.0.1")
+        target_pb2_grpc.add_TargetServiceServicer_to_server(self, self.server)
+        self.server.start()
+        self.heartbeat = Heartbeat(redis_url, "target", member_id, self.fields, ttl_s=1.0, interval_s=0.1).start()
+
+    def fields(self) -> dict:
+        return {"address": f"127.0.0.1:{self.port}", "model": self.model, "max_batch": 16,
+                "running": self._in_flight, "queued": 0, "spec_endpoint": self.spec_endpoint,
+                "predicted_speedup_draft": self.draft, "predicted_speedup_ngram": self.ngram,
+                "methods": ["draft_model", "ngram"]}
+
+    def methods(self) -> dict[str, int]:
+        return {r.request_id: r.speculation.method for r in self.received}
+
+    def _enter(self, request) -> None:
+        with self._lock:
+            self.received.append(request)
+            self._in_flight += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _hold(self, context) -> bool:
+        while not self.gate.wait(0.05):
+            if not context.is_active():
+                return False
+        return True
+
+    def Generate(self, request, context):
+        self._enter(request)
+        try:
+            yield pb.GenerateResponse(request_id=request.request_id, delta=pb.TokenDelta(token_ids=[5]))
+            if self._hold(context):
+                yield pb.GenerateResponse(request_id=request.request_id, final=self._result(request))
+        finally:
+            self._leave()
+
+    def GenerateUnary(self, request, context):
+        self._enter(request)
+        try:
+            self._hold(context)
+            return self._result(request)
+        finally:
+            self._leave()
+
+    def Cancel(self, request, context):
+        return pb.CancelResponse(cancelled=False)
+
+    def GetInfo(self, request, context):
+        return pb.TargetInfo(service_id=self.member_id, model=self.model, vocab_size=64, max_batch=16)
+
+    def _result(self, request) -> pb.GenerateResult:
+        return pb.GenerateResult(request_id=request.request_id, model=self.model, completions=[
+            pb.Completion(token_ids=[5], finish_reason="length")])
+
+    def close(self) -> None:
+        self.gate.set()
+        self.heartbeat.stop()
+        self.server.stop(0)
+
+
+# -- the cluster: Redis, two routers, fake targets, and a tiny real pool ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = start_redis()
+    yield server
+    server.close()
+
+
+def start_router(name: str, redis_url: str) -> ServerProcess:
+    return start_server(name, ["serve-router", "--port", "0", "--metrics-port", "0", "--redis", redis_url,
+                               "--tenant-weights", "alpha=1,beta=1"])
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    """Two routers; a tiny serve-spec (16 draft slots) and two tiny serve-targets drafting on it."""
+    gguf, draft = tiny_files(tmp_path_factory.mktemp("router"), vocab=64, seed=3)
+    url = redis_server.url
+    servers: list[ServerProcess] = []
+    with ThreadPoolExecutor(3) as pool:
+        routers = [pool.submit(start_router, n, url) for n in ("router-a", "router-b")]
+        spec = start_server("spec", ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter",
+                                     f"{model_name(gguf)}={gguf},draft={draft}", "--max-sessions", "16",
+                                     "--endpoint-id", "spec-1", "--redis", url, *ONE_THREAD])
+        servers.append(spec)
+        targets = [pool.submit(start_server, t, [
+            "serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0", "--tenant", t,
+            "--spec-endpoint", spec.address, "--datastore", "", "--draft-tokens", "2", "--max-batch", "8",
+            "--max-context", "160", "--redis", url, *ONE_THREAD]) for t in ("target-1", "target-2")]
+        servers += [f.result() for f in routers + targets]
+    registry = Registry(url)
+    try:
+        wait_for(lambda: len([t for t in registry.targets() if t.model == model_name(gguf)]) == 2
+                 and registry.endpoints())
+        yield {"model": model_name(gguf), "routers": servers[1:3], "spec": servers[0], "targets": servers[3:],
+               "registry": registry, "redis": redis_server}
+    finally:
+        registry.close()
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(ServerProcess.stop, servers))
+
+
+@pytest.fixture(scope="module")
+def fakes(redis_server, cluster):
+    """Two fake replicas of "fake-model" drafting on a registered fake endpoint with 4 slots."""
+    url = redis_server.url
+    endpoint = Heartbeat(url, "endpoint", "fake-ep", lambda: {
+        "address": "127.0.0.1:1", "models": ["fake-model"], "max_sessions": 4}, ttl_s=1.0, interval_s=0.1).start()
+    replicas = [FakeTarget(f"fake-{x}", "fake-model", url, draft=1.5, ngram=1.2, spec_endpoint="127.0.0.1:1")
+                for x in "ab"]
+    wait_for(lambda: len([t for t in cluster["registry"].targets() if t.model == "fake-model"]) == 2)
+    yield replicas
+    for r in replicas:
+        r.close()
+    endpoint.stop()
+
+
+def stub(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
+    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(server.address))
+
+
+def tenant(name: str) -> list[tuple[str, str]]:
+    return [("x-specpool-tenant", name)]
+
+
+def request(model: str, request_id: str = "", method: int = AUTO, max_tokens: int = 4, session_id: str = ""):
+    return pb.GenerateRequest(request_id=request_id, model=model, prompt_ids=pb.TokenIds(ids=[3, 7, 9, 11, 3, 7]),
+                              max_tokens=max_tokens, ignore_eos=True, session_id=session_id,
+                              speculation=pb.SpeculationPreference(method=method))
+
+
+def wait_for_model(router: ServerProcess, model: str) -> None:
+    """Until the router's snapshot lists the model (it re-reads the registry every 0.25 s)."""
+    def listed():
+        data = json.load(urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity"))
+        return any(p["model"] == model for p in data["pools"])
+    wait_for(listed)
+
+
+# -- plans and placement, against fake targets ---------------------------------------------------------
+
+
+def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(cluster, redis_server):
+    slow = FakeTarget("slow-1", "slow-model", redis_server.url, draft=0.7, ngram=0.9)
+    try:
+        router = cluster["routers"][0]
+        wait_for_model(router, "slow-model")
+        s = stub(router)
+        s.GenerateUnary(request("slow-model", "auto"))
+        s.GenerateUnary(request("slow-model", "ngram", method=NGRAM))
+        s.GenerateUnary(request("slow-model", "draft", method=DRAFT))
+        assert slow.methods() == {"auto": NONE, "ngram": NGRAM, "draft": NONE}
+        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="none",
+                      reason="no_speedup") == 1
+        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="ngram",
+                      reason="requested") == 1
+        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="none",
+                      reason="no_endpoint") == 1
+        with pytest.raises(grpc.RpcError) as err:
+            s.GenerateUnary(request("no-such-model"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("model:")
+        with pytest.raises(grpc.RpcError) as err:
+            s.GenerateUnary(request(""))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "several models: the request must name one"
+    finally:
+        slow.close()
+
+
+def test_placement_spreads_load_across_two_targets(cluster, fakes):
+    router = cluster["routers"][0]
+    wait_for_model(router, "fake-model")
+    for f in fakes:
+        f.gate.clear()
+    s = stub(router)
+    calls = []
+    try:
+        for i in range(16):
+            call = s.Generate(request("fake-model", f"spread-{i}"))
+            next(call)  # placed and running
+            calls.append(call)
+            time.sleep(0.15)  # the replicas' next heartbeats carry the new load
+        per_replica = Counter(f.member_id for f in fakes for r in f.received if r.request_id.startswith("spread-"))
+        # Drawn in proportion to free capacity (a 50/50 coin would leave one with < 4 in 2% of runs).
+        assert min(per_replica["fake-a"], per_replica["fake-b"]) >= 4, per_replica
+    finally:
+        for f in fakes:
+            f.gate.set()
+    for call in calls:
+        assert [m.HasField("final") for m in call] == [True]
+
+
+def test_two_router_replicas_place_sessions_the_same_way(cluster, fakes):
+    a, b = (stub(r) for r in cluster["routers"])
+    for r in cluster["routers"]:
+        wait_for_model(r, "fake-model")
+
+    def replica_of(request_id: str) -> str:
+        [where] = [f.member_id for f in fakes if any(r.request_id == request_id for r in f.received)]
+        return where
+
+    for i in range(12):
+        a.GenerateUnary(request("fake-model", f"s{i}-a", session_id=f"session-{i}"))
+        b.GenerateUnary(request("fake-model", f"s{i}-b", session_id=f"session-{i}"))
+        assert replica_of(f"s{i}-a") == replica_of(f"s{i}-b"), i
+    homes = {replica_of(f"s{i}-a") for i in range(12)}
+    assert homes == {"fake-a", "fake-b"}, "sessions are spread, each kept on its own replica"
+
+
+def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes):
+    """fake-ep has 4 slots, alpha and beta weigh 1 each: 2 are reserved for each."""
+    router = cluster["routers"][1]
+    registry = cluster["registry"]
+    wait_for_model(router, "fake-model")
+    s = stub(router)
+    no_slot_before = metric(router, "specpool_router_decisions_total", model="fake-model", plan="ngram",
+                            reason="no_slot")
+    for f in fakes:
+        f.gate.clear()
+    calls = []
+    try:
+        def send(who: str, i: int):
+            call = s.Generate(request("fake-model", f"{who}-{i}", method=DRAFT), metadata=tenant(who))
+            next(call)
+            calls.append(call)
+
+        for i in range(5):
+            send("alpha", i)  # greedy
+        for i in range(3):
+            send("beta", i)
+        methods = {}
+        for f in fakes:
+            methods.update(f.methods())
+        alpha = Counter(methods[f"alpha-{i}"] for i in range(5))
+        beta = Counter(methods[f"beta-{i}"] for i in range(3))
+        assert alpha == {DRAFT: 2, NGRAM: 3}, "alpha falls back to n-gram past its guarantee"
+        assert beta == {DRAFT: 2, NGRAM: 1}, "beta's two reserved slots were still free"
+        assert registry.held("fake-ep") == {"alpha": 2, "beta": 2}
+        assert metric(router, "specpool_router_decisions_total", model="fake-model", plan="ngram",
+                      reason="no_slot") - no_slot_before == 4
+    finally:
+        for f in fakes:
+            f.gate.set()
+    for call in calls:
+        list(call)
+    wait_for(lambda: registry.held("fake-ep") == {}, timeout_s=5)
+
+
+def test_capacity_json_carries_what_cluster_state_does(cluster, fakes):
+    router = cluster["routers"][0]
+    wait_for_model(router, "fake-model")
+    message = cluster_pb2_grpc.ClusterStateStub(grpc.insecure_channel(router.address)).GetClusterCapacity(
+        cluster_pb2.ClusterCapacityRequest())
+    data = json.load(urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity"))
+
+    def summary(pools, endpoints, decisions):
+        return ({p["model"]: sorted(t["id"] for t in p["targets"]) for p in pools},
+                sorted(e["id"] for e in endpoints), sorted((d["model"], d["plan"], d["reason"]) for d in decisions))
+
+    as_dict = capacity_json(message)
+    assert summary(data["pools"], data["endpoints"], data["decisions"]) == summary(
+        as_dict["pools"], as_dict["endpoints"], as_dict["decisions"])
+    pool = next(p for p in data["pools"] if p["model"] == "fake-model")
+    assert pool["capacity"] == 32 and pool["predicted_speedup_draft"] == pytest.approx(1.5)
+    ep = next(e for e in data["endpoints"] if e["id"] == "fake-ep")
+    assert ep["max_sessions"] == 4
+    assert {t["tenant"]: t["guaranteed"] for t in ep["tenants"]} == {"alpha": 2, "beta": 2}
+    real = next(e for e in data["endpoints"] if e["id"] == "spec-1")
+    assert real["models"] == [cluster["model"]] and real["max_sessions"] == 16
+    assert data["registry_reachable"] is True
+
+
+# -- leases and a Redis restart, against real tiny targets ----------------------------------------------
+
+
+def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(cluster):
+    model, registry = cluster["model"], cluster["registry"]
+    routers = cluster["routers"]
+    stubs = [stub(r) for r in routers]
+    for r in routers:
+        wait_for_model(r, model)
+    before = [metric(t, "specpool_target_requests_total") for t in cluster["targets"]]
+
+    def run(i: int) -> str:
+        s, who = stubs[i % 2], tenant("alpha" if i % 3 else "beta")
+        kind = ("unary", "stream", "stream", "cancel", "disconnect")[i % 5]
+        rid = f"leak-{i}"
+        if kind == "unary":
+            result = s.GenerateUnary(request(model, rid, DRAFT, max_tokens=6), metadata=who, timeout=60)
+            assert len(result.completions[0].token_ids) == 6
+            return kind
+        call = s.Generate(request(model, rid, DRAFT, max_tokens=6 if kind == "stream" else 100), metadata=who,
+                          timeout=60)
+        if kind == "stream":
+            tokens = [t for m in call if m.HasField("delta") for t in m.delta.token_ids]
+            assert len(tokens) == 6
+            return kind
+        next(call)  # running on a replica
+        if kind == "cancel":
+            stubs[(i + 1) % 2].Cancel(pb.CancelRequest(request_id=rid), timeout=10)  # through the other router
+            finals = [m.final for m in call if m.HasField("final")]
+            assert len(finals) == 1
+            return finals[0].completions[0].finish_reason
+        call.cancel()  # the client goes away mid-stream
+        return kind
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = Counter(pool.map(run, range(200)))
+    assert outcomes["unary"] == 40 and outcomes["stream"] == 80 and outcomes["disconnect"] == 40
+    assert outcomes["cancelled"] + outcomes["length"] == 40 and outcomes["cancelled"] > 0, outcomes
+    wait_for(lambda: registry.held("spec-1") == {}, timeout_s=10)
+    for r in routers:
+        wait_for(lambda r=r: metric(r, "specpool_router_draft_leases_held") == 0, timeout_s=5)
+        assert metric(r, "specpool_router_decisions_total", model=model, plan="draft_model") > 0
+        assert metric(r, "specpool_router_requests_total", model=model, outcome="cancelled") > 0
+    served = [metric(t, "specpool_target_requests_total") - b for t, b in zip(cluster["targets"], before)]
+    assert min(served) >= 40, f"both replicas take work: {served}"
+
+
+def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cluster):
+    model, registry, redis_server = cluster["model"], cluster["registry"], cluster["redis"]
+    router = cluster["routers"][0]
+    wait_for_model(router, model)
+    s = stub(router)
+    restarted = threading.Event()
+
+    def stream(i: int) -> list[int]:
+        call = s.Generate(request(model, f"restart-{i}", DRAFT, max_tokens=100), metadata=tenant("alpha"), timeout=60)
+        tokens = []
+        for m in call:
+            if m.HasField("delta"):
+                tokens.extend(m.delta.token_ids)
+                restarted.wait(30)
+            else:
+                assert list(m.final.completions[0].token_ids) == tokens
+        return tokens
+
+    with ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(stream, i) for i in range(6)]
+        wait_for(lambda: sum(metric(t, "specpool_target_running_sequences") for t in cluster["targets"]) > 0)
+        redis_server.stop()
+        try:
+            # While Redis is down the router places on its last snapshot, without draft slots.
+            during = s.GenerateUnary(request(model, "during-outage", DRAFT, max_tokens=5), timeout=30)
+            assert len(during.completions[0].token_ids) == 5
+        finally:
+            redis_server.start()
+            restarted.set()
+        assert [len(f.result()) for f in running] == [100] * 6
+    assert metric(router, "specpool_router_decisions_total", model=model, reason="registry_unavailable") >= 1
+
+    def rebuilt():
+        return (sorted(t.tenant for t in registry.targets() if t.model == model) == ["target-1", "target-2"]
+                and "spec-1" in [e.id for e in registry.endpoints()])
+    wait_for(rebuilt, timeout_s=5)
+    after = s.GenerateUnary(request(model, "after-restart", DRAFT, max_tokens=5), timeout=30)
+    assert len(after.completions[0].token_ids) == 5
+    wait_for(lambda: metric(router, "specpool_router_decisions_total", model=model, plan="draft_model",
+                            reason="requested") > 0)
+    wait_for(lambda: registry.held("spec-1") == {}, timeout_s=10)
