@@ -209,7 +209,7 @@ class SsdDrafter:
                 if sampled:
                     q_ids[b], q_probs[b] = fork.topk_ids[:n], fork.topk_probs[:n]
                 seq.source, seq.ready = "cache", None
-            elif self._backup() == "fast":
+            elif self.choose_backup() == "fast":
                 seq.ready = None
                 seq.drafts, seq.fed, seq.rows, seq.source = self.ngram.draft(sid, n), 0, [], "fast"
                 out_tokens[b] = list(seq.drafts)
@@ -233,7 +233,8 @@ class SsdDrafter:
                 self._seqs[sid].handed_out_at = now
         if not sampled:
             return Drafts(tokens=out_tokens)
-        return Drafts(tokens=out_tokens, **_sparse(out_tokens, q_ids, q_probs, self.q_top_k))
+        k = min(self.q_top_k, self.model.config.vocab_size)
+        return Drafts(tokens=out_tokens, **_sparse(out_tokens, q_ids, q_probs, k))
 
     # -- pre-speculation ------------------------------------------------------------------------------
 
@@ -262,6 +263,19 @@ class SsdDrafter:
         if forks:
             self._tree_decode(forks, k_next)
         self.stats.prespec_s = ema(self.stats.prespec_s, time.monotonic() - start)
+
+    def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
+        """The target verifies drafts of its own next (push mode: a miss it resolved locally)."""
+        seq = self._seqs[seq_id]
+        if seq.ready is not None:  # we had a hit it did not see in time: those drafts leave the cache
+            self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - (len(seq.ready.drafts) - 1))
+            seq.ready = None
+        seq.drafts, seq.fed, seq.rows, seq.source = list(drafts), 0, [], "fast"
+        seq.handed_out_at = time.monotonic()
+
+    def served_from_cache(self, seq_id: str) -> bool:
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.source == "cache"
 
     def outcome_table(self, seq_id: str) -> dict[Outcome, _Fork]:
         """The cache entries for a sequence's outstanding drafts (what push mode streams out)."""
@@ -292,7 +306,7 @@ class SsdDrafter:
             st.lookups += 1
             st.hits += (k, bonus) in seq.forks and len(tokens) == k + 1
 
-    def _backup(self) -> str:
+    def choose_backup(self) -> str:
         """Neural (draft now) or fast (n-gram, no drafting time), from the expected-speedup formula
         [p_hit E_hit + (1-p_hit) E_miss] / [p_hit max(1, T_p) + (1-p_hit)(1 + T_b)], times in verify units."""
         if self.backup_mode != "auto":

@@ -28,6 +28,7 @@ from spec_endpoint.messages import (
     MAX_DRAFT_TOKENS,
     DrafterKind,
     FieldError,
+    OutcomeTable,
     Round,
     RoundResult,
     SequenceDrafts,
@@ -161,6 +162,7 @@ class Batcher:
         self._clocks: dict[int, _StreamClock] = {}  # id(stream) -> its round arrivals
         self._queue: queue.Queue[_Queued] = queue.Queue()
         self._carry: list[_Queued] = []
+        self._to_prespeculate: dict[str, list[Session]] = {}  # SSD: model -> sessions with fresh drafts
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.submitted += 1
@@ -201,6 +203,10 @@ class Batcher:
             items, self._carry = split_conflicts(items)
             works = self._step(items)
         self._deliver(works)
+        if self._to_prespeculate:
+            with self.lock:
+                tables = self._prespeculate()
+            self._push(tables)
         return True
 
     def _wait_for_busy_streams(self, items: list[_Queued]) -> None:
@@ -273,6 +279,14 @@ class Batcher:
             return None
         accepted = session.record_outcome(seq.new_tokens)
         drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
+        if session.kind is DrafterKind.SSD:
+            session.stream = work.stream
+            if seq.resolution == "local_drafts":
+                # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
+                drafters.ssd.adopt(session.key.drafter_id, list(seq.drafts_in_use))
+                session.last_drafts, session.needs_tokens = tuple(seq.drafts_in_use), True
+                self._to_prespeculate.setdefault(session.model, []).append(session)
+                return None
         if accepted:
             self.sessions.count(session.key.tenant, accepted=accepted)
             self.metrics.accepted.labels(session.key.tenant, session.model).inc(accepted)
@@ -283,7 +297,7 @@ class Batcher:
             return None
         if n == 0:
             return None
-        if session.kind is DrafterKind.DRAFT_MODEL:
+        if session.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.SSD):
             if session.needs_tokens:
                 out.error = (
                     f"sequences[{i}].new_tokens: empty, but the draft model continues from the tokens "
@@ -317,6 +331,9 @@ class Batcher:
         try:
             if kind is DrafterKind.DRAFT_MODEL:
                 drafts = drafters.model.propose(ids, nums, params, drafters.generator, sparse=not key[3])
+            elif kind is DrafterKind.SSD:
+                drafts = drafters.ssd.propose(ids, nums, params or SamplingParams(), None)
+                self._to_prespeculate.setdefault(model, []).extend(w.session for w in wants)
             else:
                 drafts = drafters.ngram.propose(ids, nums, params or SamplingParams(), None)
         except Exception as exc:  # the drafter's state for these sequences is unknown now: drop them
@@ -347,11 +364,50 @@ class Batcher:
             elif drafts.probs is not None:
                 w.work.dense[w.index] = drafts.probs[b, :n].float()
             w.work.draft_seconds += end - start
+            if kind is DrafterKind.SSD:
+                out.from_cache = drafters.ssd.served_from_cache(w.session.key.drafter_id)
             w.session.record_drafts(tokens)
             tenant = w.session.key.tenant
             self.sessions.count(tenant, drafted=n)
             self.metrics.drafted.labels(tenant, model).inc(n)
         return end - start
+
+    def _prespeculate(self) -> list[tuple[RoundStream, OutcomeTable]]:
+        """SSD: build the speculation cache for the drafts just handed out (while the targets verify
+        them); -> the outcome tables of push-mode sessions."""
+        pending, self._to_prespeculate = self._to_prespeculate, {}
+        tables = []
+        for model, sessions in pending.items():
+            ssd = self.registry.get(model).ssd
+            live = [s for s in sessions if self.sessions.get(s.key) is s]
+            start = time.monotonic()
+            ssd.prespeculate([s.key.drafter_id for s in live])
+            self.metrics.busy.add(start, time.monotonic())
+            self.metrics.observe_ssd(model, ssd.stats)
+            for s in live:
+                if s.push and s.stream is not None:
+                    tables.append((s.stream, self._table(s, ssd)))
+        return tables
+
+    @staticmethod
+    def _table(session: Session, ssd) -> OutcomeTable:
+        entries = []
+        for (k, bonus), fork in ssd.outcome_table(session.key.drafter_id).items():
+            if fork.topk_ids is not None:
+                sk = fork.topk_ids.shape[-1]
+                entries.append((k, bonus, fork.drafts, fork.topk_ids.reshape(-1).tolist(),
+                                fork.topk_probs.reshape(-1).tolist(), sk))
+            else:
+                entries.append((k, bonus, fork.drafts, [], [], 0))
+        return OutcomeTable(session.key.request_id, list(session.last_drafts), entries,
+                            fast_backup=ssd.choose_backup() == "fast")
+
+    def _push(self, tables: list[tuple[RoundStream, OutcomeTable]]) -> None:
+        by_stream: dict[int, tuple[RoundStream, list[OutcomeTable]]] = {}
+        for stream, table in tables:
+            by_stream.setdefault(id(stream), (stream, []))[1].append(table)
+        for stream, batch in by_stream.values():
+            stream.outbound.put(RoundResult(round_id=0, sequences=[], tables=batch))
 
     def _deliver(self, out: list[_RoundWork | RoundStream]) -> None:
         for item in out:

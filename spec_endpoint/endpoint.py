@@ -131,10 +131,11 @@ class Endpoint:
         if len(self.sessions) >= self.config.max_sessions:
             return OpenResult(spec.request_id, False,
                               f"capacity: this endpoint holds its maximum of {self.config.max_sessions} sessions")
-        if kind is DrafterKind.DRAFT_MODEL:
-            if drafters.model.cache.free_slots == 0:
+        if kind in (DrafterKind.DRAFT_MODEL, DrafterKind.SSD):
+            cache = drafters.drafter(kind).cache
+            if cache.free_slots == 0:
                 return OpenResult(spec.request_id, False,
-                                  f"capacity: all {drafters.model.cache.max_slots} draft-model KV slots for "
+                                  f"capacity: all {cache.max_slots} {kind.value} KV slots for "
                                   f"{drafters.name} are in use")
             if len(spec.context) > drafters.max_len:
                 return OpenResult(spec.request_id, False,
@@ -144,8 +145,8 @@ class Endpoint:
         now = self.clock()
         self.sessions.add(Session(
             key=key, model=drafters.name, kind=kind, params=spec.params,
-            dense=sampled_dense(spec.params, spec.transport),
-            lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context),
+            dense=sampled_dense(spec.params, spec.transport) and kind is not DrafterKind.SSD,  # SSD's q is sparse
+            lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context), push=spec.push,
         ))
         return OpenResult(spec.request_id, True, drafter=kind)
 
@@ -217,6 +218,8 @@ class Endpoint:
             TenantReport(tenant, active, totals.drafted, totals.accepted)
             for tenant, active, totals in self.sessions.tenants()
         )
+        ssd = [d.ssd.stats for d in self.registry.models.values() if d.ssd is not None]
+        lookups = sum(st.lookups for st in ssd)
         return CapacityReport(
             endpoint_id=self.config.endpoint_id,
             max_sessions=self.config.max_sessions,
@@ -224,6 +227,7 @@ class Endpoint:
             draft_busy_ratio=self.metrics.busy.ratio(),
             models=models,
             tenants=tenants,
+            ssd_hit_ratio=sum(st.hits for st in ssd) / lookups if lookups else 0.0,
         )
 
 

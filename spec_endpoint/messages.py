@@ -19,6 +19,7 @@ MAX_DRAFT_TOKENS = 32  # per sequence and round
 class DrafterKind(StrEnum):
     DRAFT_MODEL = "draft_model"
     NGRAM = "ngram"
+    SSD = "ssd"  # the draft model, pre-speculating while the target verifies (engine.ssd)
 
 
 class Transport(StrEnum):
@@ -54,6 +55,7 @@ class SessionSpec:
     params: SamplingParams
     drafter: DrafterKind | None = None  # None: the model's best (draft model, else n-gram)
     transport: Transport = Transport.AUTO
+    push: bool = False  # SSD: stream outcome tables to the target as soon as they are built
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class SequenceRound:
     request_id: str
     new_tokens: tuple[int, ...]  # the verification outcome since this session's previous round
     num_draft_tokens: int
+    resolution: str = "ask"  # SSD push: "table_hit" / "local_drafts" when the target drafted itself
+    drafts_in_use: tuple[int, ...] = ()  # with "local_drafts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,17 @@ class SequenceDrafts:
     sparse_probs: list[float] = field(default_factory=list)
     dense: bool = False  # its q rows follow on the tensor channel
     error: str = ""
+    from_cache: bool = False  # SSD: a hit
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeTable:
+    """SSD push: the next drafts for each likely outcome (k, bonus) of a session's drafts `follows`."""
+
+    request_id: str
+    follows: list[int]
+    entries: list[tuple[int, int, list[int], list[int], list[float], int]]  # k, bonus, tokens, ids, probs, sparse k
+    fast_backup: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +119,7 @@ class RoundResult:
     dense_rows: int = 0
     vocab_size: int = 0
     draft_seconds: float = 0.0
+    tables: list[OutcomeTable] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,3 +145,4 @@ class CapacityReport:
     draft_busy_ratio: float
     models: tuple[ModelReport, ...]
     tenants: tuple[TenantReport, ...]
+    ssd_hit_ratio: float = 0.0

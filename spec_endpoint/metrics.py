@@ -74,6 +74,36 @@ class EndpointMetrics:
         self.dense_bytes = Counter(
             "specpool_spec_dense_bytes", "Bytes of dense q rows sent on tensor channels", registry=r
         )
+        # SSD, per target model (engine.ssd.SsdStats, read after each pre-speculation pass)
+        self.ssd_hit_ratio = Gauge("specpool_spec_ssd_cache_hit_ratio", "Outcomes found in the speculation cache",
+                                   ["model"], registry=r)
+        self.ssd_bonus_accuracy = Gauge("specpool_spec_ssd_bonus_prediction_accuracy",
+                                        "Outcomes whose bonus token was the first candidate of its row", ["model"],
+                                        registry=r)
+        self.ssd_accept_length = Gauge("specpool_spec_ssd_accept_length",
+                                       "Mean drafts accepted per round, by where the drafts came from",
+                                       ["model", "source"], registry=r)
+        self.ssd_backups = Counter("specpool_spec_ssd_backups", "Cache misses by the backup chosen",
+                                   ["model", "backup"], registry=r)
+        self.ssd_prespec_seconds = Gauge("specpool_spec_ssd_prespeculation_seconds",
+                                         "Moving average of one pre-speculation pass", ["model"], registry=r)
+        self._backups_seen: dict[tuple[str, str], int] = {}
+
+    def observe_ssd(self, model: str, stats) -> None:
+        self.ssd_hit_ratio.labels(model).set(stats.hit_ratio)
+        if stats.lookups:
+            self.ssd_bonus_accuracy.labels(model).set(stats.bonus_top1 / stats.lookups)
+        if stats.rounds_on_hit:
+            self.ssd_accept_length.labels(model, "cache").set(stats.accepted_on_hit / stats.rounds_on_hit)
+        for source, rounds in stats.rounds_on_miss.items():
+            if rounds:
+                self.ssd_accept_length.labels(model, source).set(stats.accepted_on_miss[source] / rounds)
+        for backup, count in stats.backups.items():
+            seen = self._backups_seen.get((model, backup), 0)
+            if count > seen:
+                self.ssd_backups.labels(model, backup).inc(count - seen)
+                self._backups_seen[(model, backup)] = count
+        self.ssd_prespec_seconds.labels(model).set(stats.prespec_s)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (0 when absent): for tests and the capacity API."""

@@ -20,6 +20,7 @@ from engine.model import Llama
 from engine.ngram import NgramDrafter, SuffixArrayDatastore
 from engine.sampling import make_generator
 from engine.speculation_policy import StepCosts, cached_step_costs
+from engine.ssd import SsdDrafter
 from spec_endpoint.messages import DrafterKind
 
 log = logging.getLogger(__name__)
@@ -83,18 +84,25 @@ class ModelDrafters:
     vocab_size: int
     ngram: NgramDrafter
     model: ModelDrafter | None = None
+    ssd: SsdDrafter | None = None  # the same draft model with a speculation cache of its own
     draft_costs: StepCosts | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
 
     @property
     def kinds(self) -> tuple[DrafterKind, ...]:
-        return (DrafterKind.DRAFT_MODEL, DrafterKind.NGRAM) if self.model else (DrafterKind.NGRAM,)
+        if self.model:
+            return (DrafterKind.DRAFT_MODEL, DrafterKind.SSD, DrafterKind.NGRAM)
+        return (DrafterKind.NGRAM,)
 
     @property
     def best(self) -> DrafterKind:
         return self.kinds[0]
 
-    def drafter(self, kind: DrafterKind) -> ModelDrafter | NgramDrafter:
+    def drafter(self, kind: DrafterKind) -> ModelDrafter | SsdDrafter | NgramDrafter:
+        if kind is DrafterKind.SSD:
+            if self.ssd is None:
+                raise KeyError(f"{self.name} has no draft model for SSD")
+            return self.ssd
         if kind is DrafterKind.DRAFT_MODEL:
             if self.model is None:
                 raise KeyError(f"{self.name} has no draft model")
@@ -114,6 +122,7 @@ class ModelDrafters:
         max_len: int,
         device: torch.device,
         step_cost_dir: Path | None = None,
+        ssd: dict | None = None,
     ) -> ModelDrafters:
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
@@ -128,6 +137,9 @@ class ModelDrafters:
                     f"target {spec.target_gguf} has {vocab}"
                 )
             drafters.model = ModelDrafter(draft, max_sequences=max_sessions, max_len=max_len)
+            # SSD sessions hold forks too, so they get a cache of their own (`ssd`: SsdDrafter options).
+            options = {"max_sequences": 16, "fork_slots": 128} | (ssd or {})
+            drafters.ssd = SsdDrafter(draft, max_len=max_len, ngram=NgramDrafter(datastore), **options)
             drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=step_cost_dir)
             drafters.generator = make_generator(None, device)
         log.info(
@@ -151,12 +163,13 @@ class DrafterRegistry:
         max_len: int,
         device: torch.device,
         step_cost_dir: Path | None = None,
+        ssd: dict | None = None,
     ) -> DrafterRegistry:
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"--drafter: model {duplicates[0]!r} given more than once")
-        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir) for s in specs})
+        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir, ssd) for s in specs})
 
     def get(self, name: str) -> ModelDrafters | None:
         return self.models.get(name)

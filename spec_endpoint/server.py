@@ -109,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")
     parser.add_argument("--max-len", type=int, default=2048, help="positions per draft-model session")
+    parser.add_argument("--ssd-sessions", type=int, default=16, help="SSD sessions per model")
+    parser.add_argument("--ssd-fork-slots", type=int, default=128, help="KV slots for SSD forks per model")
+    parser.add_argument("--ssd-fork-budget", type=int, default=8,
+                        help="most forks per session per round (fewer as the endpoint fills)")
+    parser.add_argument("--saguaro-c", type=float, default=1.0,
+                        help="Saguaro rescaling of the draft's top tokens when sampling (1: none; lower: more hits)")
+    parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"],
+                        help="on a cache miss: draft now (neural), n-gram (fast), or chosen from measurements")
     parser.add_argument("--lease-s", type=float, default=30.0, help="idle session lease when the target sends 0")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -142,7 +150,9 @@ def main(args: argparse.Namespace) -> int:
         for path in (spec.target_gguf, spec.draft_dir, spec.datastore):
             if path is not None and not Path(path).exists():
                 raise SystemExit(f"--drafter {spec.name}: {path} does not exist")
-    registry = DrafterRegistry.load(specs, args.max_sessions, args.max_len, device)
+    ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,
+           "saguaro_c": args.saguaro_c, "backup": args.ssd_backup}
+    registry = DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd)
 
     server, port = serving.build_server(args.port, host=args.host)
     config = EndpointConfig(

@@ -41,6 +41,8 @@ class Session:
     length: int  # tokens the drafter knows: context plus every reported new token
     last_drafts: tuple[int, ...] = ()  # sent in the previous round, awaiting their outcome
     needs_tokens: bool = False  # drafted since the last new tokens: the next draft needs some
+    push: bool = False  # SSD: outcome tables go to the target as soon as they are built
+    stream: object = None  # SSD push: the Rounds stream its tables go out on (the last one it used)
     drafted: int = 0
     accepted: int = 0
 

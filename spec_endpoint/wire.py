@@ -25,8 +25,10 @@ from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import target_pb2
 
 _KIND_FROM_PB = {pb.DRAFTER_KIND_UNSPECIFIED: None, pb.DRAFTER_KIND_DRAFT_MODEL: DrafterKind.DRAFT_MODEL,
-                 pb.DRAFTER_KIND_NGRAM: DrafterKind.NGRAM}
-_KIND_TO_PB = {DrafterKind.DRAFT_MODEL: pb.DRAFTER_KIND_DRAFT_MODEL, DrafterKind.NGRAM: pb.DRAFTER_KIND_NGRAM}
+                 pb.DRAFTER_KIND_NGRAM: DrafterKind.NGRAM, pb.DRAFTER_KIND_SSD: DrafterKind.SSD}
+_KIND_TO_PB = {v: k for k, v in _KIND_FROM_PB.items() if v is not None}
+_RESOLUTION_FROM_PB = {pb.ROUND_RESOLUTION_ASK: "ask", pb.ROUND_RESOLUTION_TABLE_HIT: "table_hit",
+                       pb.ROUND_RESOLUTION_LOCAL_DRAFTS: "local_drafts"}
 _TRANSPORT_FROM_PB = {pb.DISTRIBUTION_TRANSPORT_AUTO: Transport.AUTO, pb.DISTRIBUTION_TRANSPORT_SPARSE: Transport.SPARSE,
                       pb.DISTRIBUTION_TRANSPORT_DENSE: Transport.DENSE}
 
@@ -75,6 +77,7 @@ def open_request_from(msg: pb.OpenSessionsRequest) -> OpenRequest:
             params=sampling_from(f"{path}.sampling", s.sampling),
             drafter=_KIND_FROM_PB[s.drafter],
             transport=_TRANSPORT_FROM_PB[s.transport],
+            push=s.push,
         ))
     return OpenRequest(tenant, msg.target_model, msg.lease_s, tuple(sessions))
 
@@ -95,7 +98,9 @@ def round_from(msg: pb.RoundRequest) -> Round:
         tenant=tenant_from(msg.tenant),
         round_id=msg.round_id,
         sequences=tuple(
-            SequenceRound(s.request_id, tuple(s.new_tokens), s.num_draft_tokens) for s in msg.sequences
+            SequenceRound(s.request_id, tuple(s.new_tokens), s.num_draft_tokens,
+                          _RESOLUTION_FROM_PB.get(s.resolution, "ask"), tuple(s.drafts_in_use))
+            for s in msg.sequences
         ),
     )
 
@@ -103,13 +108,22 @@ def round_from(msg: pb.RoundRequest) -> Round:
 def round_response_to(result: RoundResult) -> pb.RoundResponse:
     sequences = []
     for s in result.sequences:
-        out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, dense_on_channel=s.dense, error=s.error)
+        out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, dense_on_channel=s.dense, error=s.error,
+                                from_cache=s.from_cache)
         if s.sparse_k:
             out.sparse.CopyFrom(pb.SparseDistribution(k=s.sparse_k, ids=s.sparse_ids, probs=s.sparse_probs))
         sequences.append(out)
+    tables = [
+        pb.OutcomeTable(request_id=t.request_id, follows=t.follows, fast_backup=t.fast_backup, entries=[
+            pb.OutcomeEntry(accepted=k, bonus=b, tokens=tokens,
+                            sparse=pb.SparseDistribution(k=sk, ids=ids, probs=probs) if sk else None)
+            for k, b, tokens, ids, probs, sk in t.entries
+        ])
+        for t in result.tables
+    ]
     return pb.RoundResponse(
         round_id=result.round_id, sequences=sequences, dense_rows=result.dense_rows,
-        vocab_size=result.vocab_size, draft_seconds=result.draft_seconds,
+        vocab_size=result.vocab_size, draft_seconds=result.draft_seconds, tables=tables,
     )
 
 
@@ -137,6 +151,7 @@ def capacity_to(report: CapacityReport) -> pb.Capacity:
         active_sessions=report.active_sessions,
         draft_busy_ratio=report.draft_busy_ratio,
         models=models,
+        ssd_hit_ratio=report.ssd_hit_ratio,
         tenants=[
             pb.TenantStats(tenant=t.tenant, active_sessions=t.active_sessions,
                            drafted_tokens=t.drafted_tokens, accepted_tokens=t.accepted_tokens)

@@ -47,7 +47,7 @@ class HeartbeatFields:
         has_endpoint = bool(self.client and self.client.address)
         methods = ["ngram"]
         if has_endpoint and self.client.attached:
-            methods.insert(0, "draft_model")
+            methods[:0] = ["ssd", "draft_model"]
         return {
             "address": self.address,
             "model": self.model,

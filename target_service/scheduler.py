@@ -37,6 +37,8 @@ class Request:
     events: queue.Queue = field(default_factory=queue.Queue)  # ("delta", index, tokens) / ("done", None, None)
     results: list[GenerationResult] = field(default_factory=list)
     fallback_rounds: list[int] = field(default_factory=list)
+    cache_hits: list[int] = field(default_factory=list)  # SSD, per completion
+    cache_lookups: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -97,6 +99,13 @@ class Scheduler:
             entry = self._by_seq.get(seq_id)
             if entry is not None:
                 entry[0].fallback_rounds[entry[1]] += 1
+
+    def record_cache_stats(self, seq_id: str, hits: int, lookups: int) -> None:
+        """Called on the scheduler thread by the speculation client when an SSD sequence ends."""
+        entry = self._by_seq.get(seq_id)
+        if entry is not None:
+            entry[0].cache_hits[entry[1]] += hits
+            entry[0].cache_lookups[entry[1]] += lookups
 
     def stop(self) -> None:
         with self._wake:
@@ -162,6 +171,7 @@ class Scheduler:
                 )
                 self._by_seq[seq_id] = (request, i)
             request.fallback_rounds = [0] * request.n
+            request.cache_hits, request.cache_lookups = [0] * request.n, [0] * request.n
             self._running[request.request_id] = request
 
     def _deliver(self, moved: list[tuple[str, list[int]]]) -> None:

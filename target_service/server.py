@@ -48,12 +48,12 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a prompt fits in --max-context tokens; an
 ENDPOINT_KIND = {
     pb.SPECULATION_METHOD_AUTO: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
     pb.SPECULATION_METHOD_DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
-    pb.SPECULATION_METHOD_SSD: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
+    pb.SPECULATION_METHOD_SSD: spec_pb.DRAFTER_KIND_SSD,
     pb.SPECULATION_METHOD_NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
     pb.SPECULATION_METHOD_NONE: -1,
 }
 METHOD_NAMES = {-1: "none", None: "ngram_local", spec_pb.DRAFTER_KIND_DRAFT_MODEL: "draft_model",
-                spec_pb.DRAFTER_KIND_NGRAM: "ngram"}
+                spec_pb.DRAFTER_KIND_NGRAM: "ngram", spec_pb.DRAFTER_KIND_SSD: "ssd"}
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -205,6 +205,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     method=METHOD_NAMES.get(req.drafter_kind, "unknown"), target_steps=res.target_steps,
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
                     mean_accept_len=res.mean_accept_len, fallback_rounds=req.fallback_rounds[i],
+                    cache_hits=req.cache_hits[i], cache_lookups=req.cache_lookups[i],
                 ),
             ))
         first = (req.first_token_at - req.submitted_at) if req.first_token_at else 0.0
@@ -225,7 +226,8 @@ class PolicySelector:
         self.draft_model: SpeculationPolicy | None = None  # set once the endpoint tells its draft costs
 
     def choose(self, kinds: set[int | None]) -> SpeculationPolicy:
-        if spec_pb.DRAFTER_KIND_DRAFT_MODEL in kinds and self.draft_model is not None:
+        # SSD is charged like the draft model: its misses and its pre-speculation still cost drafting.
+        if kinds & {spec_pb.DRAFTER_KIND_DRAFT_MODEL, spec_pb.DRAFTER_KIND_SSD} and self.draft_model is not None:
             return self.draft_model
         return self.free
 
@@ -265,6 +267,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed draft length (0: chosen per step by the hardware-aware policy)")
     p.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore for local drafting ('' for none)")
+    p.add_argument("--ssd-mode", default="push", choices=["push", "pull"],
+                   help="SSD: take drafts from outcome tables the endpoint pushes (push) or ask every round (pull)")
+    p.add_argument("--spec-delay-ms", type=float, default=0.0,
+                   help="inject this delay into every speculation message, each way (tests, benchmarks)")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_argument("--redis", default=None, metavar="URL",
                    help="register in the cluster registry at this Redis (heartbeats; default: none)")
@@ -307,7 +313,9 @@ def main(args: argparse.Namespace) -> int:
 
     client = SpeculationClient(
         tenant, name, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
-        on_fallback=on_fallback, on_attach=on_attach,
+        on_fallback=on_fallback, on_attach=on_attach, ssd_push=args.ssd_mode == "push",
+        delay_s=args.spec_delay_ms / 1000,
+        on_cache_stats=lambda seq_id, hits, lookups: scheduler_ref[0].record_cache_stats(seq_id, hits, lookups),
     )
     decoder.drafter = client
     scheduler = Scheduler(decoder, client, metrics, name, policy_for=policies.choose if policies else None)

@@ -30,7 +30,7 @@ from specpool.v1 import speculation_pb2_grpc, target_pb2
 
 log = logging.getLogger("specpool.target.speculation")
 
-REMOTE_KINDS = (pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM)
+REMOTE_KINDS = (pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM, pb.DRAFTER_KIND_SSD)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -44,6 +44,9 @@ class _Seq:
     opening: bool = False  # an OpenSessions call for it is in flight
     opened_at: int = 0  # len(context) when that call was sent
     retry_at: float = 0.0  # after a declined open (capacity), when to ask again
+    drafts: list[int] = field(default_factory=list)  # the drafts it verifies now (SSD: what tables follow)
+    cache_lookups: int = 0  # SSD rounds with an outcome to look up
+    cache_hits: int = 0
     pending: list[int] = field(default_factory=list)  # emitted since its last round was sent
 
 
@@ -56,8 +59,11 @@ class _Reply:
 class _Connection:
     """One attachment to an endpoint: the Rounds stream, its reader thread and the tensor channel."""
 
-    def __init__(self, address: str, tenant: str, connect_timeout_s: float):
+    def __init__(self, address: str, tenant: str, connect_timeout_s: float, delay_s: float = 0.0):
         self.tenant = tenant
+        self.delay_s = delay_s  # injected per message, each way (tests and benchmarks)
+        self.tables: dict[str, pb.OutcomeTable] = {}  # SSD push: the latest table per sequence
+        self.tables_changed = threading.Condition()
         self.channel = grpc.insecure_channel(
             address,
             options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -73,7 +79,7 @@ class _Connection:
         self._tensor_ready = threading.Event()
         offer = self.stub.OpenTensorChannel(pb.TensorChannelRequest(tenant=tenant), timeout=connect_timeout_s)
         threading.Thread(target=self._connect_tensor, args=(offer,), daemon=True).start()
-        self._stream = self.stub.Rounds(iter(self._outbox.get, None))
+        self._stream = self.stub.Rounds(self._delayed(iter(self._outbox.get, None)))
         threading.Thread(target=self._read, daemon=True, name="spec-reader").start()
 
     def _connect_tensor(self, offer: pb.TensorChannelResponse) -> None:
@@ -91,9 +97,24 @@ class _Connection:
     def dense_ready(self) -> bool:
         return self._tensor_ready.is_set()
 
+    def _delayed(self, messages):
+        for message in messages:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield message
+
     def _read(self) -> None:
         try:
             for response in self._stream:
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                if response.tables:
+                    with self.tables_changed:
+                        for table in response.tables:
+                            self.tables[table.request_id] = table
+                        self.tables_changed.notify_all()
+                if not response.round_id:
+                    continue  # an unsolicited push
                 dense = None
                 if response.dense_rows:
                     # Read even when nobody waits any more: the channel must stay in step.
@@ -113,6 +134,23 @@ class _Connection:
                 boxes, self._waiting = list(self._waiting.values()), {}
             for box in boxes:
                 box.put(None)
+
+    def send(self, request: pb.RoundRequest) -> None:
+        """A round that needs no reply (push mode: every sequence resolved its drafts itself)."""
+        self._outbox.put(request)
+
+    def table_for(self, seq_id: str, follows: list[int], timeout_s: float) -> pb.OutcomeTable | None:
+        """The pushed table for these outstanding drafts, waiting up to timeout_s for it to arrive."""
+        end = time.monotonic() + timeout_s
+        with self.tables_changed:
+            while True:
+                table = self.tables.get(seq_id)
+                if table is not None and list(table.follows) == follows:
+                    return table
+                left = end - time.monotonic()
+                if left <= 0 or self.broken.is_set():
+                    return None
+                self.tables_changed.wait(left)
 
     def round(self, request: pb.RoundRequest, deadline_s: float) -> _Reply | None:
         """Send one round and wait for its reply; None when late or broken."""
@@ -150,7 +188,13 @@ class SpeculationClient:
         reattach_s: float = 1.0,
         on_fallback: Callable[[str, list[str]], None] | None = None,
         on_attach: Callable[[pb.Capacity], None] | None = None,
+        ssd_push: bool = True,
+        delay_s: float = 0.0,
+        on_cache_stats: Callable[[str, int, int], None] | None = None,
     ):
+        self.on_cache_stats = on_cache_stats or (lambda seq_id, hits, lookups: None)  # SSD, when a sequence ends
+        self.ssd_push = ssd_push  # SSD: take drafts from pushed outcome tables (else pull each round)
+        self.delay_s = delay_s
         self.tenant = tenant
         self.target_model = target_model
         self.address = address
@@ -189,7 +233,7 @@ class SpeculationClient:
         while not self._stop.is_set():
             if not self.attached:
                 try:
-                    conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0)
+                    conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0, delay_s=self.delay_s)
                 except grpc.RpcError as e:
                     log.debug("endpoint %s not reachable: %s", self.address, e.code().name)
                 else:
@@ -235,6 +279,8 @@ class SpeculationClient:
     def remove_sequence(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         self.local.remove_sequence(seq_id)
+        if seq is not None and seq.cache_lookups:
+            self.on_cache_stats(seq_id, seq.cache_hits, seq.cache_lookups)
         if seq is not None and (seq.opened or seq.opening):
             self._to_close.append(seq_id)
         if not self._seqs:
@@ -268,6 +314,7 @@ class SpeculationClient:
                     rows.append(([], None))
                 else:
                     rows.append((self.local.draft(seq_id, n), None))
+                seq.drafts = list(rows[-1][0])
             out.append(_assemble(rows, r.params))
         return out
 
@@ -300,12 +347,29 @@ class SpeculationClient:
         if not ready:
             return {}
         self._round_id += 1
-        request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id, sequences=[
-            pb.SequenceRound(request_id=s, new_tokens=self._seqs[s].pending, num_draft_tokens=max(n, 0))
-            for s, n in ready
-        ])
-        for s, _ in ready:
-            self._seqs[s].pending = []  # the endpoint applies them whether or not we wait for the reply
+        request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id)
+        resolved: dict[str, tuple[list[int], object]] = {}
+        asking = []
+        for s, n in ready:
+            seq = self._seqs[s]
+            found = self._resolve_from_table(conn, s, seq, n) if seq.kind == pb.DRAFTER_KIND_SSD else None
+            if found is None:
+                request.sequences.append(pb.SequenceRound(request_id=s, new_tokens=seq.pending,
+                                                          num_draft_tokens=max(n, 0)))
+                asking.append((s, n))
+            else:
+                resolution, tokens, q = found
+                request.sequences.append(pb.SequenceRound(
+                    request_id=s, new_tokens=seq.pending, resolution=resolution,
+                    num_draft_tokens=len(tokens) if resolution == pb.ROUND_RESOLUTION_TABLE_HIT else 0,
+                    drafts_in_use=tokens if resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS else [],
+                ))
+                resolved[s] = (tokens, q)
+            seq.pending = []  # the endpoint applies them whether or not we wait for the reply
+        if not asking:
+            conn.send(request)
+            return resolved
+        ready = asking
         reply = conn.round(request, self.deadline_s)
         if reply is None:
             if conn.broken.is_set():
@@ -314,9 +378,11 @@ class SpeculationClient:
             else:
                 self.on_fallback("deadline", [s for s, _ in ready])
             return {}
-        drafts: dict[str, tuple[list[int], object]] = {}
+        drafts = resolved
         dense_row = 0
         for d in reply.response.sequences:
+            if d.request_id in resolved:
+                continue
             if d.error:
                 log.debug("endpoint could not draft %s: %s", d.request_id, d.error)
                 self._seqs[d.request_id].opened = False  # re-open (with the full context) next round
@@ -331,7 +397,40 @@ class SpeculationClient:
                 q = (torch.tensor(d.sparse.ids, dtype=torch.long).view(len(d.tokens), k),
                      torch.tensor(d.sparse.probs, dtype=torch.float32).view(len(d.tokens), k))
             drafts[d.request_id] = (list(d.tokens), q)
+            if self._seqs[d.request_id].kind == pb.DRAFTER_KIND_SSD and d.tokens:
+                self._seqs[d.request_id].cache_hits += d.from_cache
         return drafts
+
+    def _resolve_from_table(self, conn: _Connection, seq_id: str, seq: _Seq, n: int):
+        """SSD: count the lookup; in push mode, -> (resolution, tokens, q) when the pushed table
+        answers this outcome (a hit) or says the endpoint would back off to n-gram drafts anyway
+        (then draft them here, with no round trip). None: ask the endpoint."""
+        k = 0
+        while k < len(seq.drafts) and k < len(seq.pending) and seq.pending[k] == seq.drafts[k]:
+            k += 1
+        if not seq.drafts or len(seq.pending) != k + 1:
+            return None
+        seq.cache_lookups += 1
+        if not self.ssd_push or n <= 0:
+            return None
+        table = conn.table_for(seq_id, seq.drafts, self.deadline_s)
+        if table is None:
+            return None
+        for entry in table.entries:
+            if entry.accepted == k and entry.bonus == seq.pending[k]:
+                tokens = list(entry.tokens)[:n]
+                q = None
+                if entry.HasField("sparse"):
+                    sk = entry.sparse.k
+                    q = (torch.tensor(entry.sparse.ids, dtype=torch.long).view(-1, sk)[: len(tokens)],
+                         torch.tensor(entry.sparse.probs, dtype=torch.float32).view(-1, sk)[: len(tokens)])
+                seq.cache_hits += 1
+                return pb.ROUND_RESOLUTION_TABLE_HIT, tokens, q
+        if table.fast_backup:
+            return pb.ROUND_RESOLUTION_LOCAL_DRAFTS, self.local.draft(seq_id, n), None
+        return None
+
+
 
     def _open_sessions(self, conn: _Connection, seq_ids: list[str]) -> None:
         """Open sessions for new (or re-attached) sequences, waiting at most the step deadline: a slow
@@ -346,7 +445,7 @@ class SpeculationClient:
                 seq.opening, seq.opened_at = True, len(seq.context)
                 p = seq.params
                 specs.append(pb.SessionSpec(
-                    request_id=s, context=seq.context, drafter=seq.kind,
+                    request_id=s, context=seq.context, drafter=seq.kind, push=self.ssd_push,
                     sampling=target_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p),
                 ))
             future = conn.stub.OpenSessions.future(
@@ -425,12 +524,12 @@ def _assemble(rows: list[tuple[list[int], object]], params: SamplingParams) -> D
                 probs[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
         return Drafts(tokens=tokens, probs=probs)
     # Sparse: every row shares the sampler's top-k; one-hot rows repeat their token with weight 0.
-    k = next(q[0].shape[-1] for _, q in rows if q is not None)
+    k = max(q[0].shape[-1] for _, q in rows if q is not None)  # rows pad to the widest (weight 0)
     ids = torch.zeros(len(rows), k_max, k, dtype=torch.long)
     weights = torch.zeros(len(rows), k_max, k)
     for b, (t, q) in enumerate(rows):
         if q is not None:
-            ids[b, : len(t)], weights[b, : len(t)] = q
+            ids[b, : len(t), : q[0].shape[-1]], weights[b, : len(t), : q[0].shape[-1]] = q
         elif t:
             ids[b, : len(t)] = torch.tensor(t)[:, None]
             weights[b, : len(t), 0] = 1.0

@@ -13,32 +13,45 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_UNSPECIFIED: _ClassVar[DrafterKind]
     DRAFTER_KIND_DRAFT_MODEL: _ClassVar[DrafterKind]
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
+    DRAFTER_KIND_SSD: _ClassVar[DrafterKind]
 
 class DistributionTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DISTRIBUTION_TRANSPORT_AUTO: _ClassVar[DistributionTransport]
     DISTRIBUTION_TRANSPORT_SPARSE: _ClassVar[DistributionTransport]
     DISTRIBUTION_TRANSPORT_DENSE: _ClassVar[DistributionTransport]
+
+class RoundResolution(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_RESOLUTION_ASK: _ClassVar[RoundResolution]
+    ROUND_RESOLUTION_TABLE_HIT: _ClassVar[RoundResolution]
+    ROUND_RESOLUTION_LOCAL_DRAFTS: _ClassVar[RoundResolution]
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_DRAFT_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
+DRAFTER_KIND_SSD: DrafterKind
 DISTRIBUTION_TRANSPORT_AUTO: DistributionTransport
 DISTRIBUTION_TRANSPORT_SPARSE: DistributionTransport
 DISTRIBUTION_TRANSPORT_DENSE: DistributionTransport
+ROUND_RESOLUTION_ASK: RoundResolution
+ROUND_RESOLUTION_TABLE_HIT: RoundResolution
+ROUND_RESOLUTION_LOCAL_DRAFTS: RoundResolution
 
 class SessionSpec(_message.Message):
-    __slots__ = ("request_id", "context", "sampling", "drafter", "transport")
+    __slots__ = ("request_id", "context", "sampling", "drafter", "transport", "push")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _target_pb2.SamplingParams
     drafter: DrafterKind
     transport: DistributionTransport
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_target_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., transport: _Optional[_Union[DistributionTransport, str]] = ...) -> None: ...
+    push: bool
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_target_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., transport: _Optional[_Union[DistributionTransport, str]] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionsRequest(_message.Message):
     __slots__ = ("tenant", "target_model", "lease_s", "sessions")
@@ -85,14 +98,18 @@ class CloseSessionsResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class SequenceRound(_message.Message):
-    __slots__ = ("request_id", "new_tokens", "num_draft_tokens")
+    __slots__ = ("request_id", "new_tokens", "num_draft_tokens", "resolution", "drafts_in_use")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    resolution: RoundResolution
+    drafts_in_use: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., resolution: _Optional[_Union[RoundResolution, str]] = ..., drafts_in_use: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
     __slots__ = ("tenant", "round_id", "sequences")
@@ -115,32 +132,60 @@ class SparseDistribution(_message.Message):
     def __init__(self, k: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceDrafts(_message.Message):
-    __slots__ = ("request_id", "tokens", "sparse", "dense_on_channel", "error")
+    __slots__ = ("request_id", "tokens", "sparse", "dense_on_channel", "error", "from_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sparse: SparseDistribution
     dense_on_channel: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ..., dense_on_channel: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    from_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ..., dense_on_channel: _Optional[bool] = ..., error: _Optional[str] = ..., from_cache: _Optional[bool] = ...) -> None: ...
+
+class OutcomeEntry(_message.Message):
+    __slots__ = ("accepted", "bonus", "tokens", "sparse")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    bonus: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    sparse: SparseDistribution
+    def __init__(self, accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ...) -> None: ...
+
+class OutcomeTable(_message.Message):
+    __slots__ = ("request_id", "follows", "entries", "fast_backup")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FAST_BACKUP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    follows: _containers.RepeatedScalarFieldContainer[int]
+    entries: _containers.RepeatedCompositeFieldContainer[OutcomeEntry]
+    fast_backup: bool
+    def __init__(self, request_id: _Optional[str] = ..., follows: _Optional[_Iterable[int]] = ..., entries: _Optional[_Iterable[_Union[OutcomeEntry, _Mapping]]] = ..., fast_backup: _Optional[bool] = ...) -> None: ...
 
 class RoundResponse(_message.Message):
-    __slots__ = ("round_id", "sequences", "dense_rows", "vocab_size", "draft_seconds")
+    __slots__ = ("round_id", "sequences", "dense_rows", "vocab_size", "draft_seconds", "tables")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DENSE_ROWS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceDrafts]
     dense_rows: int
     vocab_size: int
     draft_seconds: float
-    def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDrafts, _Mapping]]] = ..., dense_rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[OutcomeTable]
+    def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDrafts, _Mapping]]] = ..., dense_rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[OutcomeTable, _Mapping]]] = ...) -> None: ...
 
 class TensorChannelRequest(_message.Message):
     __slots__ = ("tenant",)
@@ -201,17 +246,19 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., active_sessions: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("endpoint_id", "max_sessions", "active_sessions", "draft_busy_ratio", "models", "tenants")
+    __slots__ = ("endpoint_id", "max_sessions", "active_sessions", "draft_busy_ratio", "models", "tenants", "ssd_hit_ratio")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SSD_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     max_sessions: int
     active_sessions: int
     draft_busy_ratio: float
     models: _containers.RepeatedCompositeFieldContainer[ModelDrafters]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, endpoint_id: _Optional[str] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_busy_ratio: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelDrafters, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    ssd_hit_ratio: float
+    def __init__(self, endpoint_id: _Optional[str] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_busy_ratio: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelDrafters, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., ssd_hit_ratio: _Optional[float] = ...) -> None: ...

@@ -285,7 +285,7 @@ def test_grpc_two_concurrent_streams_share_a_batch(served):
     assert capacity.active_sessions == 2 and capacity.endpoint_id == "test"
     [model] = capacity.models
     assert model.target_model == MODEL
-    assert list(model.drafters) == [pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM]
+    assert list(model.drafters) == [pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_SSD, pb.DRAFTER_KIND_NGRAM]
     table = model.draft_step_costs
     assert len(table.seconds) == len(table.batch_sizes) * len(table.draft_lens) > 0
     assert {t.tenant: t.drafted_tokens for t in capacity.tenants} == {"a": 3, "b": 3}
