@@ -19,38 +19,64 @@ from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
-METHODS = {"sd-remote": pb.SPECULATION_METHOD_DRAFT_MODEL, "ngram-remote": pb.SPECULATION_METHOD_NGRAM}
+METHODS = {
+    "sd-remote": pb.SPECULATION_METHOD_DRAFT_MODEL,
+    "ngram-remote": pb.SPECULATION_METHOD_NGRAM,
+    "ssd": pb.SPECULATION_METHOD_SSD,
+    "ssd-pull": pb.SPECULATION_METHOD_SSD,
+}
+REMOTE_MODES = tuple(METHODS)
 
 
 class RemoteCluster:
-    """One endpoint + one target for the whole benchmark run; stopped by close()."""
+    """Servers for the remote modes, started on first use and stopped by close().
+
+    sd-remote and ngram-remote use one endpoint and one target, unpinned with all cores' threads,
+    like the in-process modes. SSD overlaps drafting with verification, so its endpoint and its
+    targets (one in push mode, one in pull mode) are pinned to a core each, one thread apiece.
+    """
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
-                 datastore: Path | None, max_context: int = 2048):
+                 datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0):
         drafter = f"{model_name(model_path)}={model_path}"
         if draft_dir:
             drafter += f",draft={draft_dir}"
         if datastore:
             drafter += f",datastore={datastore}"
+        self.drafter, self.model_path, self.dtype = drafter, model_path, dtype
+        self.max_batch, self.max_context, self.delay_ms = max_batch, max_context, delay_ms
+        self.datastore = datastore
         self.servers: list[ServerProcess] = []
-        try:
-            self.endpoint = self._start("spec-endpoint", [
-                "serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", drafter,
-                "--max-sessions", str(max(64, max_batch)), "--max-len", str(max_context),
-            ])
-            self.target = self._start("target", [
-                "serve-target", "--port", "0", "--metrics-port", "0", "--model", str(model_path),
-                "--dtype", dtype, "--spec-endpoint", self.endpoint.address, "--max-batch", str(max_batch),
-                "--max-context", str(max_context), "--datastore", str(datastore or ""), "--tenant", "bench",
-            ])
-        except Exception:
-            self.close()
-            raise
-        self.channel = grpc.insecure_channel(self.target.address)
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
+        self._endpoints: dict[str, ServerProcess] = {}
 
-    def _start(self, name: str, args: list[str]) -> ServerProcess:
-        server = start_server(name, args)
+    def _endpoint(self, pinned: bool) -> ServerProcess:
+        key = "pinned" if pinned else "shared"
+        if key not in self._endpoints:
+            args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
+                    "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
+                    "--ssd-sessions", str(max(16, self.max_batch))]
+            self._endpoints[key] = self._start(f"spec-{key}", args + (["--threads", "1"] if pinned else []),
+                                               cpus=[1] if pinned else None)
+        return self._endpoints[key]
+
+    def _stub(self, mode: str) -> target_pb2_grpc.TargetServiceStub:
+        kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
+        if kind not in self.stubs:
+            pinned = kind != "shared"
+            endpoint = self._endpoint(pinned)
+            args = ["serve-target", "--port", "0", "--metrics-port", "0", "--model", str(self.model_path),
+                    "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
+                    "--max-context", str(self.max_context), "--datastore", str(self.datastore or ""),
+                    "--tenant", f"bench-{kind}", "--spec-delay-ms", str(self.delay_ms)]
+            if pinned:
+                args += ["--threads", "1", "--ssd-mode", kind.removeprefix("ssd-")]
+            target = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
+            self.stubs[kind] = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+        return self.stubs[kind]
+
+    def _start(self, name: str, args: list[str], cpus: list[int] | None = None) -> ServerProcess:
+        server = start_server(name, args, cpus=cpus)
         self.servers.append(server)
         return server
 
@@ -60,13 +86,14 @@ class RemoteCluster:
 
     def runner(self, mode: str, max_tokens: int):
         method = METHODS[mode]
+        stub = self._stub(mode)
 
         def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
             def one(ids: list[int]) -> pb.GenerateResult:
                 sampling = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
                 if params.seed is not None:
                     sampling.seed = params.seed
-                return self.stub.GenerateUnary(pb.GenerateRequest(
+                return stub.GenerateUnary(pb.GenerateRequest(
                     prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling,
                     speculation=pb.SpeculationPreference(method=method),
                 ))
@@ -76,13 +103,16 @@ class RemoteCluster:
                 results = list(pool.map(one, prompts))
             totals.seconds += time.perf_counter() - start
             totals.target_steps = totals.target_steps or 0
+            totals.fallback_rounds = totals.fallback_rounds or 0
             for r in results:
                 c = r.completions[0]
                 totals.new_tokens += len(c.token_ids)
                 totals.first_tokens += 1
                 totals.target_steps += c.speculation.target_steps
                 totals.drafted += c.speculation.drafted_tokens
-                totals.fallback_rounds = (totals.fallback_rounds or 0) + c.speculation.fallback_rounds
+                totals.fallback_rounds += c.speculation.fallback_rounds
+                totals.cache_hits += c.speculation.cache_hits
+                totals.cache_lookups += c.speculation.cache_lookups
                 totals.outputs.append(list(c.token_ids))
 
         return run

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.machine import machine_info
+from bench.remote import REMOTE_MODES
 from engine.decoding import generate
 from engine.drafter import ModelDrafter
 from engine.model import Llama
@@ -37,6 +38,8 @@ class ModeTotals:
     first_tokens: int = 0
     drafted: int = 0
     fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
+    cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
+    cache_lookups: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -53,6 +56,7 @@ class BenchConfig:
     datastore: Path | None
     dtype: str = "auto"
     seed: int = 0
+    spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
 
 
 # A runner takes a chunk of prompts and fills one ModeTotals.
@@ -117,7 +121,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None) 
         elif name == "ngram":
             policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
-        elif name in ("sd-remote", "ngram-remote"):
+        elif name in REMOTE_MODES:
             runners[mode] = remote.runner(name, cfg.max_tokens)
         elif name.startswith("hf-"):
             runners[mode] = _hf_runner(name, cfg, batch_size)
@@ -166,10 +170,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
     remote = None
-    if any(m.endswith("-remote") for m in cfg.modes):
+    if any(m in REMOTE_MODES for m in cfg.modes):
         from bench.remote import RemoteCluster
 
-        remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore)
+        remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
+                               delay_ms=cfg.spec_delay_ms)
     try:
         rows = _run_batches(cfg, model, prompts, remote)
     finally:
@@ -212,7 +217,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 if t.target_steps
                 else None,
                 "mean_draft_len": round(t.drafted / t.target_steps, 2) if t.target_steps and t.drafted else None,
-                "cache_hit_ratio": None,
+                "cache_hit_ratio": round(t.cache_hits / t.cache_lookups, 3) if t.cache_lookups else None,
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
                 "outputs_match_ar": None,
                 "near_ties": None,
@@ -233,9 +238,9 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
 
 def print_table(report: dict) -> None:
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
-            ("mean_accept_len", 7), ("mean_draft_len", 6), ("speedup_vs_ar", 7), ("outputs_match_ar", 6),
-            ("near_ties", 5)]
-    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "accept", "draft", "speedup", "match", "ties"]
+            ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5), ("speedup_vs_ar", 7),
+            ("outputs_match_ar", 6), ("near_ties", 5)]
+    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "accept", "draft", "hit", "speedup", "match", "ties"]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
     for row in report["results"]:
         cells = []

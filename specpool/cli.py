@@ -95,6 +95,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         datastore=Path(args.datastore) if args.datastore else None,
         dtype=args.dtype,
         seed=args.seed,
+        spec_delay_ms=args.spec_delay_ms,
     )
     report = run_bench(cfg)
     print_table(report)
@@ -141,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
-                   help="ar, sd[:K], ngram[:K], sd-remote, ngram-remote, hf-ar, hf-prompt-lookup, hf-assisted")
+                   help="ar, sd[:K], ngram[:K], sd-remote, ngram-remote, ssd, ssd-pull, hf-ar, hf-prompt-lookup, "
+                        "hf-assisted")
+    b.add_argument("--spec-delay-ms", type=float, default=0.0,
+                   help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")
