@@ -60,8 +60,11 @@ class RemoteCluster:
                                                cpus=[1] if pinned else None)
         return self._endpoints[key]
 
-    def _stub(self, mode: str) -> target_pb2_grpc.TargetServiceStub:
+    def _stub(self, mode: str, draft_tokens: int = 0) -> target_pb2_grpc.TargetServiceStub:
+        """mode[:K] -> the target serving it (a fixed draft length K gets a target of its own)."""
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
+        if draft_tokens:
+            kind += f"-k{draft_tokens}"
         if kind not in self.stubs:
             pinned = kind != "shared"
             endpoint = self._endpoint(pinned)
@@ -70,13 +73,18 @@ class RemoteCluster:
                     "--max-context", str(self.max_context), "--datastore", str(self.datastore or ""),
                     "--tenant", f"bench-{kind}", "--spec-delay-ms", str(self.delay_ms)]
             if pinned:
-                args += ["--threads", "1", "--ssd-mode", kind.removeprefix("ssd-")]
+                args += ["--threads", "1", "--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
+            if draft_tokens:
+                args += ["--draft-tokens", str(draft_tokens)]
             target = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
             self.stubs[kind] = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
         return self.stubs[kind]
 
     def _start(self, name: str, args: list[str], cpus: list[int] | None = None) -> ServerProcess:
-        server = start_server(name, args, cpus=cpus)
+        # Unpinned servers take turns on the same cores: OpenMP threads that spin after their work
+        # (libgomp's default) would eat the other process's turn, so idle threads sleep at once.
+        env = None if cpus else {"OMP_WAIT_POLICY": "PASSIVE"}
+        server = start_server(name, args, cpus=cpus, env=env)
         self.servers.append(server)
         return server
 
@@ -84,9 +92,9 @@ class RemoteCluster:
         for server in reversed(self.servers):
             server.stop()
 
-    def runner(self, mode: str, max_tokens: int):
+    def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
         method = METHODS[mode]
-        stub = self._stub(mode)
+        stub = self._stub(mode, draft_tokens)
 
         def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
             def one(ids: list[int]) -> pb.GenerateResult:

@@ -122,7 +122,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None) 
             policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
         elif name in REMOTE_MODES:
-            runners[mode] = remote.runner(name, cfg.max_tokens)
+            runners[mode] = remote.runner(name, cfg.max_tokens, int(k or 0))
         elif name.startswith("hf-"):
             runners[mode] = _hf_runner(name, cfg, batch_size)
         else:
@@ -170,7 +170,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
     remote = None
-    if any(m in REMOTE_MODES for m in cfg.modes):
+    if any(m.partition(":")[0] in REMOTE_MODES for m in cfg.modes):
         from bench.remote import RemoteCluster
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,

@@ -41,6 +41,12 @@ class TargetMetrics:
         self.fallback_rounds = Counter("specpool_target_spec_fallback_rounds",
                                        "Sequence-rounds drafted locally instead of by the endpoint, by reason",
                                        [*names, "reason"], registry=r)
+        self.spec_round_seconds = labelled(Histogram(
+            "specpool_target_spec_round_seconds", "Waiting for the endpoint's drafts, per round", names,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64), registry=r))
+        self.spec_wire_seconds = labelled(Histogram(
+            "specpool_target_spec_wire_seconds", "Round wait minus the endpoint's drafting time: the wire's cost",
+            names, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16), registry=r))
         self.endpoint_attached = labelled(Gauge("specpool_target_spec_endpoint_attached",
                                                 "1 while attached to a speculation endpoint", names, registry=r))
         self.running = labelled(Gauge("specpool_target_running_sequences", "Sequences in the batch", names,

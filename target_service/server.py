@@ -316,6 +316,8 @@ def main(args: argparse.Namespace) -> int:
         on_fallback=on_fallback, on_attach=on_attach, ssd_push=args.ssd_mode == "push",
         delay_s=args.spec_delay_ms / 1000,
         on_cache_stats=lambda seq_id, hits, lookups: scheduler_ref[0].record_cache_stats(seq_id, hits, lookups),
+        on_round=lambda wait_s, draft_s: (metrics.spec_round_seconds.observe(wait_s),
+                                          metrics.spec_wire_seconds.observe(max(0.0, wait_s - draft_s))),
     )
     decoder.drafter = client
     scheduler = Scheduler(decoder, client, metrics, name, policy_for=policies.choose if policies else None)

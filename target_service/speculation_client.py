@@ -191,7 +191,9 @@ class SpeculationClient:
         ssd_push: bool = True,
         delay_s: float = 0.0,
         on_cache_stats: Callable[[str, int, int], None] | None = None,
+        on_round: Callable[[float, float], None] | None = None,
     ):
+        self.on_round = on_round or (lambda wait_s, draft_s: None)  # a round trip: our wait, their drafting
         self.on_cache_stats = on_cache_stats or (lambda seq_id, hits, lookups: None)  # SSD, when a sequence ends
         self.ssd_push = ssd_push  # SSD: take drafts from pushed outcome tables (else pull each round)
         self.delay_s = delay_s
@@ -370,7 +372,9 @@ class SpeculationClient:
             conn.send(request)
             return resolved
         ready = asking
+        start = time.perf_counter()
         reply = conn.round(request, self.deadline_s)
+        self.on_round(time.perf_counter() - start, reply.response.draft_seconds if reply else 0.0)
         if reply is None:
             if conn.broken.is_set():
                 self._detach(conn)
