@@ -37,7 +37,8 @@ class RemoteCluster:
     """
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
-                 datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0):
+                 datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0,
+                 threads: int | None = None):
         drafter = f"{model_name(model_path)}={model_path}"
         if draft_dir:
             drafter += f",draft={draft_dir}"
@@ -46,6 +47,7 @@ class RemoteCluster:
         self.drafter, self.model_path, self.dtype = drafter, model_path, dtype
         self.max_batch, self.max_context, self.delay_ms = max_batch, max_context, delay_ms
         self.datastore = datastore
+        self.threads = threads  # of the unpinned servers (None: torch's default, all cores)
         self.servers: list[ServerProcess] = []
         self.stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
         self._endpoints: dict[str, ServerProcess] = {}
@@ -56,8 +58,7 @@ class RemoteCluster:
             args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
                     "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
                     "--ssd-sessions", str(max(16, self.max_batch))]
-            self._endpoints[key] = self._start(f"spec-{key}", args + (["--threads", "1"] if pinned else []),
-                                               cpus=[1] if pinned else None)
+            self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned), cpus=[1] if pinned else None)
         return self._endpoints[key]
 
     def _stub(self, mode: str, draft_tokens: int = 0) -> target_pb2_grpc.TargetServiceStub:
@@ -72,13 +73,18 @@ class RemoteCluster:
                     "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
                     "--max-context", str(self.max_context), "--datastore", str(self.datastore or ""),
                     "--tenant", f"bench-{kind}", "--spec-delay-ms", str(self.delay_ms)]
+            args += self._threads(pinned)
             if pinned:
-                args += ["--threads", "1", "--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
+                args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:
                 args += ["--draft-tokens", str(draft_tokens)]
             target = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
             self.stubs[kind] = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
         return self.stubs[kind]
+
+    def _threads(self, pinned: bool) -> list[str]:
+        threads = 1 if pinned else self.threads
+        return ["--threads", str(threads)] if threads else []
 
     def _start(self, name: str, args: list[str], cpus: list[int] | None = None) -> ServerProcess:
         # Unpinned servers take turns on the same cores: OpenMP threads that spin after their work

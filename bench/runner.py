@@ -57,6 +57,7 @@ class BenchConfig:
     dtype: str = "auto"
     seed: int = 0
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
+    threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
 
 
 # A runner takes a chunk of prompts and fills one ModeTotals.
@@ -174,7 +175,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         from bench.remote import RemoteCluster
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
-                               delay_ms=cfg.spec_delay_ms)
+                               delay_ms=cfg.spec_delay_ms, threads=cfg.threads)
     try:
         rows = _run_batches(cfg, model, prompts, remote)
     finally:

@@ -96,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         seed=args.seed,
         spec_delay_ms=args.spec_delay_ms,
+        threads=args.threads,
     )
     report = run_bench(cfg)
     print_table(report)
