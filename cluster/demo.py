@@ -129,11 +129,27 @@ def generated_tokens(cluster: Cluster) -> dict[str, float]:
     out = {}
     for tenant, server in cluster.targets.items():
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
         except OSError:
             continue
         out[tenant] = sum(float(m.group(1)) for m in re.finditer(
             r"^specpool_target_generated_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
+    return out
+
+
+def router_decisions(cluster: Cluster) -> dict[tuple[str, str], int]:
+    """(plan, reason) -> count, summed over the routers' /capacity."""
+    out: dict[tuple[str, str], int] = {}
+    for router in cluster.routers:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=5) as r:
+                capacity = json.loads(r.read().decode())
+        except (OSError, ValueError):
+            continue
+        for d in capacity.get("decisions", []):
+            key = (d.get("plan", "?"), d.get("reason", "?"))
+            out[key] = out.get(key, 0) + int(d.get("count", 0))
     return out
 
 
@@ -187,6 +203,10 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
     served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if served:
         say("tokens served per tenant: " + ", ".join(f"{k} {v:.0f}" for k, v in served.items()))
+    decisions = router_decisions(cluster)
+    if decisions:
+        say("router decisions (plan/reason, warm-up included): "
+            + ", ".join(f"{plan}/{reason} x{n}" for (plan, reason), n in sorted(decisions.items())))
     say("accept = tokens per target step, bonus included; tokens/s as the client sees it, one request at a time, "
         "both modes side by side in this run on this machine")
     return DemoReport(totals, same, len(prompts))
