@@ -199,7 +199,8 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
         methods = ", ".join(f"{k} x{v}" for k, v in sorted(t.methods.items()))
         say(f"{LABELS[mode]:<36} {len(t.first_token_s):>8} {t.tokens:>7} {t.tokens_per_s:>9.1f} "
             f"{(t.tokens_per_s / ar if ar else 0):>7.2f}x {ttft:>7.2f} {accept:>7.2f}  {methods}")
-    say(f"same tokens as AR: {same}/{len(prompts)} prompts (greedy speculation is lossless)")
+    lossless = " (greedy speculation is lossless)" if same == len(prompts) else ""
+    say(f"same tokens as AR: {same}/{len(prompts)} prompts{lossless}")
     served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if served:
         say("tokens served per tenant: " + ", ".join(f"{k} {v:.0f}" for k, v in served.items()))
