@@ -170,24 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None)
     t.set_defaults(func=cmd_train_draft)
 
-    st = sub.add_parser("serve-target", help="serve one target model over gRPC (Target API)")
-    st.set_defaults(func=lambda a: _server("target_service.server").main(a))
-    _server("target_service.server").add_arguments(st)
-    ss = sub.add_parser("serve-spec", help="serve the pooled speculation endpoint over gRPC")
-    ss.set_defaults(func=lambda a: _server("spec_endpoint.server").main(a))
-    _server("spec_endpoint.server").add_arguments(ss)
-    sr = sub.add_parser("serve-router", help="route Target API requests to target replicas and draft slots")
-    sr.set_defaults(func=lambda a: _server("router.server").main(a))
-    _server("router.server").add_arguments(sr)
-    pl = sub.add_parser("plan", help="size the speculation pool for a demand mix from measured statistics")
-    pl.set_defaults(func=lambda a: _server("cluster.plan").main(a))
-    _server("cluster.plan").add_arguments(pl)
-    up = sub.add_parser("up", help="start a local cluster (default: Redis, a router, two targets, one endpoint)")
-    up.set_defaults(func=lambda a: _server("cluster.up").main(a))
-    _server("cluster.up").add_arguments(up)
-    dm = sub.add_parser("demo", help="the local cluster, a short workload through its router: speedup vs AR")
-    dm.set_defaults(func=lambda a: _server("cluster.demo").main(a))
-    _server("cluster.demo").add_arguments(dm)
+    # Servers and cluster tools: each module brings its own flags and main().
+    for name, module, help_text in (
+        ("serve-target", "target_service.server", "serve one target model over gRPC (Target API)"),
+        ("serve-spec", "spec_endpoint.server", "serve the pooled speculation endpoint over gRPC"),
+        ("serve-router", "router.server", "route Target API requests to target replicas and draft slots"),
+        ("plan", "cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
+        ("up", "cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
+        ("demo", "cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
+    ):
+        tool = _server(module)
+        cmd = sub.add_parser(name, help=help_text)
+        tool.add_arguments(cmd)
+        cmd.set_defaults(func=tool.main)
     return parser
 
 

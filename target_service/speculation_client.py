@@ -207,7 +207,7 @@ class SpeculationClient:
         self.on_fallback = on_fallback or (lambda reason, seq_ids: None)  # called on the step's thread
         self.on_attach = on_attach or (lambda capacity: None)
         self._seqs: dict[str, _Seq] = {}
-        self._configured: dict[str, tuple[int | None, SamplingParams]] = {}
+        self._configured: dict[str, tuple[int | None, SamplingParams, int]] = {}
         self._conn: _Connection | None = None
         self._round_id = 0
         self._opens: list[tuple[_Connection, list[str], grpc.Future]] = []
