@@ -1,12 +1,16 @@
-"""Benchmark modes that go through the servers: sd-remote and ngram-remote.
+"""Benchmark modes that go through the servers.
 
-A speculation endpoint and a target service start as separate processes (once per run); each
-chunk of prompts is sent as concurrent Generate calls through the Target API, and the wall time
-from the first submit to the last answer is what the chunk costs, as for the in-process modes.
+sd-remote, ngram-remote, ssd, ssd-pull: a speculation endpoint and a target service start as
+separate processes (once per run). routed and routed-ar: a whole local cluster (cluster/default.yaml
+or --cluster FILE: Redis, router, targets, endpoint) and requests through its router, with
+speculation planned by the router (AUTO) or off (NONE, AR on the same servers). Each chunk of
+prompts is sent as concurrent Generate calls through the Target API, and the wall time from the
+first submit to the last answer is what the chunk costs, as for the in-process modes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,10 +18,13 @@ from pathlib import Path
 import grpc
 
 from cluster.processes import ServerProcess, start_server
-from engine.gguf_loader import model_name
+from cluster.up import Cluster, ClusterConfig
+from engine.gguf_loader import default_model_path, model_name
 from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 METHODS = {
     "sd-remote": pb.SPECULATION_METHOD_DRAFT_MODEL,
@@ -26,6 +33,7 @@ METHODS = {
     "ssd-pull": pb.SPECULATION_METHOD_SSD,
 }
 REMOTE_MODES = tuple(METHODS)
+ROUTED_METHODS = {"routed": pb.SPECULATION_METHOD_AUTO, "routed-ar": pb.SPECULATION_METHOD_NONE}
 
 
 class RemoteCluster:
@@ -38,7 +46,7 @@ class RemoteCluster:
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
                  datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0,
-                 threads: int | None = None):
+                 threads: int | None = None, endpoint_args: tuple[str, ...] = ()):
         drafter = f"{model_name(model_path)}={model_path}"
         if draft_dir:
             drafter += f",draft={draft_dir}"
@@ -48,6 +56,7 @@ class RemoteCluster:
         self.max_batch, self.max_context, self.delay_ms = max_batch, max_context, delay_ms
         self.datastore = datastore
         self.threads = threads  # of the unpinned servers (None: torch's default, all cores)
+        self.endpoint_args = list(endpoint_args)  # further serve-spec flags (e.g. --ssd-fork-budget 16)
         self.servers: list[ServerProcess] = []
         self.stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
         self._endpoints: dict[str, ServerProcess] = {}
@@ -57,7 +66,7 @@ class RemoteCluster:
         if key not in self._endpoints:
             args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
                     "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
-                    "--ssd-sessions", str(max(16, self.max_batch))]
+                    "--ssd-sessions", str(max(16, self.max_batch)), *self.endpoint_args]
             self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned), cpus=[1] if pinned else None)
         return self._endpoints[key]
 
@@ -99,34 +108,59 @@ class RemoteCluster:
             server.stop()
 
     def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
-        method = METHODS[mode]
-        stub = self._stub(mode, draft_tokens)
+        return target_api_runner(self._stub(mode, draft_tokens), METHODS[mode], max_tokens)
 
-        def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
-            def one(ids: list[int]) -> pb.GenerateResult:
-                sampling = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-                if params.seed is not None:
-                    sampling.seed = params.seed
-                return stub.GenerateUnary(pb.GenerateRequest(
-                    prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling,
-                    speculation=pb.SpeculationPreference(method=method),
-                ))
 
-            start = time.perf_counter()
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                results = list(pool.map(one, prompts))
-            totals.seconds += time.perf_counter() - start
-            totals.target_steps = totals.target_steps or 0
-            totals.fallback_rounds = totals.fallback_rounds or 0
-            for r in results:
-                c = r.completions[0]
-                totals.new_tokens += len(c.token_ids)
-                totals.first_tokens += 1
-                totals.target_steps += c.speculation.target_steps
-                totals.drafted += c.speculation.drafted_tokens
-                totals.fallback_rounds += c.speculation.fallback_rounds
-                totals.cache_hits += c.speculation.cache_hits
-                totals.cache_lookups += c.speculation.cache_lookups
-                totals.outputs.append(list(c.token_ids))
+class RoutedCluster:
+    """The cluster of the routed modes, started on first use and stopped by close()."""
 
-        return run
+    def __init__(self, model_path: Path, config_path: Path | None = None):
+        self.config = ClusterConfig.load(config_path).with_free_ports()
+        models = {Path(t.model).resolve() if t.model else default_model_path().resolve() for t in self.config.targets}
+        if models != {model_path.resolve()}:
+            raise ValueError(f"routed modes: the cluster config serves {sorted(map(str, models))}, the bench measures "
+                             f"{model_path}: pass --cluster with a config whose targets serve the bench's model")
+        self.cluster: Cluster | None = None
+
+    def runner(self, mode: str, max_tokens: int):
+        if self.cluster is None:
+            self.cluster = Cluster.start(self.config, progress=lambda text: log.info("cluster: %s", text))
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(self.cluster.router_address))
+        return target_api_runner(stub, ROUTED_METHODS[mode], max_tokens)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_tokens: int):
+    """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`."""
+
+    def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
+        def one(ids: list[int]) -> pb.GenerateResult:
+            sampling = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+            if params.seed is not None:
+                sampling.seed = params.seed
+            return stub.GenerateUnary(pb.GenerateRequest(
+                prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling,
+                speculation=pb.SpeculationPreference(method=method),
+            ))
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(one, prompts))
+        totals.seconds += time.perf_counter() - start
+        totals.target_steps = totals.target_steps or 0
+        totals.fallback_rounds = totals.fallback_rounds or 0
+        for r in results:
+            c = r.completions[0]
+            totals.new_tokens += len(c.token_ids)
+            totals.first_tokens += 1
+            totals.target_steps += c.speculation.target_steps
+            totals.drafted += c.speculation.drafted_tokens
+            totals.fallback_rounds += c.speculation.fallback_rounds
+            totals.cache_hits += c.speculation.cache_hits
+            totals.cache_lookups += c.speculation.cache_lookups
+            totals.outputs.append(list(c.token_ids))
+
+    return run

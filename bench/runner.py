@@ -5,7 +5,10 @@ mode before the next chunk), so noise on this shared machine falls on all modes 
 Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar).
 
 Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
-sd:K and ngram:K (fixed draft length K); hf-ar, hf-prompt-lookup, hf-assisted (transformers).
+sd:K and ngram:K (fixed draft length K); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
+the modes through servers in bench/remote.py. routed is compared with routed-ar (AR through the
+same router and servers) when both run, so the router's planning is what the ratio measures;
+routed-ar itself with in-process ar.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.machine import machine_info
-from bench.remote import REMOTE_MODES
+from bench.remote import REMOTE_MODES, ROUTED_METHODS
 from engine.decoding import generate
 from engine.drafter import ModelDrafter
 from engine.model import Llama
@@ -58,6 +61,8 @@ class BenchConfig:
     seed: int = 0
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
     threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
+    cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/default.yaml)
+    endpoint_args: tuple[str, ...] = ()  # remote modes: further serve-spec flags
 
 
 # A runner takes a chunk of prompts and fills one ModeTotals.
@@ -90,7 +95,7 @@ def _hf(fn) -> Runner:
     return run
 
 
-def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None) -> dict[str, Runner]:
+def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, routed=None) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
     needs_draft = any(m.split(":")[0] in ("sd", "hf-assisted") for m in cfg.modes)
     draft = None
@@ -124,6 +129,8 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None) 
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
         elif name in REMOTE_MODES:
             runners[mode] = remote.runner(name, cfg.max_tokens, int(k or 0))
+        elif name in ROUTED_METHODS:
+            runners[mode] = routed.runner(name, cfg.max_tokens)
         elif name.startswith("hf-"):
             runners[mode] = _hf_runner(name, cfg, batch_size)
         else:
@@ -175,12 +182,18 @@ def run_bench(cfg: BenchConfig) -> dict:
         from bench.remote import RemoteCluster
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
-                               delay_ms=cfg.spec_delay_ms, threads=cfg.threads)
+                               delay_ms=cfg.spec_delay_ms, threads=cfg.threads, endpoint_args=cfg.endpoint_args)
+    routed = None
+    if any(m in ROUTED_METHODS for m in cfg.modes):
+        from bench.remote import RoutedCluster
+
+        routed = RoutedCluster(cfg.model_path, cfg.cluster_config)
     try:
-        rows = _run_batches(cfg, model, prompts, remote)
+        rows = _run_batches(cfg, model, prompts, remote, routed)
     finally:
-        if remote is not None:
-            remote.close()
+        for servers in (remote, routed):
+            if servers is not None:
+                servers.close()
     return {
         "machine": machine_info(),
         "model": cfg.model_path.name,
@@ -194,10 +207,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     }
 
 
-def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remote) -> list[dict]:
+def _reference(mode: str, modes) -> str:
+    if mode.startswith("hf-"):
+        return "hf-ar"
+    if mode == "routed" and "routed-ar" in modes:
+        return "routed-ar"
+    return "ar"
+
+
+def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remote, routed) -> list[dict]:
     rows = []
     for b in cfg.batch_sizes:
-        runners = {m: r for m, r in build_runners(cfg, model, b, remote).items() if r is not None}
+        runners = {m: r for m, r in build_runners(cfg, model, b, remote, routed).items() if r is not None}
         totals = {m: ModeTotals() for m in runners}
         chunks = [prompts[i : i + b] for i in range(0, len(prompts), b)]
         for c, chunk in enumerate(tqdm(chunks, desc=f"batch {b}", unit="chunk")):
@@ -205,8 +226,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
             for mode, run in runners.items():
                 run(chunk, params, totals[mode])
         for mode, t in totals.items():
-            ref_mode = "hf-ar" if mode.startswith("hf-") else "ar"
-            ref = totals.get(ref_mode)
+            ref = totals.get(_reference(mode, totals))
             tps = t.new_tokens / t.seconds
             row = {
                 "mode": mode,

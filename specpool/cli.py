@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import torch
@@ -97,6 +98,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         spec_delay_ms=args.spec_delay_ms,
         threads=args.threads,
+        cluster_config=Path(args.cluster) if args.cluster else None,
+        endpoint_args=tuple(shlex.split(args.endpoint_args)),
     )
     report = run_bench(cfg)
     print_table(report)
@@ -143,10 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
-                   help="ar, sd[:K], ngram[:K], sd-remote, ngram-remote, ssd, ssd-pull, hf-ar, hf-prompt-lookup, "
-                        "hf-assisted")
+                   help="ar, sd[:K], ngram[:K], sd-remote[:K], ngram-remote, ssd, ssd-pull, routed, routed-ar, "
+                        "hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
+    b.add_argument("--endpoint-args", default="",
+                   help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
+    b.add_argument("--cluster", default=None, help="routed modes: cluster config (default: cluster/default.yaml)")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")

@@ -37,3 +37,23 @@ def test_bench_reports_every_mode_and_matches_ar(tmp_path):
             assert r["speedup_vs_ar"] == 1.0 and r["mean_accept_len"] == 1.0
         else:
             assert r["mean_accept_len"] >= 1.0
+
+
+def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"}) + "\n")
+    out = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "specpool.cli", "bench", "--workload", str(workload), "--max-tokens", "16",
+         "--batch-sizes", "1", "--modes", "ar,routed-ar,routed", "--json", str(out)],
+        check=True, timeout=900,
+    )
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ar", "routed-ar", "routed"}
+    # routed-ar is compared with in-process AR, routed with routed-ar (the same router and servers).
+    assert rows["routed-ar"]["outputs_match_ar"] is True
+    tps = {m: r["tokens_per_s"] for m, r in rows.items()}
+    assert rows["routed"]["speedup_vs_ar"] == pytest.approx(tps["routed"] / tps["routed-ar"], rel=0.01)
+    assert rows["routed-ar"]["speedup_vs_ar"] == pytest.approx(tps["routed-ar"] / tps["ar"], rel=0.01)
+    assert rows["routed"]["outputs_match_ar"] is True and rows["routed"]["mean_accept_len"] >= 1.0
+    assert rows["routed"]["fallback_rounds"] == 0
