@@ -224,7 +224,7 @@ class Decoder:
         n = len(self.running)
         catch_up = sum(s.unseen for s in self.running) / n
         remaining = sum(s.max_new_tokens - len(s.result.token_ids) for s in self.running) / n
-        return self.policy.choose(n, self.acceptance.alpha, catch_up, remaining)
+        return self.policy.choose(n, self.acceptance.expected_tokens, catch_up, remaining)
 
     def _round(self) -> list[tuple[str, list[int]]]:
         start = time.perf_counter()

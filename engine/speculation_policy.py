@@ -1,8 +1,9 @@
 """How many tokens to speculate per sequence: SSSD's hardware-aware budget, from measured costs.
 
 A verify step of b sequences with s drafts each costs T(b, s), measured once per model, dtype and
-thread count (a few seconds) and cached. With per-token acceptance alpha, a step yields
-E(s) = (1 - alpha^(s+1)) / (1 - alpha) tokens per sequence. The policy picks the s that maximises
+thread count (a few seconds) and cached. A step yields E(s) tokens per sequence: measured per
+draft position from recent rounds (AcceptanceEstimate), or, with one per-token acceptance alpha,
+(1 - alpha^(s+1)) / (1 - alpha). The policy picks the s that maximises
 b * E(s) / (T(b, s) + D(b, s)), D being the drafting time (zero for n-gram lookups), and s = 0
 (plain decoding) when no s beats it. As the batch grows the target turns compute-bound, T grows
 with s, and the budget shrinks, as in SSSD (s ~ I_knee / b).
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,7 +24,10 @@ import torch
 
 from engine.model import Llama
 
+log = logging.getLogger(__name__)
+
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 DRAFT_LENS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
@@ -101,7 +107,14 @@ def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None
     path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     if path.exists():
         data = json.loads(path.read_text())
-        return StepCosts(tuple(data["batch_sizes"]), tuple(data["draft_lens"]), tuple(map(tuple, data["seconds"])))
+        costs = StepCosts(tuple(data["batch_sizes"]), tuple(data["draft_lens"]), tuple(map(tuple, data["seconds"])))
+        # A table measured while another job loaded the machine is slow throughout and would make
+        # speculation look worse than it is, for good: re-measure when a quick check is clearly faster.
+        now = measure_step_costs(model, (1,), (0,), kwargs.get("context_len", 128), repeats=3).seconds[0][0]
+        if now >= STALE_TABLE * costs(1, 0):
+            return costs
+        log.info("cached step costs of %s are stale (%.1f ms now vs %.1f ms cached): measuring again",
+                 model_id, now * 1e3, costs(1, 0) * 1e3)
     costs = measure_step_costs(model, **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(costs) | {"key": key}))
@@ -109,22 +122,43 @@ def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None
 
 
 class AcceptanceEstimate:
-    """Per-token acceptance alpha as a geometric MLE over recent rounds: accepted / (accepted + rejections)."""
+    """How many tokens a draft of length s yields per verify step, from recent rounds.
 
-    def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 4.0, decay: float = 0.98):
-        self.accepted = prior_alpha * prior_weight
-        self.rejected = (1 - prior_alpha) * prior_weight
+    Per draft position j it keeps (decayed) counts of the rounds that reached j (drafts 1..j-1
+    accepted) and of those that accepted it: a survival estimate, not one per-token alpha. Drafts
+    are not i.i.d.: an n-gram draft that matches a copied run tends to keep matching, so later
+    positions are accepted more often than the first, and a single alpha would underrate long
+    drafts. A position seen rarely leans on the one before it (the first on `prior_alpha`), so
+    lengths never drafted yet are predicted from the deepest one measured.
+    """
+
+    def __init__(self, prior_alpha: float = 0.5, prior_weight: float = 2.0, decay: float = 0.98,
+                 max_len: int = 32):
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
         self.decay = decay
+        self.reached = [0.0] * max_len
+        self.accepted = [0.0] * max_len
 
     def update(self, accepted: int, drafted: int) -> None:
-        if drafted == 0:
-            return
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+        """One sequence's round. Rounds without drafts fade the counts too, back toward the prior:
+        a policy that stopped drafting measures nothing, and must try again eventually."""
+        self.reached = [self.decay * r for r in self.reached]
+        self.accepted = [self.decay * a for a in self.accepted]
+        for j in range(min(accepted + 1, drafted, len(self.reached))):
+            self.reached[j] += 1
+            self.accepted[j] += j < accepted
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    def expected_tokens(self, draft_len: int) -> float:
+        """Tokens per sequence per verify step (bonus included) for drafts of this length."""
+        total, survive, p = 1.0, 1.0, self.prior_alpha
+        for j in range(draft_len):
+            if j < len(self.reached):
+                weight = self.reached[j] + self.prior_weight
+                p = (self.accepted[j] + self.prior_weight * p) / weight if weight else p
+            survive *= p
+            total += survive
+        return total
 
 
 def expected_tokens(alpha: float, draft_len: int) -> float:
@@ -132,6 +166,16 @@ def expected_tokens(alpha: float, draft_len: int) -> float:
     if alpha >= 1.0:
         return draft_len + 1.0
     return (1 - alpha ** (draft_len + 1)) / (1 - alpha)
+
+
+Expected = Callable[[int], float]  # draft length -> tokens per sequence per verify step
+
+
+def as_expected(acceptance: Expected | float) -> Expected:
+    """A per-token acceptance alpha (i.i.d. drafts) or a measured curve, as a curve."""
+    if callable(acceptance):
+        return acceptance
+    return lambda s: expected_tokens(acceptance, s)
 
 
 @dataclass(frozen=True)
@@ -146,16 +190,19 @@ class SpeculationPolicy:
             drafting = draft_len * self.draft_costs(batch_size, 0)  # one 1-token draft step per token
         return self.target_costs(batch_size, draft_len) + drafting
 
-    def choose(self, batch_size: int, alpha: float, catch_up: float = 0.0, remaining: float = float("inf")) -> int:
+    def choose(self, batch_size: int, acceptance: Expected | float, catch_up: float = 0.0,
+               remaining: float = float("inf")) -> int:
         """The draft length maximising expected tokens/s at this batch size (0: do not speculate).
+        `acceptance`: AcceptanceEstimate.expected_tokens, or a per-token alpha of i.i.d. drafts.
 
         A draft model that sat out earlier rounds must first absorb the `catch_up` tokens per
         sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
         starting pays only if the faster steps win that time back over the `remaining` tokens.
         """
+        expected = as_expected(acceptance)
         best_len, best_rate = 0, 1.0 / self.step_time(batch_size, 0)
         for s in range(1, self.max_draft + 1):
-            rate = expected_tokens(alpha, s) / self.step_time(batch_size, s)
+            rate = expected(s) / self.step_time(batch_size, s)
             if rate > best_rate:
                 best_len, best_rate = s, rate
         if best_len and self.draft_costs is not None and catch_up > 1:

@@ -6,20 +6,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.decoding import Decoder
-from engine.speculation_policy import SpeculationPolicy, expected_tokens
+from engine.speculation_policy import Expected, SpeculationPolicy, as_expected
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.speculation_client import SpeculationClient
 
 
-def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, alpha: float) -> float:
+def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: Expected | float) -> float:
     """Best speculative rate over plain decoding at this batch size: max over s >= 1 of
-    E(alpha, s) / T(b, s), divided by 1 / T(b, 0). Below 1, speculating would slow the batch down;
+    E(s) / T(b, s), divided by 1 / T(b, 0). Below 1, speculating would slow the batch down;
     1.0 when there is no policy to ask."""
     if policy is None:
         return 1.0
     plain_rate = 1.0 / policy.step_time(batch_size, 0)
-    best = max(expected_tokens(alpha, s) / policy.step_time(batch_size, s) for s in range(1, policy.max_draft + 1))
+    expected = as_expected(acceptance)
+    best = max(expected(s) / policy.step_time(batch_size, s) for s in range(1, policy.max_draft + 1))
     return best / plain_rate
 
 
@@ -41,7 +42,7 @@ class HeartbeatFields:
 
     def fields(self) -> dict:
         running, queued = self.scheduler.load()
-        alpha = self.decoder.acceptance.alpha
+        expected = self.decoder.acceptance.expected_tokens
         batch = running + 1  # what admitting one more request would run at
         draft_policy = self.draft_policy_fn()
         has_endpoint = bool(self.client and self.client.address)
@@ -57,8 +58,8 @@ class HeartbeatFields:
             "queued": queued,
             "spec_endpoint": self.client.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
-            "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, alpha), 4),
-            "predicted_speedup_ngram": round(predicted_speedup(self.free_policy, batch, alpha), 4),
+            "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, expected), 4),
+            "predicted_speedup_ngram": round(predicted_speedup(self.free_policy, batch, expected), 4),
             "methods": methods,
         }
 

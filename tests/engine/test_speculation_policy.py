@@ -1,5 +1,7 @@
 """The hardware-aware draft length: from measured (or given) step costs and acceptance."""
 
+import json
+
 import pytest
 
 from engine.decoding import generate
@@ -35,11 +37,11 @@ def test_step_costs_interpolate_and_extrapolate():
 
 def test_budget_shrinks_with_batch_size_and_acceptance():
     policy = SpeculationPolicy(COSTS, max_draft=16)
-    at_1 = policy.choose(1, alpha=0.8)
-    at_16 = policy.choose(16, alpha=0.8)
+    at_1 = policy.choose(1, 0.8)
+    at_16 = policy.choose(16, 0.8)
     assert at_1 >= 8 and at_16 < at_1
-    assert policy.choose(16, alpha=0.1) == 0  # does not pay: plain decoding
-    assert policy.choose(1, alpha=0.3) < at_1
+    assert policy.choose(16, 0.1) == 0  # does not pay: plain decoding
+    assert policy.choose(1, 0.3) < at_1
 
 
 def test_draft_model_cost_shortens_the_budget():
@@ -70,19 +72,66 @@ def test_measured_rows_are_made_non_decreasing():
     assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
 
 
-def test_acceptance_estimate_is_geometric_mle():
+def test_acceptance_estimate_is_geometric_for_iid_drafts():
     est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
+    for _ in range(100):  # alpha = 1/2: of 8 rounds of 3 drafts, by position reached
+        for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
+            est.update(accepted=accepted, drafted=3)
+    assert est.expected_tokens(3) == pytest.approx(expected_tokens(0.5, 3))
+    assert est.expected_tokens(5) == pytest.approx(expected_tokens(0.5, 5))  # unmeasured: as the last
+
+
+def test_acceptance_estimate_sees_runs_that_one_alpha_misses():
+    # n-gram style: a draft either matches a copied run to the end or fails at once.
+    est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
+    for accepted in (0, 4, 0, 4):
+        est.update(accepted=accepted, drafted=4)
+    # P(accept) by position: 1/2, then 1, 1, 1 (and 1 beyond): E(s) = 1 + s/2, by hand.
+    assert [est.expected_tokens(s) for s in (0, 1, 2, 4, 8)] == [1.0, 1.5, 2.0, 3.0, 5.0]
+    # One alpha with the same accepted/rejected counts (8 accepted, 2 rejections: 0.8) predicts
+    # fewer tokens from long drafts; the policy, given the measured curve, drafts longer.
+    assert expected_tokens(0.8, 8) < est.expected_tokens(8)
+    costs = StepCosts((1,), tuple(range(17)), (tuple(0.1 + 0.01 * s for s in range(17)),))
+    policy = SpeculationPolicy(costs, max_draft=16)
+    assert policy.choose(1, est.expected_tokens) == 16 > policy.choose(1, 0.8)
+
+
+def test_acceptance_estimate_starts_at_its_prior_and_forgets():
+    est = AcceptanceEstimate(prior_alpha=0.5, prior_weight=2.0, decay=0.9)
+    assert est.expected_tokens(2) == pytest.approx(1.75)
+    for _ in range(200):
+        est.update(accepted=0, drafted=2)
+    assert est.expected_tokens(2) < 1.2  # position 0: (0 + 2 * 0.5) / (10 + 2) = 0.08
+    for _ in range(200):
+        est.update(accepted=2, drafted=2)
+    assert est.expected_tokens(2) > 2.6  # (10 + 1) / 12 = 0.92, then (10 + 2 * 0.92) / 12 = 0.99
+
+
+def test_rounds_without_drafts_fade_back_to_the_prior():
+    est = AcceptanceEstimate(prior_alpha=0.5, prior_weight=2.0, decay=0.9)
+    for _ in range(5):
+        est.update(accepted=0, drafted=4)
+    assert est.expected_tokens(4) < 1.3  # a policy would stop drafting here, and measure nothing more
     for _ in range(100):
-        est.update(accepted=3, drafted=4)  # 3 successes then a failure: alpha = 3/4
-    assert est.alpha == pytest.approx(0.75)
+        est.update(accepted=0, drafted=0)
+    assert est.expected_tokens(4) == pytest.approx(expected_tokens(0.5, 4), rel=1e-3)  # so it tries again
 
 
-def test_measured_costs_are_cached(tiny_model, tmp_path):
+def test_measured_costs_are_cached_and_a_stale_table_is_measured_again(tiny_model, tmp_path):
     kwargs = {"batch_sizes": (1, 4), "draft_lens": (0, 2), "context_len": 16, "repeats": 1}
     first = cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs)
-    assert len(list(tmp_path.iterdir())) == 1
-    assert cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs) == first
     assert all(t > 0 for row in first.seconds for t in row)
+    [path] = tmp_path.iterdir()
+    data = json.loads(path.read_text())
+
+    def cached_with(scale: float) -> StepCosts:
+        path.write_text(json.dumps(data | {"seconds": [[t * scale for t in row] for row in data["seconds"]]}))
+        return cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs)
+
+    fast = cached_with(1e-6)  # faster than any check: the cached table is used as it is
+    assert fast.seconds == tuple(tuple(t * 1e-6 for t in row) for row in data["seconds"])
+    slow = cached_with(1e3)  # measured under load: measured again, and the file replaced
+    assert slow(1, 0) < first(1, 0) * 100 and json.loads(path.read_text())["seconds"] == [list(r) for r in slow.seconds]
 
 
 def test_policy_driven_generation_stays_lossless(tiny_model):

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from cluster.redis_server import start_redis
-from engine.speculation_policy import SpeculationPolicy, StepCosts
+from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
 from spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
 from spec_endpoint.registration import heartbeat_fields
 from specpool.registry import (
@@ -261,7 +261,7 @@ def test_target_heartbeat_fields_read_the_live_process():
     draft = SpeculationPolicy(costs(0.01), costs(0.001), max_draft=8)
     fields = HeartbeatFields(
         "h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (15, 2)),
-        decoder=SimpleNamespace(acceptance=SimpleNamespace(alpha=0.3)), metrics=metrics,
+        decoder=SimpleNamespace(acceptance=AcceptanceEstimate(prior_alpha=0.3)), metrics=metrics,
         client=SimpleNamespace(address="h:9", attached=True), free_policy=SpeculationPolicy(costs(0.0001)),
         draft_policy_fn=lambda: draft,
     ).fields()
