@@ -72,11 +72,11 @@ class RemoteCluster:
 
     def _stub(self, mode: str, draft_tokens: int = 0) -> target_pb2_grpc.TargetServiceStub:
         """mode[:K] -> the target serving it (a fixed draft length K gets a target of its own)."""
+        pinned = mode in ("ssd", "ssd-pull")
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
         if kind not in self.stubs:
-            pinned = kind != "shared"
             endpoint = self._endpoint(pinned)
             args = ["serve-target", "--port", "0", "--metrics-port", "0", "--model", str(self.model_path),
                     "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
