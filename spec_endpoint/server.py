@@ -135,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.device import default_device
+    from engine.device import default_device, off_main_thread
     from engine.tensor_channel import ChannelHost
 
     serving.setup_logging(args.log_level)
@@ -152,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
                 raise SystemExit(f"--drafter {spec.name}: {path} does not exist")
     ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,
            "saguaro_c": args.saguaro_c, "backup": args.ssd_backup}
-    registry = DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd)
+    # The engine thread drafts; torch work on this thread would leave it a second OpenMP pool.
+    registry = off_main_thread(lambda: DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd))
 
     server, port = serving.build_server(args.port, host=args.host)
     config = EndpointConfig(

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from engine.decoding import Decoder
+from engine.device import off_main_thread
 from engine.gguf_loader import default_model_path, model_name
 from engine.model import Llama
 from engine.ngram import NgramDrafter, SuffixArrayDatastore
@@ -284,19 +285,24 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
     name = model_name(path)
-    model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
     tenant = args.tenant or f"target-{args.port}"
     metrics = TargetMetrics(name, tenant)
 
+    def load():
+        model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
+        policies = None
+        if not args.draft_tokens:
+            log.info("measuring verify-step costs of %s (cached after the first run)", name)
+            policies = PolicySelector(cached_step_costs(model, name))
+        decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens,
+                          policies.free if policies else None)
+        return model, tokenizer, policies, decoder
+
+    # The scheduler thread decodes; torch work on this thread would leave it a second OpenMP pool.
+    model, tokenizer, policies, decoder = off_main_thread(load)
     datastore = None
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
-    policies = None
-    if not args.draft_tokens:
-        log.info("measuring verify-step costs of %s (cached after the first run)", name)
-        policies = PolicySelector(cached_step_costs(model, name))
-    decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens,
-                      policies.free if policies else None)
 
     def on_attach(capacity) -> None:
         metrics.endpoint_attached.set(1)
