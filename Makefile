@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench proto lint clean
+.PHONY: setup run test test-fast bench proto lint chart clean
 
 setup: $(STAMP)
 
@@ -32,7 +32,7 @@ test-fast: setup
 bench: setup
 	$(BIN)/python -m bench.ar_speed --json bench/results/ar_speed.json
 	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
-		--json bench/results/humaneval.json
+		--modes ar,sd,ngram,ngram:8,hf-ar,hf-prompt-lookup,hf-assisted --json bench/results/humaneval_greedy.json
 
 # Stubs land in specpool/v1/ (package specpool.v1) and are committed; re-run after editing a .proto.
 proto: setup
@@ -40,6 +40,12 @@ proto: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# Lints and packages the Helm chart (helm/specpool) into dist/; needs helm on the PATH.
+chart:
+	@command -v helm >/dev/null || { echo "make chart needs helm on the PATH: https://helm.sh/docs/intro/install/"; exit 1; }
+	helm lint helm/specpool
+	helm package helm/specpool --destination dist
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
