@@ -3,8 +3,8 @@ CPU thread pools from multiplying)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -37,22 +37,10 @@ def off_main_thread(fn: Callable[[], T]) -> T:
     """fn() on a thread that exits when it returns; its result, or its exception re-raised.
 
     OpenMP keeps a pool of worker threads per thread that ran a parallel region, for as long as
-    that thread lives. A server that loads its model on the main thread and decodes on another
-    keeps two pools, more threads than cores, and libgomp then naps between regions instead of
-    spinning: AR decoding on the second thread measured ~20% slower. Servers do their heavy setup
-    here so that the decode thread's pool is the only one.
+    that thread lives. A server that loaded its model on the main thread and decoded on another
+    kept two pools, and AR decoding on the second thread measured ~20% slower than with the
+    model loaded on a thread that had exited. Servers do their heavy setup here so that the
+    decode thread's pool is the only one.
     """
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="setup")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="setup") as pool:
+        return pool.submit(fn).result()
