@@ -27,8 +27,8 @@ from engine.model import Llama
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 DRAFT_LENS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 
 
 @dataclass(frozen=True)
@@ -203,16 +203,19 @@ class SpeculationPolicy:
         sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
         starting pays only if the faster steps win that time back over the `remaining` tokens.
         """
-        expected = as_expected(acceptance)
         plain_rate = 1.0 / self.step_time(batch_size, 0)
-        best_len, best_rate = 0, plain_rate * self.min_gain
-        for s in range(1, self.max_draft + 1):
-            rate = expected(s) / self.step_time(batch_size, s)
-            if rate > best_rate:
-                best_len, best_rate = s, rate
-        if best_len and self.draft_costs is not None and catch_up > 1:
+        best_len, best_rate = self.fastest(batch_size, acceptance)
+        if best_rate <= plain_rate * self.min_gain:
+            return 0
+        if self.draft_costs is not None and catch_up > 1:
             # Steady state already charges a one-token feed per draft step; the extra is the rest.
             extra = self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
             if remaining / best_rate + extra >= remaining / plain_rate:
                 return 0
         return best_len
+
+    def fastest(self, batch_size: int, acceptance: Expected | float) -> tuple[int, float]:
+        """(draft length s >= 1, its expected tokens/s per sequence): the fastest speculative step."""
+        expected = as_expected(acceptance)
+        return max(((s, expected(s) / self.step_time(batch_size, s)) for s in range(1, self.max_draft + 1)),
+                   key=lambda pair: pair[1])

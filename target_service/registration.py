@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.decoding import Decoder
-from engine.speculation_policy import Expected, SpeculationPolicy, as_expected
+from engine.speculation_policy import Expected, SpeculationPolicy
 from target_service.metrics import TargetMetrics
 from target_service.scheduler import Scheduler
 from target_service.speculation_client import SpeculationClient
@@ -18,10 +18,7 @@ def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, accepta
     1.0 when there is no policy to ask."""
     if policy is None:
         return 1.0
-    plain_rate = 1.0 / policy.step_time(batch_size, 0)
-    expected = as_expected(acceptance)
-    best = max(expected(s) / policy.step_time(batch_size, s) for s in range(1, policy.max_draft + 1))
-    return best / plain_rate
+    return policy.fastest(batch_size, acceptance)[1] * policy.step_time(batch_size, 0)
 
 
 @dataclass
