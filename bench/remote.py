@@ -96,10 +96,7 @@ class RemoteCluster:
         return ["--threads", str(threads)] if threads else []
 
     def _start(self, name: str, args: list[str], cpus: list[int] | None = None) -> ServerProcess:
-        # Unpinned servers take turns on the same cores: OpenMP threads that spin after their work
-        # (libgomp's default) would eat the other process's turn, so idle threads sleep at once.
-        env = None if cpus else {"OMP_WAIT_POLICY": "PASSIVE"}
-        server = start_server(name, args, cpus=cpus, env=env)
+        server = start_server(name, args, cpus=cpus)
         self.servers.append(server)
         return server
 
