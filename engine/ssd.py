@@ -412,8 +412,7 @@ class SsdDrafter:
                         ids_rows[i].append(ids[r])
                         prob_rows[i].append(probs[r])
         for i, (_, _, fork) in enumerate(built):
-            # The last draft is not fed (as after any propose): the cache holds d'1..d'_{K-1}.
-            self.cache.truncate(fork.slot, self.cache.lengths[fork.slot] - 1)
+            # The last draft was never fed (as after any propose): the cache holds b, d'1..d'_{K-1}.
             if ids_rows[i]:
                 fork.topk_ids, fork.topk_probs = torch.stack(ids_rows[i]), torch.stack(prob_rows[i])
 

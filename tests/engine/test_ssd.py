@@ -70,6 +70,41 @@ def test_greedy_equals_ar_with_a_different_draft_on_hits_and_misses(tiny_model, 
     assert 0 < ssd.stats.hits < ssd.stats.lookups, "both paths ran"
 
 
+def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tiny_model):
+    """A fork's KV cache must hold exactly context + d1..dk + b (+ its own fed drafts): drafts it
+    hands out, and every draft after it, equal the draft model's greedy drafts from scratch. (A
+    fork that lost one fed token still gave lossless output, but drafts that lagged the context.)"""
+    draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=5)
+    context: dict[str, list[int]] = {}
+    checked = {"cache": 0, "neural": 0}
+
+    class Checked(Inline):
+        def add_sequence(self, seq_id, tokens):
+            context[seq_id] = list(tokens)
+            super().add_sequence(seq_id, tokens)
+
+        def extend(self, seq_id, tokens):
+            context[seq_id] += list(tokens)
+            super().extend(seq_id, tokens)
+
+        def propose(self, seq_ids, num_tokens, params, generator):
+            drafts = super().propose(seq_ids, num_tokens, params, generator)
+            for sid, got in zip(seq_ids, drafts.tokens):
+                cache = draft.new_cache(1, 128)
+                slot, feed, fresh = cache.allocate(), context[sid], []
+                for _ in got:
+                    fresh.append(int(draft.forward(cache, [slot], [feed]).argmax(-1)[0]))
+                    feed = fresh[-1:]
+                assert got == fresh, f"{self.ssd._seqs[sid].source} drafts {got} != fresh {fresh}"
+                checked[self.ssd._seqs[sid].source] += 1
+            return drafts
+
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 9, 10], [12, 13, 14]]
+    ssd = SsdDrafter(draft, len(prompts), 96, fork_slots=48, fork_budget=8, backup="neural")
+    generate(tiny_model, prompts, SamplingParams(), 40, Checked(ssd), 3, stop_ids=[])
+    assert checked["cache"] > 5 and checked["neural"] > 5, checked
+
+
 # -- lossless sampling ---------------------------------------------------------------------------------
 
 V = 8
