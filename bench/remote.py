@@ -59,6 +59,7 @@ class RemoteCluster:
         self.endpoint_args = list(endpoint_args)  # further serve-spec flags (e.g. --ssd-fork-budget 16)
         self.servers: list[ServerProcess] = []
         self.stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
+        self.targets: dict[str, ServerProcess] = {}
         self._endpoints: dict[str, ServerProcess] = {}
 
     def _endpoint(self, pinned: bool) -> ServerProcess:
@@ -70,8 +71,9 @@ class RemoteCluster:
             self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned), cpus=[1] if pinned else None)
         return self._endpoints[key]
 
-    def _stub(self, mode: str, draft_tokens: int = 0) -> target_pb2_grpc.TargetServiceStub:
-        """mode[:K] -> the target serving it (a fixed draft length K gets a target of its own)."""
+    def _target(self, mode: str, draft_tokens: int = 0) -> str:
+        """mode[:K] -> the kind of target serving it, started on first use (a fixed draft length K
+        gets a target of its own)."""
         pinned = mode in ("ssd", "ssd-pull")
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
         if draft_tokens:
@@ -89,7 +91,8 @@ class RemoteCluster:
                 args += ["--draft-tokens", str(draft_tokens)]
             target = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
             self.stubs[kind] = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
-        return self.stubs[kind]
+            self.targets[kind] = target
+        return kind
 
     def _threads(self, pinned: bool) -> list[str]:
         threads = 1 if pinned else self.threads
@@ -105,7 +108,8 @@ class RemoteCluster:
             server.stop()
 
     def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
-        return target_api_runner(self._stub(mode, draft_tokens), METHODS[mode], max_tokens)
+        kind = self._target(mode, draft_tokens)
+        return target_api_runner(self.stubs[kind], METHODS[mode], max_tokens, self.targets[kind])
 
 
 class RoutedCluster:
@@ -130,8 +134,13 @@ class RoutedCluster:
             self.cluster.stop()
 
 
-def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_tokens: int):
-    """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`."""
+def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_tokens: int,
+                      target: ServerProcess | None = None):
+    """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`; with the
+    target's process, it also sums the target's verify time (from its /metrics) over the chunks."""
+
+    def verify_seconds() -> float:
+        return target.metric_total("specpool_target_verify_seconds_sum")
 
     def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
         def one(ids: list[int]) -> pb.GenerateResult:
@@ -143,10 +152,13 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_
                 speculation=pb.SpeculationPreference(method=method),
             ))
 
+        verified = verify_seconds() if target else 0.0
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(one, prompts))
         totals.seconds += time.perf_counter() - start
+        if target:
+            totals.verify_seconds = (totals.verify_seconds or 0.0) + verify_seconds() - verified
         totals.target_steps = totals.target_steps or 0
         totals.fallback_rounds = totals.fallback_rounds or 0
         for r in results:

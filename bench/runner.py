@@ -43,6 +43,7 @@ class ModeTotals:
     fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
     cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
     cache_lookups: int = 0
+    verify_seconds: float | None = None  # remote modes: the target's verify forwards, drafting excluded
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -239,6 +240,8 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 else None,
                 "mean_draft_len": round(t.drafted / t.target_steps, 2) if t.target_steps and t.drafted else None,
                 "cache_hit_ratio": round(t.cache_hits / t.cache_lookups, 3) if t.cache_lookups else None,
+                # verify-step time / mean accepted length: the time per token if drafting cost nothing
+                "draft_free_bound_s": round(t.verify_seconds / t.new_tokens, 5) if t.verify_seconds else None,
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
                 "outputs_match_ar": None,
                 "near_ties": None,
@@ -259,9 +262,9 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
 
 def print_table(report: dict) -> None:
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
-            ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5), ("speedup_vs_ar", 7),
-            ("outputs_match_ar", 6), ("near_ties", 5)]
-    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "accept", "draft", "hit", "speedup", "match", "ties"]
+            ("draft_free_bound_s", 8), ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5),
+            ("speedup_vs_ar", 7), ("outputs_match_ar", 6), ("near_ties", 5)]
+    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "match", "ties"]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
     for row in report["results"]:
         cells = []

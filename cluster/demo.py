@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import sys
 import time
 import urllib.request
@@ -129,12 +128,9 @@ def generated_tokens(cluster: Cluster) -> dict[str, float]:
     out = {}
     for tenant, server in cluster.targets.items():
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
-                text = r.read().decode()
+            out[tenant] = server.metric_total("specpool_target_generated_tokens_total")
         except OSError:
             continue
-        out[tenant] = sum(float(m.group(1)) for m in re.finditer(
-            r"^specpool_target_generated_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE))
     return out
 
 

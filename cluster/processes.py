@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -52,6 +53,14 @@ class ServerProcess:
 
     def logs(self) -> str:
         return "".join(self.log_tail)
+
+    def metric_total(self, sample: str) -> float:
+        """The sum of one sample name's values over all label sets on the server's /metrics
+        (e.g. specpool_target_generated_tokens_total); raises OSError when it does not answer."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        pattern = rf"^{re.escape(sample)}(?:{{[^}}]*}})? (\S+)$"
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
 
 
 def start_server(

@@ -109,6 +109,7 @@ class Decoder:
         self.num_draft_tokens = policy.max_draft if policy is not None else num_draft_tokens
         self.policy = policy
         self.acceptance = AcceptanceEstimate()
+        self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
         self._generator_override = generator  # one stream for every group (reproducible tests)
@@ -156,6 +157,7 @@ class Decoder:
     def step(self) -> list[tuple[str, list[int]]]:
         """One prefill or one round -> (seq_id, tokens appended) for every sequence that moved;
         a sequence whose result has a finish_reason has left the batch."""
+        self.last_verify_s = None
         if self.waiting:
             return self._prefill()
         if self.running:
@@ -245,6 +247,7 @@ class Decoder:
         for (rows, _), d in zip(groups, drafts):
             for b, r in enumerate(rows):
                 row_drafts[r] = d.tokens[b]
+        verify_start = time.perf_counter()
         feed = [[seq.result.token_ids[-1], *row_drafts[r]] for r, seq in enumerate(batch)]
         logits = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=True)  # [B, T, V]
 
@@ -268,9 +271,10 @@ class Decoder:
                     self.drafter.extend(seq.seq_id, taken)
                     # Accepted drafts are already in the drafter's cache; the rest is new to it.
                     seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(accepted, len(taken))
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        self.last_verify_s = end - verify_start
         for seq in batch:
-            seq.result.decode_s += elapsed
+            seq.result.decode_s += end - start
             if seq.result.finish_reason:
                 self._release(seq, started=True)
         self.running = [s for s in batch if not s.result.finish_reason]

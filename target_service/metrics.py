@@ -38,6 +38,9 @@ class TargetMetrics:
                                                 buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8), registry=r))
         self.step_seconds = labelled(Histogram("specpool_target_step_seconds", "One prefill or verify step",
                                                names, buckets=LATENCY_BUCKETS, registry=r))
+        self.verify_seconds = labelled(Histogram(
+            "specpool_target_verify_seconds", "One round's verify forward and acceptance, without the wait for drafts",
+            names, buckets=LATENCY_BUCKETS, registry=r))
         self.fallback_rounds = Counter("specpool_target_spec_fallback_rounds",
                                        "Sequence-rounds drafted locally instead of by the endpoint, by reason",
                                        [*names, "reason"], registry=r)

@@ -132,6 +132,8 @@ class Scheduler:
                     start = time.perf_counter()
                     moved = self.decoder.step()
                     self.metrics.step_seconds.observe(time.perf_counter() - start)
+                    if self.decoder.last_verify_s is not None:
+                        self.metrics.verify_seconds.observe(self.decoder.last_verify_s)
                     self._deliver(moved)
                 running, queued = self.load()
                 self.metrics.running.set(running)
