@@ -49,7 +49,7 @@ class SsdStats:
     accept_ema: float = 0.5  # per-token acceptance a
     prespec_s: float = 0.0  # EMA seconds of one pre-speculation pass
     neural_s: float = 0.0  # EMA seconds of one neural backup draft
-    verify_s: float = 0.0  # EMA seconds between handing out drafts and hearing their outcome
+    verify_s: float = 0.0  # EMA seconds between handing out drafts and the arrival of their outcome
 
     @property
     def hit_ratio(self) -> float:
@@ -120,6 +120,9 @@ class SsdDrafter:
     """The Drafter (engine.drafter protocol) for SSD, plus `prespeculate` and `outcome_table`."""
 
     CANDIDATES = 16  # ids kept per draft row, to fork from and to rank the real bonus among
+    # A pass should end within this share of the verify time: an outcome that arrives before its
+    # outcome table finds no hit. Forks per sequence go up or down by one until passes fit.
+    PRESPEC_SHARE = 0.8
 
     def __init__(
         self,
@@ -135,7 +138,8 @@ class SsdDrafter:
     ):
         self.model = model
         self.cache = model.new_cache(max_sequences + fork_slots, max_len)
-        self.fork_budget = fork_budget
+        self.fork_budget = fork_budget  # the most forks per sequence
+        self.forks = max(1, fork_budget // 2)  # forks per sequence now (sized by _size_forks)
         self.saguaro_c = saguaro_c
         self.q_top_k = q_top_k
         self.ngram = ngram or NgramDrafter()
@@ -158,8 +162,9 @@ class SsdDrafter:
             self._drop_forks(seq)
             self.cache.release(seq.slot)
 
-    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
-        """The verification outcome of the outstanding drafts (and anything emitted since)."""
+    def extend(self, seq_id: str, tokens: Sequence[int], arrived_at: float | None = None) -> None:
+        """The verification outcome of the outstanding drafts (and anything emitted since), which
+        arrived at `arrived_at` (time.monotonic(); default: now)."""
         seq = self._seqs[seq_id]
         self.ngram.extend(seq_id, tokens)
         if seq.ready is not None:  # a hit nobody drafted from: its drafts leave the cache
@@ -173,7 +178,8 @@ class SsdDrafter:
             self._learn(seq, k, tokens)
         fork = seq.forks.pop((k, tokens[k]), None) if seq.forks and len(tokens) == k + 1 else None
         if drafts and seq.handed_out_at:
-            self.stats.verify_s = ema(self.stats.verify_s, time.monotonic() - seq.handed_out_at)
+            arrived = time.monotonic() if arrived_at is None else arrived_at
+            self.stats.verify_s = ema(self.stats.verify_s, arrived - seq.handed_out_at)
         if fork is not None:
             # Hit: the fork already holds context + d1..dk + b + its own drafts; it becomes the sequence.
             self._drop_forks(seq)
@@ -247,7 +253,7 @@ class SsdDrafter:
         start = time.monotonic()
         self._glue([s for _, s in seqs])
         k_next = max(self.lookahead, 1)
-        per_seq = max(1, min(self.fork_budget, self.cache.free_slots // len(seqs)))
+        per_seq = max(1, min(self.forks, self.cache.free_slots // len(seqs)))
         fanout = geometric_fanout(per_seq, k_next, self.stats.accept_ema, self.stats.miss_exponent())
         forks: list[tuple[_Seq, Outcome, int]] = []  # (sequence, outcome, prefix length)
         for _, seq in seqs:
@@ -262,7 +268,21 @@ class SsdDrafter:
                     forks.append((seq, (k, b), base + k))
         if forks:
             self._tree_decode(forks, k_next)
-        self.stats.prespec_s = ema(self.stats.prespec_s, time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        self.stats.prespec_s = ema(self.stats.prespec_s, elapsed)
+        self._size_forks(elapsed)
+
+    def _size_forks(self, elapsed: float) -> None:
+        """One fork per sequence fewer when a pass overran its share of the verify time, one more
+        when it left a quarter of that share unused: more sequences (a busier endpoint) or longer
+        drafts mean fewer forks each, a slower target more."""
+        if not self.stats.verify_s:
+            return
+        share = elapsed / self.stats.verify_s
+        if share > self.PRESPEC_SHARE:
+            self.forks = max(1, self.forks - 1)
+        elif share < 0.75 * self.PRESPEC_SHARE:
+            self.forks = min(self.fork_budget, self.forks + 1)
 
     def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
         """The target verifies drafts of its own next (push mode: a miss it resolved locally)."""
@@ -335,7 +355,7 @@ class SsdDrafter:
             return logits.argmax(-1), None, None
         q = logits_to_probs(logits, params)
         if self.saguaro_c < 1.0:
-            top = torch.topk(q, min(self.fork_budget, q.shape[-1]), dim=-1).indices
+            top = torch.topk(q, min(self.forks, q.shape[-1]), dim=-1).indices
             q = q.scatter(-1, top, q.gather(-1, top) * self.saguaro_c)
         top = torch.topk(q, min(self.q_top_k, q.shape[-1]), dim=-1)
         weights = top.values / top.values.sum(-1, keepdim=True)

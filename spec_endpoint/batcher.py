@@ -61,6 +61,7 @@ class RoundStream:
 class _Queued:
     stream: RoundStream
     round: Round | None  # None: the stream's input ended (answer it after its earlier rounds)
+    arrived: float = 0.0  # monotonic seconds
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class _RoundWork:
     stream: RoundStream
     round: Round
     results: list[SequenceDrafts]
+    arrived: float = 0.0
     channel: Any = None  # PairChannel of the tenant, when a sequence sends dense q
     vocab_size: int = 0  # of the dense rows
     dense: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence index -> [n, V] q rows
@@ -166,8 +168,9 @@ class Batcher:
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.submitted += 1
-        self._clocks.setdefault(id(stream), _StreamClock()).arrived(time.monotonic())
-        self._queue.put(_Queued(stream, round))
+        now = time.monotonic()
+        self._clocks.setdefault(id(stream), _StreamClock()).arrived(now)
+        self._queue.put(_Queued(stream, round, now))
 
     def end(self, stream: RoundStream) -> None:
         self._clocks.pop(id(stream), None)
@@ -242,7 +245,8 @@ class Batcher:
             if item.round is None:
                 out.append(item.stream)
                 continue
-            work = _RoundWork(item.stream, item.round, [SequenceDrafts(s.request_id) for s in item.round.sequences])
+            work = _RoundWork(item.stream, item.round, [SequenceDrafts(s.request_id) for s in item.round.sequences],
+                              arrived=item.arrived)
             self.metrics.rounds.labels(item.round.tenant).inc()
             seen: set[str] = set()
             for i in range(len(item.round.sequences)):
@@ -278,8 +282,11 @@ class Batcher:
             )
             return None
         accepted = session.record_outcome(seq.new_tokens)
-        drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
-        if session.kind is DrafterKind.SSD:
+        if session.kind is not DrafterKind.SSD:
+            drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
+        else:
+            # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
+            drafters.ssd.extend(session.key.drafter_id, seq.new_tokens, arrived_at=work.arrived)
             session.stream = work.stream
             if seq.resolution == "local_drafts":
                 # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
@@ -383,7 +390,7 @@ class Batcher:
             start = time.monotonic()
             ssd.prespeculate([s.key.drafter_id for s in live])
             self.metrics.busy.add(start, time.monotonic())
-            self.metrics.observe_ssd(model, ssd.stats)
+            self.metrics.observe_ssd(model, ssd)
             for s in live:
                 if s.push and s.stream is not None:
                     tables.append((s.stream, self._table(s, ssd)))

@@ -87,9 +87,13 @@ class EndpointMetrics:
                                    ["model", "backup"], registry=r)
         self.ssd_prespec_seconds = Gauge("specpool_spec_ssd_prespeculation_seconds",
                                          "Moving average of one pre-speculation pass", ["model"], registry=r)
+        self.ssd_forks = Gauge("specpool_spec_ssd_forks_per_sequence",
+                               "Forks per sequence now: as many as fit in the verify time", ["model"], registry=r)
         self._backups_seen: dict[tuple[str, str], int] = {}
 
-    def observe_ssd(self, model: str, stats) -> None:
+    def observe_ssd(self, model: str, ssd) -> None:
+        """After a pre-speculation pass of `ssd` (an engine.ssd.SsdDrafter)."""
+        stats = ssd.stats
         self.ssd_hit_ratio.labels(model).set(stats.hit_ratio)
         if stats.lookups:
             self.ssd_bonus_accuracy.labels(model).set(stats.bonus_top1 / stats.lookups)
@@ -104,6 +108,7 @@ class EndpointMetrics:
                 self.ssd_backups.labels(model, backup).inc(count - seen)
                 self._backups_seen[(model, backup)] = count
         self.ssd_prespec_seconds.labels(model).set(stats.prespec_s)
+        self.ssd_forks.labels(model).set(ssd.forks)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (0 when absent): for tests and the capacity API."""

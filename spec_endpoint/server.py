@@ -111,8 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=2048, help="positions per draft-model session")
     parser.add_argument("--ssd-sessions", type=int, default=16, help="SSD sessions per model")
     parser.add_argument("--ssd-fork-slots", type=int, default=128, help="KV slots for SSD forks per model")
-    parser.add_argument("--ssd-fork-budget", type=int, default=8,
-                        help="most forks per session per round (fewer as the endpoint fills)")
+    parser.add_argument("--ssd-fork-budget", type=int, default=16,
+                        help="most forks per session per round (it starts at half and uses as many as fit "
+                             "in the targets' verify time)")
     parser.add_argument("--saguaro-c", type=float, default=1.0,
                         help="Saguaro rescaling of the draft's top tokens when sampling (1: none; lower: more hits)")
     parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"],

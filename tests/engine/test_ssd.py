@@ -70,6 +70,24 @@ def test_greedy_equals_ar_with_a_different_draft_on_hits_and_misses(tiny_model, 
     assert 0 < ssd.stats.hits < ssd.stats.lookups, "both paths ran"
 
 
+def test_forks_per_sequence_follow_the_verify_time(tiny_model):
+    ssd = SsdDrafter(tiny_model, 1, 64, fork_budget=6)
+    assert ssd.forks == 3
+    ssd._size_forks(0.050)  # no verify time measured yet: unchanged
+    assert ssd.forks == 3
+    ssd.stats.verify_s = 0.100
+    ssd._size_forks(0.090)  # overran 80% of the verify time: one fork fewer
+    assert ssd.forks == 2
+    ssd._size_forks(0.070)  # inside the share, above 75% of it: kept
+    assert ssd.forks == 2
+    for _ in range(10):  # well inside: one more each pass, up to the budget
+        ssd._size_forks(0.010)
+    assert ssd.forks == 6
+    for _ in range(10):
+        ssd._size_forks(0.500)
+    assert ssd.forks == 1
+
+
 def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tiny_model):
     """A fork's KV cache must hold exactly context + d1..dk + b (+ its own fed drafts): drafts it
     hands out, and every draft after it, equal the draft model's greedy drafts from scratch. (A
