@@ -54,13 +54,16 @@ class ServerProcess:
     def logs(self) -> str:
         return "".join(self.log_tail)
 
-    def metric_total(self, sample: str) -> float:
-        """The sum of one sample name's values over all label sets on the server's /metrics
-        (e.g. specpool_target_generated_tokens_total); raises OSError when it does not answer."""
+    def metric_total(self, sample: str, **labels: str) -> float:
+        """The sum of one sample name's values (e.g. specpool_target_generated_tokens_total) over the
+        series on the server's /metrics whose labels include `labels`; OSError when it does not answer."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        pattern = rf"^{re.escape(sample)}(?:{{[^}}]*}})? (\S+)$"
-        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(sample)}(?:{{(.*)}})? (\S+)$", text, re.MULTILINE):
+            if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
 
 
 def start_server(

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -32,17 +31,6 @@ from training.distill import DraftLM, export
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_THREAD = ["--threads", "1"]
-
-
-def metric(server: ServerProcess, name: str, **labels) -> float:
-    """Sum of a Prometheus sample over the series whose labels include `labels`."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def stub_for(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
@@ -114,10 +102,10 @@ def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model):
             outputs = list(pool.map(run, range(16)))
         mismatches = [i for i in range(16) if outputs[i] != expected[i % 8]]
         assert not mismatches, f"outputs differ from AR for requests {mismatches}"
-        shared = metric(endpoint, "specpool_spec_shared_batches_total")
-        assert shared > 0, f"no shared batch in {metric(endpoint, 'specpool_spec_draft_batches_total')} batches"
+        shared = endpoint.metric_total("specpool_spec_shared_batches_total")
+        assert shared > 0, f"no shared batch in {endpoint.metric_total('specpool_spec_draft_batches_total')} batches"
         for tenant in ("alpha", "beta"):
-            assert metric(endpoint, "specpool_spec_drafted_tokens_total", tenant=tenant) > 0
+            assert endpoint.metric_total("specpool_spec_drafted_tokens_total", tenant=tenant) > 0
     finally:
         for server in [*targets, endpoint]:
             server.stop()
@@ -156,7 +144,7 @@ def test_killing_the_endpoint_loses_no_request_and_a_restarted_one_is_used(tmp_p
         assert not endpoint.alive()
         assert outputs == [e[:len(o)] for e, o in zip(expected, outputs)]
         assert all(len(o) == 90 or o[-1] in (62, 63) for o in outputs), "every stream completes"
-        assert metric(target, "specpool_target_spec_fallback_rounds_total") > 0
+        assert target.metric_total("specpool_target_spec_fallback_rounds_total") > 0
 
         endpoint = start_endpoint(gguf, draft, port=port)
         deadline = time.monotonic() + 15
@@ -165,7 +153,7 @@ def test_killing_the_endpoint_loses_no_request_and_a_restarted_one_is_used(tmp_p
         result = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompts[1]), max_tokens=30))
         assert list(result.completions[0].token_ids) == expected[1][:30]
         assert result.completions[0].speculation.fallback_rounds == 0
-        assert metric(endpoint, "specpool_spec_drafted_tokens_total", tenant="solo") > 0
+        assert endpoint.metric_total("specpool_spec_drafted_tokens_total", tenant="solo") > 0
     finally:
         target.stop()
         endpoint.stop()
@@ -211,7 +199,7 @@ def test_sampling_through_the_servers_is_lossless(sampling_cluster, transport, t
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     params = SamplingParams(temperature=0.9, top_k=top_k)
     stub = stub_for(target)
-    dense_before = metric(endpoint, "specpool_spec_dense_bytes_total")
+    dense_before = endpoint.metric_total("specpool_spec_dense_bytes_total")
 
     def batch(seed: int) -> list[int]:
         result = stub.GenerateUnary(pb.GenerateRequest(
@@ -234,5 +222,5 @@ def test_sampling_through_the_servers_is_lossless(sampling_cluster, transport, t
     threshold, floor = tv_threshold(exact, len(pairs), torch.Generator().manual_seed(0))
     print(f"{transport}: TV {distance:.4f}, threshold {threshold:.4f}, noise floor {floor:.4f}")
     assert distance < threshold
-    dense_bytes = metric(endpoint, "specpool_spec_dense_bytes_total") - dense_before
+    dense_bytes = endpoint.metric_total("specpool_spec_dense_bytes_total") - dense_before
     assert (dense_bytes > 0) == (top_k == 0), f"dense q must travel on the channel only for {transport}"

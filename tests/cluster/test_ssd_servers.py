@@ -20,7 +20,6 @@ from tests.cluster.test_disaggregation import (
     SAMPLES,
     V,
     exact_pair_distribution,
-    metric,
     start_endpoint,
     start_target,
     stub_for,
@@ -61,7 +60,7 @@ def test_ssd_greedy_equals_ar_and_hits_the_cache(tmp_path, mode):
             # The draft is the target itself: every outcome is (K, its top-1), in the cache once the
             # fan-out has learnt how often everything is accepted.
             assert c.speculation.cache_lookups > 5 and c.speculation.cache_hits >= c.speculation.cache_lookups // 2
-        assert metric(endpoint, "specpool_spec_ssd_cache_hit_ratio") > 0.5
+        assert endpoint.metric_total("specpool_spec_ssd_cache_hit_ratio") > 0.5
     finally:
         target.stop()
         endpoint.stop()

@@ -29,7 +29,7 @@ from specpool.registry import Heartbeat, Registry
 from specpool.serving import build_server
 from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
-from tests.cluster.test_disaggregation import ONE_THREAD, metric, tiny_files
+from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
 
 pytestmark = pytest.mark.slow
 
@@ -216,11 +216,11 @@ def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(clu
         s.GenerateUnary(request("slow-model", "ngram", method=NGRAM))
         s.GenerateUnary(request("slow-model", "draft", method=DRAFT))
         assert slow.methods() == {"auto": NONE, "ngram": NGRAM, "draft": NONE}
-        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="none",
+        assert router.metric_total("specpool_router_decisions_total", model="slow-model", plan="none",
                       reason="no_speedup") == 1
-        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="ngram",
+        assert router.metric_total("specpool_router_decisions_total", model="slow-model", plan="ngram",
                       reason="requested") == 1
-        assert metric(router, "specpool_router_decisions_total", model="slow-model", plan="none",
+        assert router.metric_total("specpool_router_decisions_total", model="slow-model", plan="none",
                       reason="no_endpoint") == 1
         with pytest.raises(grpc.RpcError) as err:
             s.GenerateUnary(request("no-such-model"))
@@ -278,7 +278,7 @@ def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes)
     registry = cluster["registry"]
     wait_for_model(router, "fake-model")
     s = stub(router)
-    no_slot_before = metric(router, "specpool_router_decisions_total", model="fake-model", plan="ngram",
+    no_slot_before = router.metric_total("specpool_router_decisions_total", model="fake-model", plan="ngram",
                             reason="no_slot")
     for f in fakes:
         f.gate.clear()
@@ -301,7 +301,7 @@ def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes)
         assert alpha == {DRAFT: 2, NGRAM: 3}, "alpha falls back to n-gram past its guarantee"
         assert beta == {DRAFT: 2, NGRAM: 1}, "beta's two reserved slots were still free"
         assert registry.held("fake-ep") == {"alpha": 2, "beta": 2}
-        assert metric(router, "specpool_router_decisions_total", model="fake-model", plan="ngram",
+        assert router.metric_total("specpool_router_decisions_total", model="fake-model", plan="ngram",
                       reason="no_slot") - no_slot_before == 4
     finally:
         for f in fakes:
@@ -344,7 +344,7 @@ def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(clus
     stubs = [stub(r) for r in routers]
     for r in routers:
         wait_for_model(r, model)
-    before = [metric(t, "specpool_target_requests_total") for t in cluster["targets"]]
+    before = [t.metric_total("specpool_target_requests_total") for t in cluster["targets"]]
 
     def run(i: int) -> str:
         s, who = stubs[i % 2], tenant("alpha" if i % 3 else "beta")
@@ -375,10 +375,10 @@ def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(clus
     assert outcomes["cancelled"] + outcomes["length"] == 40 and outcomes["cancelled"] > 0, outcomes
     wait_for(lambda: registry.held("spec-1") == {}, timeout_s=10)
     for r in routers:
-        wait_for(lambda r=r: metric(r, "specpool_router_draft_leases_held") == 0, timeout_s=5)
-        assert metric(r, "specpool_router_decisions_total", model=model, plan="draft_model") > 0
-        assert metric(r, "specpool_router_requests_total", model=model, outcome="cancelled") > 0
-    served = [metric(t, "specpool_target_requests_total") - b for t, b in zip(cluster["targets"], before)]
+        wait_for(lambda r=r: r.metric_total("specpool_router_draft_leases_held") == 0, timeout_s=5)
+        assert r.metric_total("specpool_router_decisions_total", model=model, plan="draft_model") > 0
+        assert r.metric_total("specpool_router_requests_total", model=model, outcome="cancelled") > 0
+    served = [t.metric_total("specpool_target_requests_total") - b for t, b in zip(cluster["targets"], before)]
     assert min(served) >= 40, f"both replicas take work: {served}"
 
 
@@ -402,7 +402,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
 
     with ThreadPoolExecutor(6) as pool:
         running = [pool.submit(stream, i) for i in range(6)]
-        wait_for(lambda: sum(metric(t, "specpool_target_running_sequences") for t in cluster["targets"]) > 0)
+        wait_for(lambda: sum(t.metric_total("specpool_target_running_sequences") for t in cluster["targets"]) > 0)
         redis_server.stop()
         try:
             # While Redis is down the router places on its last snapshot, without draft slots.
@@ -412,7 +412,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
             redis_server.start()
             restarted.set()
         assert [len(f.result()) for f in running] == [100] * 6
-    assert metric(router, "specpool_router_decisions_total", model=model, reason="registry_unavailable") >= 1
+    assert router.metric_total("specpool_router_decisions_total", model=model, reason="registry_unavailable") >= 1
 
     def rebuilt():
         return (sorted(t.tenant for t in registry.targets() if t.model == model) == ["target-1", "target-2"]
@@ -420,6 +420,6 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
     wait_for(rebuilt, timeout_s=5)
     after = s.GenerateUnary(request(model, "after-restart", DRAFT, max_tokens=5), timeout=30)
     assert len(after.completions[0].token_ids) == 5
-    wait_for(lambda: metric(router, "specpool_router_decisions_total", model=model, plan="draft_model",
+    wait_for(lambda: router.metric_total("specpool_router_decisions_total", model=model, plan="draft_model",
                             reason="requested") > 0)
     wait_for(lambda: registry.held("spec-1") == {}, timeout_s=10)
