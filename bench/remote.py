@@ -58,8 +58,7 @@ class RemoteCluster:
         self.threads = threads  # of the unpinned servers (None: torch's default, all cores)
         self.endpoint_args = list(endpoint_args)  # further serve-spec flags (e.g. --ssd-fork-budget 16)
         self.servers: list[ServerProcess] = []
-        self.stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
-        self.targets: dict[str, ServerProcess] = {}
+        self.targets: dict[str, ServerProcess] = {}  # by kind (see _target)
         self._endpoints: dict[str, ServerProcess] = {}
 
     def _endpoint(self, pinned: bool) -> ServerProcess:
@@ -71,14 +70,14 @@ class RemoteCluster:
             self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned), cpus=[1] if pinned else None)
         return self._endpoints[key]
 
-    def _target(self, mode: str, draft_tokens: int = 0) -> str:
-        """mode[:K] -> the kind of target serving it, started on first use (a fixed draft length K
-        gets a target of its own)."""
+    def _target(self, mode: str, draft_tokens: int = 0) -> ServerProcess:
+        """mode[:K] -> the target serving it, started on first use (a fixed draft length K gets a
+        target of its own)."""
         pinned = mode in ("ssd", "ssd-pull")
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
-        if kind not in self.stubs:
+        if kind not in self.targets:
             endpoint = self._endpoint(pinned)
             args = ["serve-target", "--port", "0", "--metrics-port", "0", "--model", str(self.model_path),
                     "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
@@ -89,10 +88,8 @@ class RemoteCluster:
                 args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:
                 args += ["--draft-tokens", str(draft_tokens)]
-            target = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
-            self.stubs[kind] = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
-            self.targets[kind] = target
-        return kind
+            self.targets[kind] = self._start(f"target-{kind}", args, cpus=[0] if pinned else None)
+        return self.targets[kind]
 
     def _threads(self, pinned: bool) -> list[str]:
         threads = 1 if pinned else self.threads
@@ -108,8 +105,9 @@ class RemoteCluster:
             server.stop()
 
     def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
-        kind = self._target(mode, draft_tokens)
-        return target_api_runner(self.stubs[kind], METHODS[mode], max_tokens, self.targets[kind])
+        target = self._target(mode, draft_tokens)
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+        return target_api_runner(stub, METHODS[mode], max_tokens, target)
 
 
 class RoutedCluster:
