@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from engine.device import cpu_class
+
 
 def machine_info() -> dict:
     cpu = platform.processor() or platform.machine()
@@ -19,10 +21,14 @@ def machine_info() -> dict:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
+        **cpu_class(),  # cpu_capability, native_bf16, bf16_override, onednn_max_cpu_isa
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
+        # Constants tuned on one machine class, recorded with every figure (engine/process_env.py).
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
 
 

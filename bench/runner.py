@@ -22,8 +22,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.machine import machine_info
-from bench.remote import REMOTE_MODES, ROUTED_METHODS
+from bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
 from engine.decoding import generate
+from engine.device import resolve_dtype
 from engine.drafter import ModelDrafter
 from engine.model import Llama
 from engine.ngram import NgramDrafter, SuffixArrayDatastore
@@ -58,7 +59,8 @@ class BenchConfig:
     modes: list[str]
     draft_dir: Path | None
     datastore: Path | None
-    dtype: str = "auto"
+    dtype: str = "auto"  # the target's
+    draft_dtype: str = "bf16"  # the draft model's (bf16 where native: its speed matters, its q is sent exactly)
     seed: int = 0
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
     threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
@@ -103,8 +105,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
     if needs_draft:
         if cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
             raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint; none at {cfg.draft_dir}")
-        # The draft runs in bf16 whatever the target uses: its speed matters, its q is sent exactly.
-        draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), "bf16", str(model.device))
+        draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
     if cfg.datastore and not cfg.datastore.exists():
         raise FileNotFoundError(f"no n-gram datastore at {cfg.datastore}: build one with `specpool build-datastore`"
                                 " or pass --datastore '' to use the per-request index alone")
@@ -183,7 +184,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         from bench.remote import RemoteCluster
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
-                               delay_ms=cfg.spec_delay_ms, threads=cfg.threads, endpoint_args=cfg.endpoint_args)
+                               delay_ms=cfg.spec_delay_ms, threads=cfg.threads,
+                               endpoint_args=("--dtype", cfg.draft_dtype, *cfg.endpoint_args))
     routed = None
     if any(m in ROUTED_METHODS for m in cfg.modes):
         from bench.remote import RoutedCluster
@@ -199,6 +201,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         "machine": machine_info(),
         "model": cfg.model_path.name,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "draft_dtype": str(resolve_dtype(cfg.draft_dtype, model.device)).removeprefix("torch."),
+        "policy_min_gain": SpeculationPolicy.min_gain,
+        "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,
         "workload": cfg.workload,
         "limit": cfg.limit,
         "max_tokens": cfg.max_tokens,

@@ -49,10 +49,10 @@ def _short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 class Llama:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype | None, device):
         self.config = config
-        self.dtype = dtype
         self.device = torch.device(device)
+        self.dtype = dtype = resolve_dtype(dtype, self.device)  # bf16 only where the device has it natively
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -94,7 +94,7 @@ class Llama:
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)
-        model = cls(gguf_model.config, gguf_model.weights, resolve_dtype(dtype, dev), dev)
+        model = cls(gguf_model.config, gguf_model.weights, dtype, dev)
         return model, (Tokenizer.from_gguf(gguf_model) if gguf_model.tokens else None)
 
     @classmethod
@@ -112,7 +112,7 @@ class Llama:
         weights = load_file(str(directory / "model.safetensors"))
         weights["embed"] = embed
         dev = torch.device(device) if device else default_device()
-        return cls(ModelConfig(**meta["config"]), weights, resolve_dtype(dtype, dev), dev)
+        return cls(ModelConfig(**meta["config"]), weights, dtype, dev)
 
     @classmethod
     def random_init(cls, config: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Llama:

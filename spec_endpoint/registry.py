@@ -123,13 +123,13 @@ class ModelDrafters:
         device: torch.device,
         step_cost_dir: Path | None = None,
         ssd: dict | None = None,
+        dtype: str = "bf16",
     ) -> ModelDrafters:
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
         drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore))
         if spec.draft_dir is not None:
-            dtype = "bf16" if device.type == "cpu" else None
             draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=dtype, device=str(device))
             if draft.config.vocab_size != vocab:
                 raise ValueError(
@@ -164,12 +164,14 @@ class DrafterRegistry:
         device: torch.device,
         step_cost_dir: Path | None = None,
         ssd: dict | None = None,
+        dtype: str = "bf16",
     ) -> DrafterRegistry:
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"--drafter: model {duplicates[0]!r} given more than once")
-        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir, ssd) for s in specs})
+        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir, ssd, dtype)
+                    for s in specs})
 
     def get(self, name: str) -> ModelDrafters | None:
         return self.models.get(name)

@@ -120,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a cache miss: draft now (neural), n-gram (fast), or chosen from measurements")
     parser.add_argument("--lease-s", type=float, default=30.0, help="idle session lease when the target sends 0")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
+                        help="draft models' weights (bf16: where the device computes it natively, else fp32)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     parser.add_argument("--channel-host", default="127.0.0.1",
                         help="address targets reach this endpoint's tensor-channel store on")
@@ -154,7 +156,8 @@ def main(args: argparse.Namespace) -> int:
     ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,
            "saguaro_c": args.saguaro_c, "backup": args.ssd_backup}
     # The engine thread drafts; torch work on this thread would leave it a second OpenMP pool.
-    registry = off_main_thread(lambda: DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd))
+    registry = off_main_thread(lambda: DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd,
+                                                              dtype=args.dtype))
 
     server, port = serving.build_server(args.port, host=args.host)
     config = EndpointConfig(

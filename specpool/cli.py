@@ -13,7 +13,8 @@ import torch
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="weight/activation dtype (auto: bf16 on GPU, fp32 on CPU)")
+                   help="weight/activation dtype (auto: bf16 on GPU, fp32 on CPU; bf16: where the device "
+                        "computes it natively, else fp32)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
@@ -72,6 +73,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         train_minutes=args.train_minutes,
         layers=args.layers,
         draft_vocab=args.draft_vocab,
+        dtype=args.dtype,
     ))
     return 0
 
@@ -95,6 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_dir=Path(args.draft) if args.draft else None,
         datastore=Path(args.datastore) if args.datastore else None,
         dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
         seed=args.seed,
         spec_delay_ms=args.spec_delay_ms,
         threads=args.threads,
@@ -154,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
     b.add_argument("--cluster", default=None, help="routed modes: cluster config (default: cluster/default.yaml)")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
+    b.add_argument("--draft-dtype", default="bf16", choices=["auto", "fp32", "bf16"],
+                   help="the draft model's weights (bf16: where the device computes it natively, else fp32)")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")
     b.add_argument("--json", default=None, help="write the report here")
@@ -174,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=8192)
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
+                   help="the target's weights in the data pass, and mixed precision in training (bf16: where "
+                        "the CPU computes it natively, else fp32)")
     t.set_defaults(func=cmd_train_draft)
 
     # Servers and cluster tools: each module brings its own flags and main().

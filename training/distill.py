@@ -161,8 +161,10 @@ def train(
     batch_size: int = 8,
     lr: float = 1e-3,
     checkpoint_every_s: float = 120.0,
+    bf16_autocast: bool = False,
 ) -> dict:
-    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget."""
+    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget.
+    `bf16_autocast` where the CPU computes bf16 natively (engine.device.resolve_dtype decides)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     state = {"elapsed": 0.0, "step": 0, "tokens": 0, "history": []}
@@ -186,7 +188,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         tokens, ids, probs, mask = batches.sample(batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
             logits = model(tokens)
         loss, agree = distill_loss(logits, ids, probs, mask)
         opt.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ import torch
 from cluster.processes import ServerProcess, start_server
 from engine.config import tiny_config
 from engine.decoding import generate
+from engine.device import native_bf16
 from engine.gguf_loader import default_model_path, model_name, save_gguf
 from engine.model import Llama, random_weights
 from engine.sampling import SamplingParams, logits_to_probs
@@ -74,7 +75,7 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model):
+def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model, cpu_kind):
     model, tokenizer = real_model
     gguf = default_model_path()
     draft = REPO / "models" / "smollm2-135m-draft"
@@ -87,6 +88,9 @@ def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model):
     endpoint = start_endpoint(gguf, draft, "--batch-window-ms", "1000")
     targets = []
     try:
+        # The real draft loads bf16 only where the CPU computes it natively (the default --dtype bf16).
+        fell_back = "using fp32 weights" in endpoint.logs()
+        assert fell_back == (cpu_kind == "no-native-bf16" or not native_bf16("cpu"))
         targets = [start_target(gguf, endpoint, t, "--draft-tokens", "4", "--max-batch", "8") for t in ("alpha", "beta")]
         stubs = [stub_for(t) for t in targets]
 
