@@ -17,6 +17,8 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
+from specpool.serving import LAUNCHER_PID
+
 READY = re.compile(r"serving (\w+) on port (\d+), metrics on port (\d+)")
 
 
@@ -74,13 +76,14 @@ def start_server(
     env: dict[str, str] | None = None,
     echo: bool = False,
 ) -> ServerProcess:
-    """Run `specpool <args>` and block until its ready line; raises with its log if it dies first."""
+    """Run `specpool <args>` and block until its ready line; raises with its log if it dies first.
+    The server drains and exits by itself if this process dies (specpool/serving.py)."""
     cmd = [sys.executable, "-m", "specpool.cli", *args]
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid()), **(env or {})},
     )
     server = ServerProcess(name, proc)
     ready = threading.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,6 +26,8 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
+# Set by cluster/processes.start_server: the pid of the process that launched this server.
+LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LIVENESS = "liveness"
 READINESS = "readiness"
@@ -199,10 +202,13 @@ def serve_until_signal(
     metrics: MetricsHttpServer | None = None,
 ) -> None:
     """Blocks until SIGTERM or SIGINT, then drains: not ready, stop admitting, finish in-flight RPCs.
+    A server started by a launcher (cluster/processes.py) also drains once that launcher is gone,
+    so a launcher that crashed or was killed leaves no orphaned servers behind.
 
     Must be called from the main thread (Python delivers signals only there).
     """
     stop = threading.Event()
+    launcher = int(os.environ.get(LAUNCHER_PID, "0") or 0)
 
     def on_signal(signum: int, _frame) -> None:
         if stop.is_set():
@@ -214,7 +220,9 @@ def serve_until_signal(
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while not stop.wait(timeout=1.0):
-            pass
+            if launcher and os.getppid() != launcher:
+                log.warning("the process that launched this server (pid %d) is gone", launcher)
+                break
         log.info("draining (grace %.1fs)", grace_s)
         health.set_ready(False)
         if on_drain is not None:

@@ -1,8 +1,71 @@
+import os
+import time
+import uuid
+
 import pytest
 import torch
 
 from engine.config import tiny_config
 from engine.model import Llama
+from engine.process_env import NO_NATIVE_BF16
+
+# Every process this test session starts, directly or not, inherits this tag in its environment:
+# it finds them again, orphans included, to check that no test leaves one running.
+TEST_RUN = "SPECPOOL_TEST_RUN"
+os.environ[TEST_RUN] = uuid.uuid4().hex
+_started_during: dict[int, str] = {}  # pid -> the test during which it was first seen
+
+
+def tagged_processes() -> dict[int, str]:
+    """pid -> command line of the live processes (not zombies) that carry this session's tag."""
+    needle = f"{TEST_RUN}={os.environ[TEST_RUN]}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fails the last test of a module whose processes outlive it (module fixtures end there), naming
+    the test that started each; the leaked processes are killed so the next module starts clean."""
+    result = yield
+    for pid in tagged_processes():
+        _started_during.setdefault(pid, item.nodeid)
+    if nextitem is not None and nextitem.module is item.module:
+        return result
+    deadline = time.monotonic() + 15  # a server that was just told to stop may still be draining
+    while (alive := tagged_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive:
+        for pid in alive:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        leaks = "\n".join(f"  pid {pid} (started during {_started_during.get(pid, item.nodeid)}): {cmd}"
+                          for pid, cmd in alive.items())
+        pytest.fail(f"processes left running after the tests of {item.module.__name__}:\n{leaks}", pytrace=False)
+    return result
+
+
+@pytest.fixture(params=["native", "no-native-bf16"])
+def cpu_kind(request, monkeypatch) -> str:
+    """Runs a test as this machine is, and as a machine without native bf16 (SPECPOOL_NO_NATIVE_BF16:
+    in-process models then load as fp32, and the servers a test starts also run AVX2 kernels only,
+    so oneDNN refuses bf16 there exactly as on an AVX2 CPU)."""
+    if request.param == "no-native-bf16":
+        monkeypatch.setenv(NO_NATIVE_BF16, "1")
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -49,10 +49,11 @@ def test_bad_files_name_the_key(raw, message):
 
 
 @pytest.mark.slow
-def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path):
+def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_kind):
     from cluster.demo import AUTO, NONE, run_demo
     from cluster.up import Cluster
     from engine.decoding import generate
+    from engine.device import native_bf16
     from engine.gguf_loader import model_name
     from engine.model import Llama
     from engine.sampling import SamplingParams
@@ -72,6 +73,9 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path):
 
     cluster = Cluster.start(config)
     try:
+        # The endpoint asked for a bf16 draft (serve-spec's default): it has one only where bf16 is native.
+        fell_back = "using fp32 weights" in cluster.endpoints["spec"].logs()
+        assert fell_back == (cpu_kind == "no-native-bf16" or not native_bf16("cpu"))
         members = {m.role for m in cluster.members()}
         assert members == {"router", "target", "endpoint", "redis"}
         out = io.StringIO()
@@ -83,3 +87,76 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path):
         cluster.stop()
     assert all(s.proc.returncode == 0 for s in cluster.servers()), [(s.name, s.logs()) for s in cluster.servers()]
     assert cluster.redis is not None and not cluster.redis.alive()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_cluster_whose_member_cannot_start_stops_what_it_started(tmp_path):
+    """The router (the last tier) cannot start: the targets, the endpoint and Redis, all up by then,
+    are stopped again, and the error names the member and shows its log."""
+    from cluster.up import Cluster
+    from engine.gguf_loader import model_name
+    from tests.cluster.test_disaggregation import tiny_files
+    from tests.conftest import tagged_processes
+
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
+    config = ClusterConfig.from_dict({
+        "routers": {"count": 1, "args": ["--no-such-flag"]},
+        "endpoints": [{"name": "spec", "drafters": [f"{model_name(gguf)}={gguf},draft={draft}"], "threads": 1}],
+        "targets": [{"tenant": "alpha", "model": str(gguf), "max_batch": 2, "max_context": 64, "datastore": "",
+                     "threads": 1}],
+    })
+    before = set(tagged_processes())
+    steps = []
+    with pytest.raises(RuntimeError) as failure:
+        Cluster.start(config, progress=steps.append)
+    assert "targets: starting alpha" in "\n".join(steps) and any(s.startswith("alpha: ready") for s in steps)
+    message = str(failure.value)
+    assert message.startswith("router exited with 2") and "unrecognized arguments: --no-such-flag" in message
+    assert set(tagged_processes()) <= before, "a member of the failed cluster is still running"
+
+
+LAUNCHER = """
+import sys, time
+from cluster.processes import start_server
+server = start_server("spec", sys.argv[1:])
+print(server.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_stop_when_their_launcher_dies(tmp_path):
+    """A launcher killed outright (a timed-out `specpool bench`, a crashed `specpool up`) runs no cleanup:
+    the servers it started notice and drain by themselves."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from engine.gguf_loader import model_name
+    from tests.cluster.test_disaggregation import tiny_files
+
+    gguf, _ = tiny_files(tmp_path, vocab=64, seed=3)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, "serve-spec", "--port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
+         "--drafter", f"{model_name(gguf)}={gguf}", "--threads", "1"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(launcher.stdout.readline())
+        assert _alive(server_pid)
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 30
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(server_pid):
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("the server outlived its launcher by 30 s")
