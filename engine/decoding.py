@@ -226,7 +226,7 @@ class Decoder:
         n = len(self.running)
         catch_up = sum(s.unseen for s in self.running) / n
         remaining = sum(s.max_new_tokens - len(s.result.token_ids) for s in self.running) / n
-        return self.policy.choose(n, self.acceptance.expected_tokens, catch_up, remaining)
+        return self.policy.choose(n, self.acceptance.expected_tokens, catch_up, remaining, self.acceptance.fill)
 
     def _round(self) -> list[tuple[str, list[int]]]:
         start = time.perf_counter()
@@ -234,10 +234,11 @@ class Decoder:
         length = self._draft_length()
         groups = _groups(batch)
         drafts = [Drafts.empty(len(rows)) for rows, _ in groups]
+        # Never draft past the length limit: the bonus token always fills the last place.
+        offered = [min(length, seq.max_new_tokens - len(seq.result.token_ids) - 1) for seq in batch]
         asks = []
         for g, (rows, params) in enumerate(groups):
-            # Never draft past the length limit: the bonus token always fills the last place.
-            budget = [min(length, batch[r].max_new_tokens - len(batch[r].result.token_ids) - 1) for r in rows]
+            budget = [offered[r] for r in rows]
             if any(budget):
                 asks.append((g, DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params))))
         if asks:
@@ -262,7 +263,7 @@ class Decoder:
                 res.target_steps += 1
                 res.drafted_tokens += len(proposed)
                 res.accepted_tokens += accepted
-                self.acceptance.update(accepted, len(proposed))
+                self.acceptance.update(accepted, offered[r], len(proposed))
                 # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
                 self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]) + 1 + accepted)
                 taken = self._emit(seq, proposed[:accepted] + [next_token])

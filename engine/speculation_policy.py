@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.device import cpu_class
 from engine.model import Llama
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,9 @@ def _non_decreasing(row: list[float]) -> list[float]:
 
 
 def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None, **kwargs) -> StepCosts:
-    """measure_step_costs, cached on disk per model, dtype, device and thread count."""
-    key = f"v2|{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{kwargs}"
+    """measure_step_costs, cached on disk per model, dtype, device, thread count and CPU class (a table
+    measured with AVX-512 kernels says nothing about the same disk's next machine, an AVX2 one)."""
+    key = f"v3|{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{cpu_class()}|{kwargs}"
     cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
     path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     if path.exists():
@@ -139,15 +141,28 @@ class AcceptanceEstimate:
         self.decay = decay
         self.reached = [0.0] * max_len
         self.accepted = [0.0] * max_len
+        self.offers = self.fills = 0.0  # rounds that offered positions, and those the drafter filled
 
-    def update(self, accepted: int, drafted: int) -> None:
-        """One sequence's round. Rounds without drafts fade the counts too, back toward the prior:
-        a policy that stopped drafting measures nothing, and must try again eventually."""
+    def update(self, accepted: int, offered: int, drafted: int) -> None:
+        """One sequence's round that offered the drafter `offered` positions, of which it filled
+        `drafted`. An empty position (an n-gram index with no match, a short draft) counts as a
+        rejection: the policy must predict what an offer yields, not what a made draft does. Rounds
+        that offered nothing fade the counts back toward the prior: a policy that stopped drafting
+        must try again eventually."""
         self.reached = [self.decay * r for r in self.reached]
         self.accepted = [self.decay * a for a in self.accepted]
-        for j in range(min(accepted + 1, drafted, len(self.reached))):
+        for j in range(min(accepted + 1, offered, len(self.reached))):
             self.reached[j] += 1
             self.accepted[j] += j < accepted
+        if offered:
+            self.offers = self.decay * self.offers + 1
+            self.fills = self.decay * self.fills + (drafted > 0)
+
+    @property
+    def fill(self) -> float:
+        """The share of offers the drafter fills at all (1 for a draft model; an n-gram index finds a
+        match for only some contexts). A batch in which no row drafted costs a plain step."""
+        return (self.fills + self.prior_weight) / (self.offers + self.prior_weight)
 
     def expected_tokens(self, draft_len: int) -> float:
         """Tokens per sequence per verify step (bonus included) for drafts of this length."""
@@ -185,26 +200,34 @@ class SpeculationPolicy:
     max_draft: int = 16
     # Speculate only when the best length is predicted this much faster than plain decoding: the
     # cost table is a synthetic forward (no sampling or bookkeeping, uniform contexts), and near
-    # break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16.
+    # break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16 (measured
+    # on an AVX2 AMD EPYC; benchmarks record the margin they ran with).
     min_gain: float = 1.1
 
-    def step_time(self, batch_size: int, draft_len: int) -> float:
+    def step_time(self, batch_size: int, draft_len: int, fill: float = 1.0) -> float:
+        """Expected seconds of a round offering draft_len positions per sequence, when the drafter fills
+        a share `fill` of the offers: with no row drafted, the target runs a plain step."""
         drafting = 0.0
         if self.draft_costs is not None and draft_len > 0:
             drafting = draft_len * self.draft_costs(batch_size, 0)  # one 1-token draft step per token
-        return self.target_costs(batch_size, draft_len) + drafting
+        verify = self.target_costs(batch_size, draft_len)
+        if fill < 1.0 and draft_len > 0:
+            none_drafted = (1.0 - fill) ** batch_size
+            verify = (1 - none_drafted) * verify + none_drafted * self.target_costs(batch_size, 0)
+        return verify + drafting
 
     def choose(self, batch_size: int, acceptance: Expected | float, catch_up: float = 0.0,
-               remaining: float = float("inf")) -> int:
+               remaining: float = float("inf"), fill: float = 1.0) -> int:
         """The draft length maximising expected tokens/s at this batch size (0: do not speculate).
-        `acceptance`: AcceptanceEstimate.expected_tokens, or a per-token alpha of i.i.d. drafts.
+        `acceptance`: AcceptanceEstimate.expected_tokens, or a per-token alpha of i.i.d. drafts;
+        `fill`: the share of offers the drafter fills (AcceptanceEstimate.fill).
 
         A draft model that sat out earlier rounds must first absorb the `catch_up` tokens per
         sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
         starting pays only if the faster steps win that time back over the `remaining` tokens.
         """
         plain_rate = 1.0 / self.step_time(batch_size, 0)
-        best_len, best_rate = self.fastest(batch_size, acceptance)
+        best_len, best_rate = self.fastest(batch_size, acceptance, fill)
         if best_rate <= plain_rate * self.min_gain:
             return 0
         if self.draft_costs is not None and catch_up > 1:
@@ -214,8 +237,8 @@ class SpeculationPolicy:
                 return 0
         return best_len
 
-    def fastest(self, batch_size: int, acceptance: Expected | float) -> tuple[int, float]:
+    def fastest(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
         """(draft length s >= 1, its expected tokens/s per sequence): the fastest speculative step."""
         expected = as_expected(acceptance)
-        return max(((s, expected(s) / self.step_time(batch_size, s)) for s in range(1, self.max_draft + 1)),
+        return max(((s, expected(s) / self.step_time(batch_size, s, fill)) for s in range(1, self.max_draft + 1)),
                    key=lambda pair: pair[1])

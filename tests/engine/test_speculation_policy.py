@@ -76,7 +76,7 @@ def test_acceptance_estimate_is_geometric_for_iid_drafts():
     est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
     for _ in range(100):  # alpha = 1/2: of 8 rounds of 3 drafts, by position reached
         for accepted in (0, 0, 0, 0, 1, 1, 2, 3):
-            est.update(accepted=accepted, drafted=3)
+            est.update(accepted=accepted, offered=3, drafted=3)
     assert est.expected_tokens(3) == pytest.approx(expected_tokens(0.5, 3))
     assert est.expected_tokens(5) == pytest.approx(expected_tokens(0.5, 5))  # unmeasured: as the last
 
@@ -85,7 +85,7 @@ def test_acceptance_estimate_sees_runs_that_one_alpha_misses():
     # n-gram style: a draft either matches a copied run to the end or fails at once.
     est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
     for accepted in (0, 4, 0, 4):
-        est.update(accepted=accepted, drafted=4)
+        est.update(accepted=accepted, offered=4, drafted=4)
     # P(accept) by position: 1/2, then 1, 1, 1 (and 1 beyond): E(s) = 1 + s/2, by hand.
     assert [est.expected_tokens(s) for s in (0, 1, 2, 4, 8)] == [1.0, 1.5, 2.0, 3.0, 5.0]
     # One alpha with the same accepted/rejected counts (8 accepted, 2 rejections: 0.8) predicts
@@ -100,20 +100,20 @@ def test_acceptance_estimate_starts_at_its_prior_and_forgets():
     est = AcceptanceEstimate(prior_alpha=0.5, prior_weight=2.0, decay=0.9)
     assert est.expected_tokens(2) == pytest.approx(1.75)
     for _ in range(200):
-        est.update(accepted=0, drafted=2)
+        est.update(accepted=0, offered=2, drafted=2)
     assert est.expected_tokens(2) < 1.2  # position 0: (0 + 2 * 0.5) / (10 + 2) = 0.08
     for _ in range(200):
-        est.update(accepted=2, drafted=2)
+        est.update(accepted=2, offered=2, drafted=2)
     assert est.expected_tokens(2) > 2.6  # (10 + 1) / 12 = 0.92, then (10 + 2 * 0.92) / 12 = 0.99
 
 
 def test_rounds_without_drafts_fade_back_to_the_prior():
     est = AcceptanceEstimate(prior_alpha=0.5, prior_weight=2.0, decay=0.9)
     for _ in range(5):
-        est.update(accepted=0, drafted=4)
+        est.update(accepted=0, offered=4, drafted=4)
     assert est.expected_tokens(4) < 1.3  # a policy would stop drafting here, and measure nothing more
     for _ in range(100):
-        est.update(accepted=0, drafted=0)
+        est.update(accepted=0, offered=0, drafted=0)
     assert est.expected_tokens(4) == pytest.approx(expected_tokens(0.5, 4), rel=1e-3)  # so it tries again
 
 
@@ -141,3 +141,24 @@ def test_policy_driven_generation_stays_lossless(tiny_model):
                     policy=SpeculationPolicy(COSTS, max_draft=8))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
     assert sum(r.drafted_tokens for r in spec) > 0
+
+
+# An AVX2 CPU in fp32: the first draft already costs half a step more, at every batch size.
+AVX2_LIKE = StepCosts(batch_sizes=(1, 16), draft_lens=(0, 1, 4, 8),
+                      seconds=((0.034, 0.053, 0.060, 0.066), (0.090, 0.135, 0.150, 0.170)))
+
+
+def test_offers_left_empty_are_rejections_and_cost_a_plain_step_only_when_no_row_drafts():
+    """An n-gram index that matches 15% of contexts: the yield counts the empty offers, the cost
+    counts a plain step when no row drafted. At batch 1 that is most rounds (speculate); at batch 16
+    almost no round has all rows empty (do not)."""
+    est = AcceptanceEstimate(prior_weight=0.0, decay=1.0)
+    for i in range(100):
+        filled = i % 20 < 3
+        est.update(accepted=4 if filled else 0, offered=4, drafted=4 if filled else 0)
+    assert est.fill == pytest.approx(0.15)
+    assert est.expected_tokens(4) == pytest.approx(1 + 4 * 0.15)
+    policy = SpeculationPolicy(AVX2_LIKE, max_draft=4)
+    assert policy.choose(1, est.expected_tokens, fill=est.fill) == 4
+    assert policy.choose(1, est.expected_tokens) == 0  # charged as if every round drafted: no gain
+    assert policy.choose(16, est.expected_tokens, fill=est.fill) == 0
