@@ -9,6 +9,7 @@ import time
 import torch
 
 from engine.device import cpu_class
+from engine.process_env import NO_NATIVE_BF16
 
 
 def machine_info() -> dict:
@@ -30,6 +31,14 @@ def machine_info() -> dict:
         # Constants tuned on one machine class, recorded with every figure (engine/process_env.py).
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
+
+
+def machine_line(info: dict | None = None) -> str:
+    """One line for a terminal: CPU, cores, kernel class and whether bf16 is native."""
+    m = info or machine_info()
+    bf16 = "native bf16" if m["native_bf16"] else "no native bf16 (models in fp32)"
+    override = f" ({NO_NATIVE_BF16} set)" if m["bf16_override"] else ""
+    return f"{m['cpu']}, {m['cores_usable']} cores, {m['cpu_capability']} kernels, {bf16}{override}"
 
 
 def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:

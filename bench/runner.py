@@ -29,7 +29,7 @@ from engine.drafter import ModelDrafter
 from engine.model import Llama
 from engine.ngram import NgramDrafter, SuffixArrayDatastore
 from engine.sampling import SamplingParams
-from engine.speculation_policy import SpeculationPolicy, cached_step_costs
+from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
 
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
 
@@ -73,10 +73,13 @@ Runner = Callable[[list[list[int]], SamplingParams, ModeTotals], None]
 
 
 def _ours(model: Llama, max_tokens: int, drafter_factory=None, k: int = 0, policy=None) -> Runner:
+    # A policy learns acceptance across the whole workload, as a server's decoder does across requests.
+    acceptance = AcceptanceEstimate() if policy is not None else None
+
     def run(prompts, params, totals):
         drafter = drafter_factory(len(prompts)) if drafter_factory else None
         start = time.perf_counter()
-        results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy)
+        results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy, acceptance=acceptance)
         totals.seconds += time.perf_counter() - start
         totals.target_steps = (totals.target_steps or 0) + sum(r.target_steps for r in results)
         for r in results:

@@ -102,13 +102,14 @@ class Decoder:
         num_draft_tokens: int = 0,
         policy: SpeculationPolicy | None = None,
         generator: torch.Generator | None = None,
+        acceptance: AcceptanceEstimate | None = None,
     ):
         self.model = model
         self.cache = model.new_cache(max_batch, max_len)
         self.drafter = drafter
         self.num_draft_tokens = policy.max_draft if policy is not None else num_draft_tokens
         self.policy = policy
-        self.acceptance = AcceptanceEstimate()
+        self.acceptance = acceptance or AcceptanceEstimate()
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
@@ -300,17 +301,19 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     policy: SpeculationPolicy | None = None,
+    acceptance: AcceptanceEstimate | None = None,
 ) -> list[GenerationResult]:
     """Decode all prompts together (ragged batch); speculate with `drafter` when given.
 
     The draft length is `num_draft_tokens`, or, with a `policy`, chosen every step from the
-    batch size and the acceptance measured so far.
+    batch size and the acceptance measured so far (in `acceptance`, carried from earlier calls
+    the way a server's decoder carries it across requests; a fresh estimate when None).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     k = policy.max_draft if policy is not None else num_draft_tokens
     max_len = max(len(p) for p in prompts) + max_new_tokens + k + 1
-    decoder = Decoder(model, len(prompts), max_len, drafter, num_draft_tokens, policy, generator)
+    decoder = Decoder(model, len(prompts), max_len, drafter, num_draft_tokens, policy, generator, acceptance)
     results = [decoder.add(str(i), p, params, max_new_tokens, stop_ids) for i, p in enumerate(prompts)]
     while decoder.has_work:
         decoder.step()

@@ -9,12 +9,12 @@ import os
 
 NO_NATIVE_BF16 = "SPECPOOL_NO_NATIVE_BF16"
 
-# Measured on one CPU class only (2 cores of an AMD EPYC, AVX2), where it was the whole difference;
-# on other machines it has cost nothing measurable. libgomp's default spin (300k rounds) keeps an
-# idle process's OpenMP threads busy long after their last op, eating the turn of the other server
-# on the same cores (a target verifying while its endpoint idles, and back): sd-remote ran at
-# 76-78% of in-process sd with the default or OMP_WAIT_POLICY=PASSIVE (which sleeps between every
-# two ops of a forward), 96-100% with a short spin (HumanEval 4, K=2). Benchmarks record the value.
+# libgomp's default spin (300k rounds) keeps an idle process's OpenMP threads busy long after their
+# last op, eating the turn of the other server on the same cores (a target verifying while its
+# endpoint idles, and back): sd-remote ran at 76-78% of in-process sd with the default or
+# OMP_WAIT_POLICY=PASSIVE (which sleeps between every two ops of a forward), 96-100% with a short
+# spin (HumanEval 4, K=2). Measured on one CPU class only (2 cores of an AMD EPYC with AVX-512 and
+# native bf16); benchmarks record the value they ran with.
 GOMP_SPINCOUNT = "10000"
 
 
