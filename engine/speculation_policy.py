@@ -104,7 +104,7 @@ def _non_decreasing(row: list[float]) -> list[float]:
 def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None, **kwargs) -> StepCosts:
     """measure_step_costs, cached on disk per model, dtype, device, thread count and CPU class (a table
     measured with AVX-512 kernels says nothing about the same disk's next machine, an AVX2 one)."""
-    key = f"v3|{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{cpu_class()}|{kwargs}"
+    key = f"v4|{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{cpu_class()}|{kwargs}"
     cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
     path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     if path.exists():
