@@ -1,7 +1,8 @@
 """`specpool bench`: every mode on one workload, side by side in one run.
 
 Modes are interleaved chunk by chunk (each chunk of `batch_size` prompts runs through every
-mode before the next chunk), so noise on this shared machine falls on all modes alike.
+mode before the next chunk, in an order that rotates by one mode per chunk), so noise on this
+shared machine falls on all modes alike.
 Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar).
 
 Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
@@ -230,10 +231,13 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
         runners = {m: r for m, r in build_runners(cfg, model, b, remote, routed).items() if r is not None}
         totals = {m: ModeTotals() for m in runners}
         chunks = [prompts[i : i + b] for i in range(0, len(prompts), b)]
+        order = list(runners)
         for c, chunk in enumerate(tqdm(chunks, desc=f"batch {b}", unit="chunk")):
             params = SamplingParams(temperature=cfg.temperature, seed=cfg.seed + c)
-            for mode, run in runners.items():
-                run(chunk, params, totals[mode])
+            # The order rotates by one mode per chunk: no mode always runs right after another (a
+            # machine's slow spells and warm caches then fall on every mode alike).
+            for mode in order[c % len(order):] + order[: c % len(order)]:
+                runners[mode](chunk, params, totals[mode])
         for mode, t in totals.items():
             ref = totals.get(_reference(mode, totals))
             tps = t.new_tokens / t.seconds

@@ -224,13 +224,15 @@ def main(args) -> int:
     config = ClusterConfig.load(args.config).with_free_ports()
     if config.routers.count < 1:
         raise ValueError("the demo sends its requests through a router: the config needs routers.count >= 1")
+    from bench.machine import machine_line
+
     started = time.monotonic()
     print("specpool demo: starting the cluster (first run: the targets measure their step costs once, cached)",
           flush=True)
     cluster = Cluster.start(config, echo=args.verbose,
                             progress=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
     try:
-        print(f"cluster up in {time.monotonic() - started:.0f}s:")
+        print(f"cluster up in {time.monotonic() - started:.0f}s on {machine_line()}:")
         print(format_members(cluster))
         for note in cluster.notes:
             print(f"note: {note}")
