@@ -17,7 +17,8 @@ _started_during: dict[int, str] = {}  # pid -> the test during which it was firs
 
 
 def tagged_processes() -> dict[int, str]:
-    """pid -> command line of the live processes (not zombies) that carry this session's tag."""
+    """pid -> command line of the live processes (not zombies) that carry this session's tag, less
+    multiprocessing's own helpers (its resource tracker lives as long as this process, by design)."""
     needle = f"{TEST_RUN}={os.environ[TEST_RUN]}".encode()
     found = {}
     for entry in os.listdir("/proc"):
@@ -28,7 +29,9 @@ def tagged_processes() -> dict[int, str]:
                 if needle not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if "from multiprocessing." not in cmd:
+                found[int(entry)] = cmd
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
