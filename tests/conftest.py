@@ -12,7 +12,7 @@ from engine.process_env import NO_NATIVE_BF16
 # Every process this test session starts, directly or not, inherits this tag in its environment:
 # it finds them again, orphans included, to check that no test leaves one running.
 TEST_RUN = "SPECPOOL_TEST_RUN"
-os.environ[TEST_RUN] = uuid.uuid4().hex
+os.environ.setdefault(TEST_RUN, uuid.uuid4().hex)  # setdefault: a second import keeps the tag
 _started_during: dict[int, str] = {}  # pid -> the test during which it was first seen
 
 
