@@ -33,9 +33,9 @@ def machine_info() -> dict:
     }
 
 
-def machine_line(info: dict | None = None) -> str:
+def machine_line() -> str:
     """One line for a terminal: CPU, cores, kernel class and whether bf16 is native."""
-    m = info or machine_info()
+    m = machine_info()
     bf16 = "native bf16" if m["native_bf16"] else "no native bf16 (models in fp32)"
     override = f" ({NO_NATIVE_BF16} set)" if m["bf16_override"] else ""
     return f"{m['cpu']}, {m['cores_usable']} cores, {m['cpu_capability']} kernels, {bf16}{override}"

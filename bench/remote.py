@@ -34,8 +34,8 @@ METHODS = {
 }
 REMOTE_MODES = tuple(METHODS)
 ROUTED_METHODS = {"routed": pb.SPECULATION_METHOD_AUTO, "routed-ar": pb.SPECULATION_METHOD_NONE}
-# SSD's layout, chosen on 2-core machines (AVX2 and AVX-512 alike): drafting overlaps verification
-# only when each has a core of its own. Recorded in every report that ran SSD.
+# SSD's layout, chosen on 2-core AVX-512 machines: drafting overlaps verification only when each has
+# a core of its own. Recorded in every report that ran SSD.
 SSD_ENDPOINT_CPUS, SSD_TARGET_CPUS = [1], [0]
 SSD_LAYOUT = f"endpoint on cpus {SSD_ENDPOINT_CPUS}, targets on cpus {SSD_TARGET_CPUS}, 1 thread each"
 
@@ -71,7 +71,8 @@ class RemoteCluster:
             args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
                     "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
                     "--ssd-sessions", str(max(16, self.max_batch)), *self.endpoint_args]
-            self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned), cpus=SSD_ENDPOINT_CPUS if pinned else None)
+            self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned),
+                                               cpus=SSD_ENDPOINT_CPUS if pinned else None)
         return self._endpoints[key]
 
     def _target(self, mode: str, draft_tokens: int = 0) -> ServerProcess:
