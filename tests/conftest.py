@@ -88,7 +88,8 @@ def real_model():
 @pytest.fixture(scope="session")
 def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM reading the same GGUF (tests only)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the declared test dependency (pyproject's "test" extra): missing is an error
+
     from engine.gguf_loader import default_model_path
 
     path = default_model_path()

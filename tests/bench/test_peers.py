@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
+import transformers
 
 from bench.peers import gguf_to_hf_rope_layout, hf_assisted, hf_generate, hf_prompt_lookup
 
@@ -19,7 +18,7 @@ NEW_TOKENS = 24
 
 def test_rope_layout_conversion_matches_adjacent_pair_rope():
     """RoPE on adjacent pairs of W x equals HF's rotate-half RoPE on W' x, up to the same row order."""
-    from transformers.models.llama.modeling_llama import rotate_half
+    rotate_half = transformers.models.llama.modeling_llama.rotate_half  # loads the modeling code here
 
     gen = torch.Generator().manual_seed(0)
     H, D, d = 3, 8, 5

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine.decoding import generate
 from engine.sampling import SamplingParams
@@ -43,7 +44,6 @@ def test_logits_match_transformers(real_model, hf_model):
 
 
 def test_tokenizer_and_chat_template_match_transformers(real_model):
-    transformers = pytest.importorskip("transformers")
     from engine.gguf_loader import default_model_path
 
     _, tokenizer = real_model
