@@ -104,9 +104,29 @@ def test_cli_writes_a_valid_svg(demand_file, tmp_path, capsys):
 
 
 def test_write_svg_with_a_single_row(demand_file, tmp_path):
+    """One row (n=0: speedup 1.0, cost 4): the x axis still spans 0..1 and the speedup axis, all one
+    value, is widened to 1.00x..2.05x, so each line is one point on the plot's left edge (x = 70) at
+    its value: speedup 1.0 at the bottom (y = 340), cost 4 of an axis 0..4.2 at y = 40 + 300 (1 - 4/4.2)."""
+    plan = make_plan(load_demand(demand_file), max_endpoints=0)
+    assert [(r.endpoints, r.mean_speedup, r.cost) for r in plan.rows] == [(0, 1.0, 4.0)]
     out = tmp_path / "one.svg"
-    write_svg(make_plan(load_demand(demand_file), max_endpoints=0), out)
-    ET.parse(out)
+    write_svg(plan, out)
+    svg = "{http://www.w3.org/2000/svg}"
+    root = ET.parse(out).getroot()
+    assert root.tag == f"{svg}svg"
+    assert [(p.get("stroke"), p.get("points")) for p in root.iter(f"{svg}polyline")] == [
+        ("#1f77b4", "70.0,340.0"), ("#d62728", "70.0,54.3")]  # speedup, cost
+    assert [(c.get("cx"), c.get("cy")) for c in root.iter(f"{svg}circle")] == [("70.0", "340.0"), ("70.0", "54.3")]
+    texts = list(root.iter(f"{svg}text"))
+
+    def ticks(**attrs) -> list[str]:
+        return [t.text for t in texts if "transform" not in t.attrib and all(t.get(k) == v for k, v in attrs.items())]
+
+    assert ticks(fill="#1f77b4") == ["1.00x", "1.26x", "1.52x", "1.79x", "2.05x"]  # speedup, bottom up
+    assert ticks(fill="#d62728") == ["0", "1.05", "2.1", "3.15", "4.2"]  # cost
+    assert ticks(y="358") == ["0", "1"]  # endpoints, under the plot
+    assert ticks(fill="#2ca02c") == ["recommended: 0 (cost 4)"]
+    assert "nan" not in out.read_text().lower() and "inf" not in out.read_text().lower()
 
 
 def test_live_capacity_gives_sessions_and_predicted_speedup(tmp_path, capsys):
