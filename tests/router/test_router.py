@@ -2,7 +2,7 @@
 plans, real tiny serve-target/serve-spec processes for leases and a Redis restart.
 
 - the router declines to speculate when no method is predicted to beat plain decoding;
-- placement spreads load across two replicas; two router replicas place sessions the same way;
+- placement follows the load the replicas report; two router replicas place sessions the same way;
 - a tenant's share of draft slots holds through the router while a greedy tenant asks for more;
 - /capacity (JSON) carries what ClusterState does;
 - after 200 requests that complete, are cancelled or are abandoned by their client, no slot is held;
@@ -56,6 +56,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.member_id, self.model = member_id, model
         self.draft, self.ngram, self.spec_endpoint = draft, ngram, spec_endpoint
         self.received: list[pb.GenerateRequest] = []
+        self.busy = 0  # sequences its heartbeats report running besides the requests it holds
         self.gate = threading.Event()
         self.gate.set()
         self._in_flight = 0
@@ -67,7 +68,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
 
     def fields(self) -> dict:
         return {"address": f"127.0.0.1:{self.port}", "model": self.model, "max_batch": 16,
-                "running": self._in_flight, "queued": 0, "spec_endpoint": self.spec_endpoint,
+                "running": self._in_flight + self.busy, "queued": 0, "spec_endpoint": self.spec_endpoint,
                 "predicted_speedup_draft": self.draft, "predicted_speedup_ngram": self.ngram,
                 "methods": ["draft_model", "ngram"]}
 
@@ -232,27 +233,41 @@ def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(clu
         slow.close()
 
 
-def test_placement_spreads_load_across_two_targets(cluster, fakes):
+def reported_running(router: ServerProcess, model: str) -> dict[str, int]:
+    """Replica id -> running sequences, as the router's snapshot has them (its /capacity)."""
+    data = json.load(urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity"))
+    return {t["id"]: t["running"] for p in data["pools"] if p["model"] == model for t in p["targets"]}
+
+
+def test_placement_follows_the_load_the_replicas_report(cluster, fakes):
+    """One replica reports 15 of its 16 sequences busy, the other none; then the other way round. Each
+    phase sends 60 requests one at a time (each done before the next), and at most 18 may land on the
+    busy replica.
+
+    The router draws in proportion to free capacity + 0.01: the busy replica has 1/16 free (0/16 while
+    a request of ours is in flight), the idle one 16/16 (15/16), so it gets a request with p <= 0.0711;
+    P(more than 18 of 60) = 1.8e-8 a phase, 3.6e-8 for the test. A router blind to load (the hash
+    alone, or a coin) sends each request to either with p = 0.5 over request ids: P(at most 18 of 60)
+    = 1.3e-3 a phase, 1.8e-6 for both phases, and one that always picks the same replica fails one."""
     router = cluster["routers"][0]
     wait_for_model(router, "fake-model")
-    for f in fakes:
-        f.gate.clear()
     s = stub(router)
-    calls = []
+    by_id = {f.member_id: f for f in fakes}
     try:
-        for i in range(16):
-            call = s.Generate(request("fake-model", f"spread-{i}"))
-            next(call)  # placed and running
-            calls.append(call)
-            time.sleep(0.15)  # the replicas' next heartbeats carry the new load
-        per_replica = Counter(f.member_id for f in fakes for r in f.received if r.request_id.startswith("spread-"))
-        # Drawn in proportion to free capacity (a 50/50 coin would leave one with < 4 in 2% of runs).
-        assert min(per_replica["fake-a"], per_replica["fake-b"]) >= 4, per_replica
+        for phase, busy in enumerate(("fake-a", "fake-b")):
+            idle = next(i for i in by_id if i != busy)
+            by_id[busy].busy, by_id[idle].busy = 15, 0
+            want = {busy: 15, idle: 0}
+            wait_for(lambda want=want: reported_running(router, "fake-model") == want)
+            for i in range(60):
+                s.GenerateUnary(request("fake-model", f"load-{phase}-{i}"))
+            placed = Counter(f.member_id for f in fakes for r in f.received
+                             if r.request_id.startswith(f"load-{phase}-"))
+            assert sum(placed.values()) == 60 and placed[busy] <= 18, (f"{busy} reports 15/16 busy", placed)
     finally:
         for f in fakes:
-            f.gate.set()
-    for call in calls:
-        assert [m.HasField("final") for m in call] == [True]
+            f.busy = 0
+    wait_for(lambda: reported_running(router, "fake-model") == {"fake-a": 0, "fake-b": 0})
 
 
 def test_two_router_replicas_place_sessions_the_same_way(cluster, fakes):
