@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -20,7 +21,9 @@ from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
-CONFIG = tiny_config(vocab_size=64)
+# Room for long streams: a cancelled one must still be running seconds after its first delta.
+MAX_CONTEXT = 4096
+CONFIG = replace(tiny_config(vocab_size=64), max_context=MAX_CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,7 @@ def tiny_gguf(tmp_path_factory):
 def target(tiny_gguf):
     server = start_server("target", [
         "serve-target", "--model", str(tiny_gguf), "--port", "0", "--metrics-port", "0", "--threads", "1",
-        "--draft-tokens", "3", "--max-batch", "8", "--max-context", "128", "--datastore", "", "--tenant", "t1",
+        "--draft-tokens", "3", "--max-batch", "8", "--max-context", str(MAX_CONTEXT), "--datastore", "", "--tenant", "t1",
     ])
     yield server
     assert server.stop() == 0, server.logs()
@@ -82,13 +85,23 @@ def test_unary_and_n_completions(stub):
 
 
 def test_cancel_stops_a_running_stream(stub):
-    # Stop token 63 with temperature 0 on this model: the stream would run to its 80 tokens.
-    stream = stub.Generate(_request(PROMPTS[1], max_tokens=80, stop=(63,), request_id="to-cancel"))
+    # No stop token, EOS ignored: uncancelled, the stream runs to its 4000 tokens, about 3 s on this model
+    # (measured with Cancel made a no-op), while Cancel lands within milliseconds of the first delta.
+    # A stream that is not stopped ends with "length"; one already done makes Cancel report False.
+    max_tokens = 4000  # fits: MAX_CONTEXT less the prompt and the 33 positions kept for drafts
+    stream = stub.Generate(_request(PROMPTS[1], max_tokens=max_tokens, stop=(), ignore_eos=True,
+                                    request_id="to-cancel"))
     first = next(stream)
     assert first.HasField("delta")
     assert stub.Cancel(pb.CancelRequest(request_id="to-cancel")).cancelled
-    final = next(m for m in stream if m.HasField("final")).final
-    assert final.completions[0].finish_reason == "cancelled"
+    received, final = list(first.delta.token_ids), None
+    for msg in stream:
+        if msg.HasField("delta"):
+            received.extend(msg.delta.token_ids)
+        else:
+            final = msg.final
+    assert final is not None and final.completions[0].finish_reason == "cancelled"
+    assert list(final.completions[0].token_ids) == received and len(received) < max_tokens
 
 
 @pytest.mark.parametrize(("request_", "code", "field"), [
