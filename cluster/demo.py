@@ -39,6 +39,8 @@ class Answer:
     first_token_s: float
     method: str  # what the target used
     accept_len: float  # tokens per target step, bonus included
+    target_steps: int = 0  # the target's forwards after prefill
+    drafted: int = 0  # draft tokens the target verified
 
 
 @dataclass
@@ -47,10 +49,14 @@ class Totals:
     seconds: float = 0.0
     first_token_s: list[float] = field(default_factory=list)
     steps_weighted: float = 0.0  # sum of tokens / accept_len = target steps
-    methods: dict[str, int] = field(default_factory=dict)
+    methods: dict[str, int] = field(default_factory=dict)  # what the target used (the router's plan) -> requests
+    target_steps: int = 0
+    drafted: int = 0
 
     def add(self, a: Answer) -> None:
         self.tokens += len(a.tokens)
+        self.target_steps += a.target_steps
+        self.drafted += a.drafted
         self.seconds += a.seconds
         self.first_token_s.append(a.first_token_s)
         self.steps_weighted += len(a.tokens) / a.accept_len if a.accept_len else len(a.tokens)
@@ -120,7 +126,7 @@ def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: 
         raise RuntimeError("the router's stream ended without a final message")
     c = final.completions[0]
     return Answer(list(c.token_ids), c.text, seconds, first or seconds, c.speculation.method or "none",
-                  c.speculation.mean_accept_len)
+                  c.speculation.mean_accept_len, c.speculation.target_steps, c.speculation.drafted_tokens)
 
 
 def generated_tokens(cluster: Cluster) -> dict[str, float]:
