@@ -33,6 +33,7 @@ class GenerationResult:
     target_steps: int = 0  # verify/decode forwards after prefill
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per target step
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -264,6 +265,7 @@ class Decoder:
                 res.target_steps += 1
                 res.drafted_tokens += len(proposed)
                 res.accepted_tokens += accepted
+                res.rounds.append((len(proposed), accepted))
                 self.acceptance.update(accepted, offered[r], len(proposed))
                 # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
                 self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]) + 1 + accepted)
