@@ -103,8 +103,10 @@ class ModelDrafter:
     def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
         seq = self._seqs[seq_id]
         # Drafts d_1..d_j that the target accepted are already cached; keep them, drop the rest.
+        # The last token is always fed again, as the next forward's input, even when it equals a fed
+        # draft (a residual that fell back to p may re-emit the rejected token).
         keep = 0
-        while keep < seq.fed_drafts and keep < len(tokens) and tokens[keep] == seq.drafts[keep]:
+        while keep < seq.fed_drafts and keep < len(tokens) - 1 and tokens[keep] == seq.drafts[keep]:
             keep += 1
         self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed_drafts + keep)
         seq.pending.extend(tokens[keep:])
