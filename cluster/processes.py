@@ -75,10 +75,12 @@ def start_server(
     cpus: list[int] | None = None,
     env: dict[str, str] | None = None,
     echo: bool = False,
+    module: str = "specpool.cli",
 ) -> ServerProcess:
-    """Run `specpool <args>` and block until its ready line; raises with its log if it dies first.
-    The server drains and exits by itself if this process dies (specpool/serving.py)."""
-    cmd = [sys.executable, "-m", "specpool.cli", *args]
+    """Run `specpool <args>` (`python -m <module> <args>`) and block until its ready line; raises with
+    its log if it dies first. The server drains and exits by itself if this process dies
+    (specpool/serving.py)."""
+    cmd = [sys.executable, "-m", module, *args]
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     proc = subprocess.Popen(
