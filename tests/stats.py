@@ -1,34 +1,170 @@
-"""Total-variation checks against the sampling noise floor, shared by every lossless test."""
+"""Total variation against an exact distribution: the statistic every lossless test uses, its null
+threshold, and the smallest bias a test catches.
+
+A test draws n rows from the path under test, counts the outcomes and compares them with the exact
+distribution p enumerated from the target model: TV = 1/2 sum_i |count_i / n - p_i|.
+
+The threshold is the null distribution's mean + Z sd, both simulated (seeded) for this p and this n:
+counts of n rows drawn exactly from Multinomial(n, p), NULL_DRAWS times. The null TV is a sum of
+folded normals, close to Gaussian for many cells and right-skewed for few. Simulated at 2 x 10^5 draws
+(n = 100k, random p), the share of null draws above mean + z sd was:
+
+    cells   z = 3     z = 4     z = 5     (Gaussian: 1.3e-3, 3.2e-5, 2.9e-7)
+    8       5.1e-3    5.0e-4    2.5e-5
+    64      2.7e-3    1.5e-4    5.0e-6
+    512     1.7e-3    3.5e-5    0
+
+falling by 20x or more per sd, so Z = 6 keeps a correct path's false failure near 1e-6 per statistic.
+(The distribution-free bound used before, a Jensen bound on the mean plus McDiarmid's
+sqrt(ln(1/delta) / 2n), sat about twice as far above the null mean at n = 100k: 0.010-0.011
+against 0.0054 here, so a bias had to be twice as large to be seen.)
+
+Power: a bug moves the sampled distribution from p to some p'. `detection_limit` finds the smallest
+TV(p', p) along a given direction (a biased twin's measured distribution) that the threshold catches
+with 95% probability, by simulating n rows from p' = p + b (toward - p) / TV(toward, p).
+"""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-DELTA = 1e-6  # allowed false-failure probability of one correct statistic
+Z = 6.0
+NULL_DRAWS = 2000
+POWER_DRAWS = 400
 
 
 def tv(counts: Tensor, exact: Tensor) -> float:
     return 0.5 * (counts.double() / counts.sum() - exact.double()).abs().sum().item()
 
 
-def tv_threshold(exact: Tensor, n: int, gen: torch.Generator, draws: int = 5) -> tuple[float, float]:
-    """-> (threshold, empirical noise floor) for the TV of n samples against `exact`.
+def sample_counts(p: Tensor, n: int, draws: int, gen: torch.Generator) -> Tensor:
+    """[draws, cells] outcome counts of n rows drawn from p, each draw exact (a binomial per cell)."""
+    p = p.double().clamp(min=0)
+    p = p / p.sum()
+    out = torch.empty(draws, p.numel(), dtype=torch.float64)
+    left, mass = torch.full((draws,), float(n), dtype=torch.float64), 1.0
+    for i in range(p.numel() - 1):
+        share = min(1.0, float(p[i]) / mass) if mass > 0 else 0.0
+        out[:, i] = torch.binomial(left, torch.full_like(left, share), generator=gen)
+        left -= out[:, i]
+        mass -= float(p[i])
+    out[:, -1] = left
+    return out
 
-    Theory: E[TV] = 1/2 sum_i E|p̂_i - p_i| <= 1/2 sum_i sqrt(p_i (1 - p_i) / n) (Jensen; the usual
-    approximation sum_i sqrt(p_i (1 - p_i) / (2 pi n)) is 1.25x smaller). The n rows are independent and
-    moving one row's outcome changes TV by at most 1/n, so McDiarmid gives
-    P(TV > E[TV] + t) <= exp(-2 n t^2); t = sqrt(ln(1/DELTA) / (2n)) makes a correct verifier fail with
-    probability <= DELTA whatever the seed (n = 100k: ~0.0083 on top of a ~0.01-0.02 mean).
-    The empirical floor (max TV of `draws` direct samples) is 2x'd and can only raise the threshold:
-    a guard against a slip in the theory, never a way to make the check stricter.
-    """
-    p = exact.double()
-    bound = 0.5 * (p * (1 - p) / n).sqrt().sum().item() + math.sqrt(math.log(1 / DELTA) / (2 * n))
-    floor = max(
-        tv(torch.bincount(torch.multinomial(p, n, replacement=True, generator=gen), minlength=p.numel()), p)
-        for _ in range(draws)
-    )
-    return max(bound, 2 * floor), floor
+
+def _tvs(counts: Tensor, exact: Tensor, n: int) -> Tensor:
+    return 0.5 * (counts / n - exact.double()).abs().sum(-1)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    value: float
+    null_mean: float
+    null_sd: float
+
+    def __float__(self) -> float:
+        return self.value
+
+
+def tv_threshold(exact: Tensor, n: int, seed: int = 0) -> Threshold:
+    """The TV that n rows of a correct path exceed with probability ~1e-6 (see the module doc)."""
+    null = _tvs(sample_counts(exact, n, NULL_DRAWS, torch.Generator().manual_seed(seed)), exact, n)
+    mean, sd = null.mean().item(), null.std().item()
+    return Threshold(mean + Z * sd, mean, sd)
+
+
+def detection_limit(exact: Tensor, n: int, threshold: float, toward: Tensor, power: float = 0.95,
+                    seed: int = 0) -> float:
+    """The smallest bias b = TV(p', exact), p' on the segment from exact to `toward`, that n rows
+    push above `threshold` with probability >= power; inf if even `toward` itself is not caught."""
+    exact, toward = exact.double(), toward.double() / toward.sum()
+    full = 0.5 * (toward - exact).abs().sum().item()
+    gen = torch.Generator().manual_seed(seed)
+
+    def caught(b: float) -> bool:
+        p = exact + (b / full) * (toward - exact)
+        return (_tvs(sample_counts(p, n, POWER_DRAWS, gen), exact, n) > threshold).double().mean() >= power
+
+    if full == 0 or not caught(full):
+        return float("inf")
+    lo, hi = 0.0, full
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if caught(mid) else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True, repr=False)
+class TvCheck:
+    """One lossless statistic: n rows' counts against the exact distribution."""
+
+    name: str
+    counts: Tensor
+    exact: Tensor
+    threshold: Threshold
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def distance(self) -> float:
+        return tv(self.counts, self.exact)
+
+    @property
+    def passed(self) -> bool:
+        return self.distance < self.threshold.value
+
+    def __repr__(self) -> str:
+        return (f"{self.name}: TV {self.distance:.4f} vs threshold {self.threshold.value:.4f} "
+                f"(null mean {self.threshold.null_mean:.4f}, sd {self.threshold.null_sd:.4f}, n {self.n})")
+
+
+def check_tv(name: str, outcomes: Tensor, exact: Tensor, seed: int = 0) -> TvCheck:
+    """outcomes: [n] cell indices into `exact`."""
+    counts = torch.bincount(outcomes.flatten().long(), minlength=exact.numel())
+    return TvCheck(name, counts, exact, tv_threshold(exact, int(counts.sum()), seed))
+
+
+def report(check: TvCheck, twin: bool = False, at_n: int | None = None, **shares: float) -> None:
+    """One line per test for the correctness table (tests/README.md); `pytest -s` shows it. A twin's
+    line adds its TV over the threshold and the smallest bias along its direction that a test of
+    `at_n` rows (default: the twin's own) catches with 95% power."""
+    parts = [str(check)] + [f"{k} {v:.3f}" for k, v in shares.items()]
+    if twin:
+        n = at_n or check.n
+        threshold = check.threshold.value if n == check.n else tv_threshold(check.exact, n).value
+        limit = detection_limit(check.exact, n, threshold, check.counts.double() / check.n)
+        parts.append(f"{check.distance / check.threshold.value:.2f}x threshold; 95%-power limit along this "
+                     f"bias at n {n}: {limit:.4f}")
+    print(("TWIN | " if twin else "LOSSLESS | ") + " | ".join(parts))
+
+
+def exact_joint(model, prompt: list[int], params, first: int, last: int) -> Tensor:
+    """p(t_first .. t_last | prompt) over generated tokens t_0, t_1, .. (0 is the prefill's), the
+    earlier ones marginalised, enumerated from the model: [V ** (last - first + 1)], row-major."""
+    from engine.sampling import logits_to_probs
+
+    v, length = model.config.vocab_size, last + 1
+    cache = model.new_cache(v ** (length - 1) + 1, len(prompt) + length)
+    p0 = logits_to_probs(model.forward(cache, [cache.allocate()], [prompt]), params)[0].double()  # [V]
+    if length == 1:
+        return p0
+    prefixes = torch.cartesian_prod(*[torch.arange(v)] * (length - 1)).reshape(-1, length - 1)  # t_0..t_{L-2}
+    slots = [cache.allocate() for _ in range(len(prefixes))]
+    logits = model.forward(cache, slots, [prompt + r.tolist() for r in prefixes], all_logits=True)
+    p = logits_to_probs(logits[:, -(length - 1):], params).double()  # [R, L-1, V]: p(t_i | .. t_{i-1})
+    rows, joint = torch.arange(len(prefixes)), p0[prefixes[:, 0]]
+    for i in range(1, length - 1):
+        joint = joint * p[rows, i - 1, prefixes[:, i]]
+    joint = (joint[:, None] * p[:, -1]).reshape([v] * length)  # every t_0..t_{L-1}
+    return joint.sum(dim=tuple(range(first))).reshape(-1) if first else joint.reshape(-1)
+
+
+def cells(tokens: list[list[int]], first: int, last: int, vocab: int) -> Tensor:
+    """Each row's t_first..t_last as one cell index into exact_joint's output."""
+    window = torch.tensor([row[first:last + 1] for row in tokens])
+    return (window * vocab ** torch.arange(last - first, -1, -1)).sum(-1)

@@ -26,7 +26,8 @@ from engine.verification import (
     verify_point_mass,
     verify_sparse,
 )
-from tests.stats import tv, tv_threshold
+from tests.stats import TvCheck, check_tv, report, tv, tv_threshold
+from tests.twins import temper
 
 V = 8  # vocabulary
 K = 3  # draft slots
@@ -48,40 +49,24 @@ Q = _chain(5678, 1.2)  # draft q(x_t | x_{t-1}), a different chain
 
 
 @dataclass(frozen=True)
-class Stat:
-    tv: float
-    threshold: float
-    floor: float
-
-    @property
-    def ok(self) -> bool:
-        return self.tv < self.threshold
-
-
-@dataclass(frozen=True)
 class Check:
-    first: Stat  # first emitted token vs p(.|x0)
-    pair: Stat  # first two emitted tokens vs p(a|x0) p(b|a)
+    first: TvCheck  # first emitted token vs p(.|x0)
+    pair: TvCheck  # first two emitted tokens vs p(a|x0) p(b|a)
 
     @property
     def passed(self) -> bool:
-        return self.first.ok and self.pair.ok
+        return self.first.passed and self.pair.passed
 
 
 # A scenario drafts N rows, calls the verifier under test, and returns the first two emitted tokens.
 Scenario = Callable[[Callable, torch.Generator], tuple[Tensor, Tensor]]
 
 
-def check_lossless(verifier_fn: Callable, scenario: Scenario, seed: int = 0) -> Check:
-    gen = make_generator(seed)
-    first, second = scenario(verifier_fn, gen)  # [N], [N]
-    exact_first = P[X0]  # [V]
-    exact_pair = (P[X0][:, None] * P).reshape(-1)  # [V*V], index a*V + b
-    thr_first, floor_first = tv_threshold(exact_first, first.numel(), gen)
-    thr_pair, floor_pair = tv_threshold(exact_pair, first.numel(), gen)
+def check_lossless(verifier_fn: Callable, scenario: Scenario, seed: int = 0, name: str = "") -> Check:
+    first, second = scenario(verifier_fn, make_generator(seed))  # [N], [N]
     return Check(
-        first=Stat(tv(torch.bincount(first, minlength=V), exact_first), thr_first, floor_first),
-        pair=Stat(tv(torch.bincount(first * V + second, minlength=V * V), exact_pair), thr_pair, floor_pair),
+        first=check_tv(f"{name}, first token", first, P[X0]),
+        pair=check_tv(f"{name}, first two tokens", first * V + second, (P[X0][:, None] * P).reshape(-1)),
     )
 
 
@@ -273,14 +258,31 @@ BIASED = [
 
 @pytest.mark.parametrize(("name", "verifier", "scenario"), REAL, ids=[r[0] for r in REAL])
 def test_lossless(name, verifier, scenario):
-    check = check_lossless(verifier, scenario, seed=11)
+    check = check_lossless(verifier, scenario, seed=11, name=name)
+    report(check.pair)
     assert check.passed, f"{name}: {check}"
 
 
 @pytest.mark.parametrize(("name", "verifier", "scenario"), BIASED, ids=[b[0] for b in BIASED])
 def test_harness_catches_bias(name, verifier, scenario):
-    check = check_lossless(verifier, scenario, seed=11)
+    check = check_lossless(verifier, scenario, seed=11, name=name)
+    report(check.pair, twin=True)
     assert not check.passed, f"{name} slipped through: {check}"
+
+
+def misreported_dense(strength: float) -> Callable:
+    """The real dense rule fed q^(1 - strength), renormalised: the drafter misreports its q."""
+
+    def verifier(draft_tokens, draft_probs, target_probs, num_drafts, generator=None):
+        return verify_dense(draft_tokens, temper(draft_probs, strength), target_probs, num_drafts, generator)
+
+    return verifier
+
+
+def test_the_harness_catches_a_twin_near_its_limit():
+    check = check_lossless(misreported_dense(0.12), dense_scenario, seed=11, name="dense, misreported-q 0.12")
+    report(check.pair, twin=True)
+    assert not check.passed, f"misreported q slipped through: {check}"
 
 
 def test_chains_are_far_apart():
@@ -373,7 +375,7 @@ def test_zero_drafts_sample_target_row0():
     target[:, 0] = row0
     tokens = torch.zeros(N, K, dtype=torch.long)
     num = torch.zeros(N, dtype=torch.long)
-    threshold, _ = tv_threshold(row0, N, g)
+    threshold = tv_threshold(row0, N).value
     for res in (
         verify_dense(tokens, torch.full((N, K, V), float("nan")), target, num, g),
         verify_sparse(
