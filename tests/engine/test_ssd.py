@@ -6,6 +6,8 @@ target verifies them), which exercises exactly the endpoint's cache, forks and b
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -14,14 +16,17 @@ from engine.decoding import generate
 from engine.model import Llama, random_weights
 from engine.sampling import SamplingParams, logits_to_probs, make_generator
 from engine.ssd import SsdDrafter, geometric_fanout
-from tests.stats import tv, tv_threshold
+from tests.stats import cells, check_tv, exact_joint, report
+from tests.twins import biased
 
 
 class Inline:
-    """The Drafter protocol over an SsdDrafter, pre-speculating after every propose."""
+    """The Drafter protocol over an SsdDrafter, pre-speculating after every propose. `sources`
+    records where each sequence's drafts came from, round by round (cache, neural or fast)."""
 
     def __init__(self, ssd: SsdDrafter):
         self.ssd = ssd
+        self.sources: dict[str, list[str]] = defaultdict(list)
 
     def add_sequence(self, seq_id, context):
         self.ssd.add_sequence(seq_id, context)
@@ -34,6 +39,9 @@ class Inline:
 
     def propose(self, seq_ids, num_tokens, params, generator):
         drafts = self.ssd.propose(seq_ids, num_tokens, params, generator)
+        for sid, tokens in zip(seq_ids, drafts.tokens):
+            if tokens:  # as the decoder's round log counts a round with drafts
+                self.sources[sid].append(self.ssd._seqs[sid].source)
         self.ssd.prespeculate([s for s, n in zip(seq_ids, num_tokens) if n > 0])
         return drafts
 
@@ -128,54 +136,53 @@ def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tin
 V = 8
 N = 100_000
 CHUNK = 10_000
+K, NEW = 2, 5  # tokens 3-4 (0-based 2, 3) mostly come from the second round, drafted from the cache
 PROMPT = [3, 1, 4, 1, 5]
-TARGET = Llama.random_init(tiny_config(vocab_size=V, d_model=16), seed=11)
+CONFIG = tiny_config(vocab_size=V, d_model=16)
 DRAFT_CONFIG = tiny_config(vocab_size=V, d_model=16, n_layers=1)
-# A flat draft (final norm scaled down): a random tiny model is nearly one-hot otherwise, and
-# Saguaro's rescaling of its top tokens would change too little to show in a test.
+# Both flattened (final norm scaled down): a random tiny model is nearly one-hot otherwise, which would
+# hide a bias, and Saguaro's rescaling of the draft's top tokens would change too little to show.
+TARGET = Llama(CONFIG, random_weights(CONFIG, 11) | {"norm": 0.3 * torch.ones(16)}, torch.float32, "cpu")
 DRAFT = Llama(DRAFT_CONFIG, random_weights(DRAFT_CONFIG, 12) | {"norm": 0.15 * torch.ones(16)}, torch.float32, "cpu")
 
 
-def exact_late_pair(params: SamplingParams) -> torch.Tensor:
-    """p(t3, t4 | prompt), marginalising t1, t2: [V*V], index t3*V + t4 (drafted from the cache)."""
-    rows = torch.cartesian_prod(*[torch.arange(V)] * 4)  # [V^4, 4]: t1..t4
-    cache = TARGET.new_cache(len(rows) + 1, 16)
-    first = cache.allocate()
-    p1 = logits_to_probs(TARGET.forward(cache, [first], [PROMPT]), params)[0]
-    slots = [cache.allocate() for _ in range(len(rows))]
-    logits = TARGET.forward(cache, slots, [PROMPT + r.tolist() for r in rows], all_logits=True)
-    p = logits_to_probs(logits[:, -4:-1], params)  # [V^4, 3, V]: p(t2|t1), p(t3|t1,t2), p(t4|..t3)
-    idx = torch.arange(len(rows))
-    prob = p1[rows[:, 0]] * p[idx, 0, rows[:, 1]] * p[idx, 1, rows[:, 2]] * p[idx, 2, rows[:, 3]]
-    return torch.zeros(V * V).index_add_(0, rows[:, 2] * V + rows[:, 3], prob)
+def scored_sources(result, sources: list[str], first: int = 2, last: int = 3) -> set[str]:
+    """Where the drafts of the rounds that emitted tokens first..last came from ("plain": no drafts)."""
+    pos, drafted_rounds, out = 1, iter(sources), set()
+    for drafted, accepted in result.rounds:
+        source = next(drafted_rounds) if drafted else "plain"
+        if pos <= last and pos + accepted >= first:
+            out.add(source)
+        pos += accepted + 1
+    return out
 
 
-def run_late_pairs(params: SamplingParams, ssd_kwargs: dict, drafter_cls=SsdDrafter) -> torch.Tensor:
+def ssd_check(name: str, params: SamplingParams, ssd_kwargs: dict, drafter_cls=SsdDrafter):
+    """-> (TV check of tokens 3-4, shares of rows whose scored tokens came through a cache hit / a miss)."""
     gen = make_generator(1)
-    pairs = []
+    pairs, through = [], []
     for _ in range(N // CHUNK):
         ssd = drafter_cls(DRAFT, CHUNK, 16, fork_slots=4 * CHUNK, fork_budget=4, **ssd_kwargs)
         ssd.generator.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-        results = generate(TARGET, [PROMPT] * CHUNK, params, 5, Inline(ssd), 2, stop_ids=[], generator=gen)
-        pairs += [r.token_ids[2] * V + r.token_ids[3] for r in results]
-        assert ssd.stats.hits > 0
-    return torch.tensor(pairs)
-
-
-def check(params: SamplingParams, ssd_kwargs: dict, drafter_cls=SsdDrafter) -> tuple[float, float]:
-    exact = exact_late_pair(params)
-    counts = torch.bincount(run_late_pairs(params, ssd_kwargs, drafter_cls), minlength=V * V)
-    threshold, _ = tv_threshold(exact, N, torch.Generator().manual_seed(0))
-    return tv(counts, exact), threshold
+        inline = Inline(ssd)
+        results = generate(TARGET, [PROMPT] * CHUNK, params, NEW, inline, K, stop_ids=[], generator=gen)
+        pairs += [r.token_ids[2:4] for r in results]
+        through += [scored_sources(r, inline.sources[str(i)]) for i, r in enumerate(results)]
+    shares = {"cache hit": sum("cache" in s for s in through) / N,
+              "miss": sum(bool(s & {"neural", "fast"}) for s in through) / N}
+    exact = exact_joint(TARGET, PROMPT, params, 2, 3)
+    assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
+    return check_tv(name, cells(pairs, 0, 1, V), exact), shares
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("saguaro_c", [1.0, 0.3])
+@pytest.mark.parametrize(("temperature", "saguaro_c"), [(0.7, 1.0), (1.0, 0.3)])
 def test_sampling_through_ssd_is_lossless(temperature, saguaro_c):
-    distance, threshold = check(SamplingParams(temperature=temperature), {"saguaro_c": saguaro_c})
-    print(f"T={temperature} C={saguaro_c}: TV {distance:.4f} (threshold {threshold:.4f})")
-    assert distance < threshold
+    result, shares = ssd_check(f"SSD T={temperature} C={saguaro_c}", SamplingParams(temperature=temperature),
+                               {"saguaro_c": saguaro_c})
+    report(result, **shares)
+    assert shares["cache hit"] > 0.3 and shares["miss"] > 0.05, shares
+    assert result.passed, result
 
 
 class UnrescaledQ(SsdDrafter):
@@ -189,5 +196,17 @@ class UnrescaledQ(SsdDrafter):
 
 @pytest.mark.slow
 def test_the_harness_catches_a_misreported_saguaro_q():
-    distance, threshold = check(SamplingParams(temperature=1.0), {"saguaro_c": 0.1}, UnrescaledQ)
-    assert distance > threshold
+    twin, shares = ssd_check("SSD T=1.0 C=0.1, Saguaro q unrescaled", SamplingParams(temperature=1.0),
+                             {"saguaro_c": 0.1}, UnrescaledQ)
+    report(twin, twin=True, **shares)
+    assert not twin.passed, f"biased twin slipped through: {twin}"
+
+
+@pytest.mark.slow
+def test_the_harness_catches_a_twin_near_its_limit_on_the_cache_path():
+    """C = 1.0, T = 0.7; only drafts served from the cache misreport q."""
+    with biased("misreported-cache-q", 0.15):
+        twin, shares = ssd_check("SSD T=0.7 C=1.0, misreported-cache-q 0.15", SamplingParams(temperature=0.7),
+                                 {"saguaro_c": 1.0})
+    report(twin, twin=True, **shares)
+    assert not twin.passed, f"biased twin slipped through: {twin}"
