@@ -1,5 +1,6 @@
 """SSD through the servers: push and pull modes hit the speculation cache, stay equal to AR when
-greedy, and stay lossless when sampling with Saguaro rescaling (sparse q on the wire)."""
+greedy, and stay lossless when sampling with Saguaro rescaling (sparse q on the wire), scored on
+the tokens a cache hit drafts."""
 
 from __future__ import annotations
 
@@ -18,22 +19,24 @@ from tests.cluster.test_disaggregation import (
     PER_REQUEST,
     PROMPT,
     SAMPLES,
+    STRONG_TWIN_SAMPLES,
     V,
-    exact_pair_distribution,
     start_endpoint,
     start_target,
     stub_for,
 )
-from tests.stats import tv, tv_threshold
+from tests.stats import cells, check_tv, exact_joint, report
 from training.distill import DraftLM, export
 
 SSD = pb.SpeculationPreference(method=pb.SPECULATION_METHOD_SSD)
 
 
-def twin_files(root: Path, vocab: int, seed: int, layers: list[int]) -> tuple[Path, Path]:
-    """A tiny target and a draft made of its `layers` (all of them: a draft equal to the target)."""
+def twin_files(root: Path, vocab: int, seed: int, layers: list[int], norm_scale: float = 1.0) -> tuple[Path, Path]:
+    """A tiny target and a draft made of its `layers` (all of them: a draft equal to the target);
+    `norm_scale` < 1 flattens both, as in test_disaggregation.tiny_files."""
     cfg = tiny_config(vocab_size=vocab, d_model=16)
     weights = random_weights(cfg, seed=seed)
+    weights["norm"] = weights["norm"] * norm_scale
     gguf = save_gguf(root / "tiny.gguf", cfg, weights)
     export(DraftLM.from_target(cfg, weights, layers, output_ids=torch.arange(vocab)), root / "draft", gguf.name)
     return gguf, root / "draft"
@@ -66,35 +69,69 @@ def test_ssd_greedy_equals_ar_and_hits_the_cache(tmp_path, mode):
         endpoint.stop()
 
 
-@pytest.mark.slow
-def test_ssd_sampling_through_the_servers_is_lossless(tmp_path):
-    gguf, draft = twin_files(tmp_path, vocab=V, seed=11, layers=[0])
-    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+FORKS, SAGUARO_C = 4, 0.5
+NEW = 6  # with 2 drafts a round the second round always has room to draft: a cache lookup
+SCORED = (3, 4)  # generated tokens 4-5 (0-based 3, 4): every row's come (mostly) from its second round
+
+
+def ssd_server_check(name: str, files: tuple[Path, Path], mode: str, samples: int = SAMPLES,
+                     twin: tuple[str, float] | None = None):
+    """-> (TV check of generated tokens 4-5 through SSD in `mode`, shares of rows with a cache hit /
+    a miss). The first round emits tokens 1-3 at most, so the second round (a lookup: a hit or a
+    miss) emits token 5 or both; a row whose lookup hit scores through the cache."""
+    gguf, draft = files
     endpoint = start_endpoint(gguf, draft, "--max-sessions", str(3 * PER_REQUEST), "--max-len", "16",
-                              "--ssd-sessions", str(2 * PER_REQUEST), "--ssd-fork-slots", str(6 * PER_REQUEST),
-                              "--ssd-fork-budget", "3", "--saguaro-c", "0.5")
-    target = start_target(gguf, endpoint, "ssd-sampler", "--draft-tokens", "2", "--max-batch", str(PER_REQUEST),
-                          "--max-context", "48", "--spec-deadline-ms", "10000")
-    params = SamplingParams(temperature=1.0)
+                              "--ssd-sessions", str(2 * PER_REQUEST), "--ssd-fork-slots", str(FORKS * PER_REQUEST),
+                              "--ssd-fork-budget", str(FORKS), "--saguaro-c", str(SAGUARO_C), twin=twin)
+    params = SamplingParams(temperature=0.7)
+    rows = []
     try:
-        stub = stub_for(target)
-        pairs, hits = [], 0
-        for seed in range(SAMPLES // PER_REQUEST):
-            result = stub.GenerateUnary(pb.GenerateRequest(
-                prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=5, n=PER_REQUEST, ignore_eos=True,
-                sampling=pb.SamplingParams(temperature=params.temperature, seed=seed), speculation=SSD,
-            ))
-            pairs += [c.token_ids[1] * V + c.token_ids[2] for c in result.completions]
-            hits += sum(c.speculation.cache_hits for c in result.completions)
-        assert hits > 0
-        exact = exact_pair_distribution(model, params)
-        distance = tv(torch.bincount(torch.tensor(pairs), minlength=V * V), exact)
-        threshold, _ = tv_threshold(exact, len(pairs), torch.Generator().manual_seed(0))
-        print(f"SSD push, Saguaro C=0.5: TV {distance:.4f}, threshold {threshold:.4f}, hits {hits}")
-        assert distance < threshold
-    except Exception:
-        print(target.logs()[-3000:])
-        raise
+        target = start_target(gguf, endpoint, "ssd-sampler", "--draft-tokens", "2", "--max-batch", str(PER_REQUEST),
+                              "--max-context", "48", "--spec-deadline-ms", "10000", "--ssd-mode", mode)
+        try:
+            stub = stub_for(target)
+            for seed in range(samples // PER_REQUEST):
+                result = stub.GenerateUnary(pb.GenerateRequest(
+                    prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=NEW, n=PER_REQUEST, ignore_eos=True,
+                    sampling=pb.SamplingParams(temperature=params.temperature, seed=seed), speculation=SSD,
+                ))
+                rows += [c for c in result.completions]
+        except Exception:
+            print(target.logs()[-3000:])
+            raise
+        finally:
+            target.stop()
     finally:
-        target.stop()
         endpoint.stop()
+    spec = [c.speculation for c in rows]
+    shares = {"cache hit": sum(s.cache_hits > 0 for s in spec) / len(rows),
+              "miss": sum(s.cache_lookups > s.cache_hits for s in spec) / len(rows),
+              "fallback": sum(s.fallback_rounds > 0 for s in spec) / len(rows)}
+    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    exact = exact_joint(model, PROMPT, params, *SCORED)
+    assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
+    return check_tv(name, cells([list(c.token_ids) for c in rows], *SCORED, V), exact), shares
+
+
+@pytest.fixture(scope="module")
+def ssd_files(tmp_path_factory):
+    return twin_files(tmp_path_factory.mktemp("ssd-tv"), vocab=V, seed=11, layers=[0], norm_scale=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
+    result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode)
+    report(result, **shares)
+    assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
+    assert result.passed, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_the_harness_catches_a_biased_ssd_endpoint(ssd_files, mode):
+    twin, shares = ssd_server_check(f"SSD {mode}, misreported-cache-q 0.5", ssd_files, mode, STRONG_TWIN_SAMPLES,
+                                    twin=("misreported-cache-q", 0.5))
+    report(twin, twin=True, at_n=SAMPLES, **shares)
+    assert shares["cache hit"] > 0.2, shares
+    assert not twin.passed, f"biased twin slipped through: {twin}"
