@@ -57,3 +57,18 @@ def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):
     assert rows["routed-ar"]["speedup_vs_ar"] == pytest.approx(tps["routed-ar"] / tps["ar"], rel=0.01)
     assert rows["routed"]["outputs_match_ar"] is True and rows["routed"]["mean_accept_len"] >= 1.0
     assert rows["routed"]["fallback_rounds"] == 0
+
+
+def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():
+    """A claim in bench/results/ is a ratio to AR measured in the same run, and for greedy runs
+    outputs equal to AR's: each batch size of each file needs its AR row, and every greedy mode
+    must have matched it."""
+    files = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("humaneval_*.json"))
+    assert files
+    for path in files:
+        rows = json.loads(path.read_text())["results"]
+        for batch in {r["batch_size"] for r in rows}:
+            modes = [r for r in rows if r["batch_size"] == batch]
+            assert any(r["mode"] in ("ar", "routed-ar") for r in modes), f"{path.name}: batch {batch} has no AR row"
+            greedy = [r for r in modes if r["temperature"] == 0]
+            assert all(r["outputs_match_ar"] for r in greedy), f"{path.name}: batch {batch} differs from AR"
