@@ -288,6 +288,7 @@ def test_the_harness_catches_a_twin_near_its_limit():
 def test_chains_are_far_apart():
     # The biased checks only mean something if q really differs from p where the drafts start.
     assert 0.5 * (P[X0] - Q[X0]).abs().sum() > 0.2
+    assert P[X0].max() < 0.5, "a near-one-hot target would hide a bias"
 
 
 # --- exact / unit tests ------------------------------------------------------------------------
