@@ -37,7 +37,7 @@ POWER_DRAWS = 400
 
 
 def tv(counts: Tensor, exact: Tensor) -> float:
-    return 0.5 * (counts.double() / counts.sum() - exact.double()).abs().sum().item()
+    return _tvs(counts.double(), exact, int(counts.sum())).item()
 
 
 def sample_counts(p: Tensor, n: int, draws: int, gen: torch.Generator) -> Tensor:
@@ -64,9 +64,6 @@ class Threshold:
     value: float
     null_mean: float
     null_sd: float
-
-    def __float__(self) -> float:
-        return self.value
 
 
 def tv_threshold(exact: Tensor, n: int, seed: int = 0) -> Threshold:
