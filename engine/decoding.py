@@ -24,12 +24,17 @@ from engine.verification import (
     verify_sparse,
 )
 
+# What sampling or verifying one group can raise (torch's errors are RuntimeErrors; a bad draft token
+# an IndexError): it ends that group's sequences, not the batch.
+SAMPLING_ERRORS = (RuntimeError, ValueError, IndexError)
+
 
 @dataclass
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "stop" (a stop token) or "length"
+    finish_reason: str = ""  # "stop" (a stop token), "length", "cancelled" or "error" (then see `error`)
+    error: str = ""
     target_steps: int = 0  # verify/decode forwards after prefill
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -190,6 +195,15 @@ class Decoder:
             res.finish_reason = "length"
         return taken
 
+    @staticmethod
+    def _fail(seqs: list[_Sequence], error: Exception) -> list[tuple[str, list[int]]]:
+        """Ends the sequences of one sampling group whose sampling or verification raised (their
+        parameters or their drafts); the other groups' rows go on. Slots free with the finished ones'."""
+        for seq in seqs:
+            seq.result.finish_reason = "error"
+            seq.result.error = f"{type(error).__name__}: {error}"
+        return [(seq.seq_id, []) for seq in seqs]
+
     def _release(self, seq: _Sequence, started: bool) -> None:
         if started:
             self.cache.release(seq.slot)
@@ -204,7 +218,11 @@ class Decoder:
         logits = self.model.forward(self.cache, [s.slot for s in batch], [s.prompt for s in batch])  # [B, V]
         moved = []
         for rows, params in _groups(batch):
-            firsts = sample_from_logits(logits[rows], params, self._generator(params)).tolist()
+            try:
+                firsts = sample_from_logits(logits[rows], params, self._generator(params)).tolist()
+            except SAMPLING_ERRORS as e:
+                moved += self._fail([batch[r] for r in rows], e)
+                continue
             for r, t in zip(rows, firsts):
                 seq = batch[r]
                 moved.append((seq.seq_id, self._emit(seq, [t])))
@@ -244,8 +262,11 @@ class Decoder:
             if any(budget):
                 asks.append((g, DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params))))
         if asks:
+            vocab = self.model.config.vocab_size
             for (g, _), d in zip(asks, propose_all(self.drafter, [a for _, a in asks])):
-                drafts[g] = d
+                # A token the target cannot embed would fail the whole batch's forward: drop the group's drafts.
+                if all(0 <= t < vocab for row in d.tokens for t in row):
+                    drafts[g] = d
         row_drafts = [[] for _ in batch]
         for (rows, _), d in zip(groups, drafts):
             for b, r in enumerate(rows):
@@ -256,7 +277,11 @@ class Decoder:
 
         moved = []
         for (rows, params), d in zip(groups, drafts):
-            outcome = verify_round(d, logits[rows], params, self._generator(params))
+            try:
+                outcome = verify_round(d, logits[rows], params, self._generator(params))
+            except SAMPLING_ERRORS as e:
+                moved += self._fail([batch[r] for r in rows], e)
+                continue
             for b, (r, accepted, next_token) in enumerate(
                 zip(rows, outcome.accepted.tolist(), outcome.next_token.tolist())
             ):

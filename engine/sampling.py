@@ -36,7 +36,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shifted so the largest is 0 before dividing: any temperature > 0, however small (1e-45), then
+    # gives logits in [-inf, 0] with the mode at 0, never inf - inf = NaN. A tiny temperature is the
+    # exact limit: uniform over the tied maxima.
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

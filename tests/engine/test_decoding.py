@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.config import tiny_config
-from engine.decoding import generate
+from engine.decoding import Decoder, generate
 from engine.drafter import Drafts, ModelDrafter
 from engine.model import Llama
 from engine.sampling import SamplingParams, logits_to_probs, make_generator
@@ -100,6 +100,43 @@ def test_stops_at_stop_token_and_length(tiny_model):
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.finish_reason == "stop" and free.finish_reason == "length"
     assert len(free.token_ids) == 12
+
+
+class BrokenDrafter(ModelDrafter):
+    """A drafter gone wrong: token ids past the vocabulary, or (sampled) a q of NaN."""
+
+    def __init__(self, model, fault: str):
+        super().__init__(model, 4, 64)
+        self.fault = fault
+
+    def propose(self, seq_ids, num_tokens, params, generator):
+        drafts = super().propose(seq_ids, num_tokens, params, generator)
+        if self.fault == "out-of-vocab":
+            return Drafts(tokens=[[self.model.config.vocab_size] * len(row) for row in drafts.tokens])
+        probs = None if drafts.probs is None else torch.full_like(drafts.probs, float("nan"))
+        return Drafts(tokens=drafts.tokens, probs=probs)
+
+
+@pytest.mark.parametrize("fault", ["out-of-vocab", "nan-q"])
+def test_a_broken_drafter_ends_at_most_its_own_group(tiny_model, fault):
+    """Out-of-vocabulary drafts are dropped before the target's forward (which would fail the batch);
+    a NaN q makes the sampled group's verification raise, which ends that group's sequence with an
+    error. Either way the greedy group decoded in the same batch gets exactly AR's tokens."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [13, 14]]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=16, stop_ids=[])
+    decoder = Decoder(tiny_model, 4, 64, BrokenDrafter(tiny_model, fault), num_draft_tokens=2)
+    greedy = [decoder.add(f"g{i}", p, SamplingParams(), 16, stop_ids=[]) for i, p in enumerate(prompts)]
+    sampled = decoder.add("s", prompts[0], SamplingParams(temperature=1.0, seed=0), 16, stop_ids=[])
+    while decoder.has_work:
+        decoder.step()
+    assert [r.token_ids for r in greedy] == [r.token_ids for r in ar]
+    if fault == "out-of-vocab":
+        assert all(r.drafted_tokens == 0 for r in greedy + [sampled])
+        assert sampled.finish_reason == "length"
+    else:
+        assert all(r.drafted_tokens > 0 for r in greedy)
+        assert sampled.finish_reason == "error" and "RuntimeError" in sampled.error, sampled.error
+    assert decoder.cache.free_slots == 4  # every slot came back, the failed sequence's too
 
 
 PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
