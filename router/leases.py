@@ -1,9 +1,12 @@
 """Draft slots this router replica holds for its in-flight requests.
 
 The authoritative lease is in Redis (specpool.registry); this only remembers which to renew and
-release. Leases are renewed every renew_s while their request runs, so a request may outlive the
-TTL, and a lease that a restarted (empty) Redis lost is taken again on the next renewal. A release
-that fails (Redis down) is logged; the lease then expires by its TTL.
+release. The TTL is short and the keeper thread renews every lease it holds every renew_s (a third
+of the TTL), so a request may run as long as it likes, while a router that dies (SIGKILL, a lost
+node) stops renewing and its slots free within one TTL: with 600 s a surviving router answered
+no_slot on an empty endpoint for ten minutes. A lease that a restarted (empty) Redis lost is taken
+again on the next renewal. A release that fails (Redis down) is logged; the lease then expires by
+its TTL.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import redis
 from specpool.registry import Registry
 
 log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 10.0  # a dead router's slots free within this; renewed every third of it while held
 
 
 @dataclass(frozen=True, slots=True)

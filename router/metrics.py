@@ -30,6 +30,9 @@ class RouterMetrics:
                                        ["op"], registry=r)
         self.retries = Counter("specpool_router_retries", "Requests re-placed after a replica was unavailable",
                                ["model"], registry=r)
+        self.migrations = Counter("specpool_router_migrations",
+                                  "Streams continued on another replica after theirs failed mid-stream",
+                                  ["model"], registry=r)
 
     def decision_counts(self) -> list[tuple[str, str, str, int]]:
         """(model, plan, reason, count) for every labelled series."""

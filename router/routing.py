@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from router.leases import Lease, LeaseKeeper
+from router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from router.metrics import RouterMetrics
 from router.placement import PlacementRequest, place
 from router.planning import Decision, LeaseUnavailable, decide, draft_endpoint
@@ -59,9 +59,10 @@ class RouterConfig:
     host: str = "0.0.0.0"
     redis_url: str = "redis://127.0.0.1:6379/0"
     tenant_weights: dict[str, float] = field(default_factory=dict)
-    lease_ttl_s: float = 600.0
+    lease_ttl_s: float = LEASE_TTL_S
     busy_limit: float = 0.95  # endpoint draft_busy_ratio at which AUTO stops choosing the draft model
     grace_s: float = 10.0
+    check_interval_s: float = 1.0  # while Redis is unreachable: direct health checks of the known members
 
 
 class Router:
@@ -76,6 +77,9 @@ class Router:
         """tenant: who the draft slot is leased for; None (no x-specpool-tenant) leases it for the
         placed target's own tenant (its service id, as endpoints know it), else "default"."""
         start = time.perf_counter()
+        if request.speculation.method not in pb.SpeculationMethod.values():  # proto3 enums take any number
+            raise RoutingError("speculation.method", f"unknown method {request.speculation.method}; one of "
+                               + ", ".join(pb.SpeculationMethod.keys()), grpc.StatusCode.INVALID_ARGUMENT)
         snapshot = self.view.snapshot()
         model = self._model(request, snapshot)
         forwarded = pb.GenerateRequest()

@@ -2,8 +2,13 @@
 
 The servicer only translates and forwards: `Router` chooses the replica, the speculation plan and the
 draft slot; the request goes to the replica with its method set, responses stream back, and the slot
-is released when the call ends however it ends (completion, error, Cancel, client gone). A replica
-that is unreachable before it answered anything is retried once on the next best one.
+is released when the call ends however it ends (completion, error, Cancel, client gone).
+
+A replica that fails (UNAVAILABLE: down, unreachable, draining) is left for the next best one until
+none is left. Before anything was streamed the request is simply placed again. Mid-stream it migrates:
+the next replica continues from the prompt plus the tokens the client already has (resume_token_ids),
+and the client sees one unbroken stream. That is lossless: greedy, the same tokens; sampling, the
+continuation of a prefix the target model produced is drawn from the same distribution.
 """
 
 from __future__ import annotations
@@ -12,22 +17,28 @@ import argparse
 import logging
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.capacity import capacity_json, cluster_capacity
-from router.leases import LeaseKeeper
+from router.leases import LEASE_TTL_S, LeaseKeeper
 from router.metrics import RouterMetrics
 from router.routing import Route, Router, RouterConfig, RoutingError, tenant_of
-from router.view import ClusterView
+from router.view import ClusterView, DirectChecks
 from specpool.registry import Registry
 from specpool.serving import (
+    MESSAGE_SIZE_OPTIONS,
+    Admission,
     MetricsHttpServer,
     abort_invalid,
     add_health_and_reflection,
     build_server,
+    method_names,
     serve_until_signal,
     setup_logging,
 )
@@ -36,36 +47,55 @@ from specpool.v1 import target_pb2 as pb
 
 log = logging.getLogger("specpool.router")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MAX_ATTEMPTS = 2  # one retry on another replica when the first is unreachable
+# gRPC's default reconnect backoff grows to 120 s: a member back on its address after a long absence
+# would look down that long to requests and to direct health checks.
+CHANNEL_OPTIONS = [*MESSAGE_SIZE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000)]
 
 
 class TargetChannels:
-    """One channel per target address, shared by all requests."""
+    """One channel per member address, shared by all requests and health checks."""
 
     def __init__(self):
+        self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
-        self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
+    def channel(self, address: str) -> grpc.Channel:
         with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                channel = grpc.insecure_channel(address, options=[
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ])
-                self._channels.append(channel)
-                stub = self._stubs[address] = target_pb2_grpc.TargetServiceStub(channel)
-            return stub
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            return channel
+
+    def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = target_pb2_grpc.TargetServiceStub(self.channel(address))
+        return stub
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels:
+            for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+
+    def health_check(self, timeout_s: float) -> Callable[[list[str]], list[bool]]:
+        """check(addresses) for DirectChecks: grpc.health.v1 Check of every address at once; True where
+        it answered SERVING (a draining member answers NOT_SERVING) within timeout_s."""
+        def check(addresses: list[str]) -> list[bool]:
+            futures = [health_pb2_grpc.HealthStub(self.channel(a)).Check.future(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s) for a in addresses]
+            return [_serving(f) for f in futures]
+
+        return check
+
+
+def _serving(future) -> bool:
+    try:
+        return future.result().status == health_pb2.HealthCheckResponse.SERVING
+    except (grpc.RpcError, ValueError):  # ValueError: the channel was closed (shutting down)
+        return False
 
 
 class _Forwarding:
@@ -101,6 +131,65 @@ class _Forwarding:
         self.router.finish(self.route, outcome)
 
 
+class _Stream:
+    """What one call has streamed to its client, so that another replica can continue it."""
+
+    def __init__(self, request: pb.GenerateRequest):
+        if not request.request_id:  # one id for every replica the request visits, so Cancel finds it
+            request = _copy(request)
+            request.request_id = uuid.uuid4().hex
+        self.request = request
+        self.tokens: list[int] = []  # delivered token ids (of the one completion when movable)
+        self.text = ""
+        self.sent_any = False
+        self.final_sent = False
+        self.refused: grpc.RpcError | None = None  # the last replica's RESOURCE_EXHAUSTED, if it was full
+
+    def sent(self, msg: pb.GenerateResponse) -> None:
+        self.sent_any = True
+        if msg.HasField("delta"):
+            self.tokens.extend(msg.delta.token_ids)
+            self.text += msg.delta.text
+        else:
+            self.final_sent = True
+
+    def movable(self) -> bool:
+        # n > 1 streams interleave completions, which a replica cannot resume: once anything was sent
+        # such a stream fails with its replica, as it did before migration existed.
+        return not self.sent_any or self.request.n <= 1
+
+    def next_request(self) -> pb.GenerateRequest | None:
+        """The request to place: the original until tokens were delivered, then its continuation;
+        None when nothing is left to generate (see final)."""
+        if not self.tokens:
+            return self.request
+        remaining = self.request.max_tokens - len(self.tokens)
+        if remaining < 1 or self.tokens[-1] in self.request.stop_token_ids:
+            return None
+        resumed = _copy(self.request)
+        resumed.resume_token_ids.extend(self.tokens)
+        resumed.max_tokens = remaining
+        return resumed
+
+    def final(self, model: str) -> pb.GenerateResponse:
+        """The final message when the replica died between the last token and its final message, from
+        what was streamed: no speculation statistics, prompt_tokens only for prompt_ids. (A model's own
+        end-of-sequence token is not known here; a stream cut right after one is continued.)"""
+        stopped = self.tokens[-1] in self.request.stop_token_ids
+        token_ids = [*self.request.resume_token_ids, *self.tokens]
+        return pb.GenerateResponse(request_id=self.request.request_id, final=pb.GenerateResult(
+            request_id=self.request.request_id, model=model,
+            completions=[pb.Completion(index=0, token_ids=token_ids, text=self.text,
+                                       finish_reason="stop" if stopped else "length")],
+            usage=pb.Usage(prompt_tokens=len(self.request.prompt_ids.ids), completion_tokens=len(token_ids))))
+
+
+def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    return out
+
+
 class RouterServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, router: Router, channels: TargetChannels):
         self.router = router
@@ -111,26 +200,36 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         current: list[_Forwarding] = []
         self._on_termination(context, current)
         exclude: set[str] = set()
-        sent_any = False
+        stream = _Stream(request)
+        model = ""
         while True:
-            fwd = self._forwarding(request, tenant, exclude, context, current)
+            forwarded = stream.next_request()
+            if forwarded is None:  # the replica died after the last token, before its final message
+                yield stream.final(model)
+                return
+            fwd = self._forwarding(forwarded, tenant, exclude, context, current, stream)
+            model = fwd.route.model
+            if stream.tokens:
+                self.router.metrics.migrations.labels(model=model).inc()
             try:
                 call = self.channels.stub(fwd.route.target.address).Generate(
                     fwd.route.request, timeout=_remaining(context))
                 fwd.attach(call)
                 for msg in call:
-                    if not sent_any and msg.HasField("delta"):
-                        self.router.metrics.ttft.labels(model=fwd.route.model).observe(
-                            time.monotonic() - fwd.route.started_at)
-                    sent_any = True
+                    if not stream.sent_any and msg.HasField("delta"):
+                        self.router.metrics.ttft.labels(model=model).observe(time.monotonic() - fwd.route.started_at)
+                    stream.sent(msg)
                     yield msg
                 fwd.finish("ok")
                 return
             except grpc.RpcError as e:
-                if self._retry(e, fwd, exclude, context, sent_any):
+                if stream.final_sent:  # only the call's trailers were lost: the client has everything
+                    fwd.finish("ok")
+                    return
+                if self._place_again(e, fwd, exclude, context, stream):
                     continue
                 fwd.finish("error")
-                context.abort(e.code(), e.details() or e.code().name)
+                _abort_like(context, e)
             finally:
                 fwd.finish("cancelled")  # the client went away while we were yielding (GeneratorExit)
 
@@ -139,8 +238,9 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         current: list[_Forwarding] = []
         self._on_termination(context, current)
         exclude: set[str] = set()
+        stream = _Stream(request)  # never sends anything: a failed replica only means placing it again
         while True:
-            fwd = self._forwarding(request, tenant, exclude, context, current)
+            fwd = self._forwarding(stream.request, tenant, exclude, context, current, stream)
             try:
                 future = self.channels.stub(fwd.route.target.address).GenerateUnary.future(
                     fwd.route.request, timeout=_remaining(context))
@@ -152,10 +252,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
                 fwd.finish("cancelled")
                 context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
             except grpc.RpcError as e:
-                if self._retry(e, fwd, exclude, context, sent_any=False):
+                if self._place_again(e, fwd, exclude, context, stream):
                     continue
                 fwd.finish("error")
-                context.abort(e.code(), e.details() or e.code().name)
+                _abort_like(context, e)
             finally:
                 fwd.finish("cancelled")
 
@@ -210,10 +310,15 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         context.add_callback(ended)
 
     def _forwarding(self, request, tenant: str | None, exclude: set[str], context,
-                    current: list[_Forwarding]) -> _Forwarding:
+                    current: list[_Forwarding], stream: _Stream) -> _Forwarding:
         try:
             route = self.router.route(request, tenant, frozenset(exclude))
         except RoutingError as e:
+            if stream.tokens:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"request: {len(stream.tokens)} tokens were delivered, "
+                              f"then its replica failed and no other can continue it ({e.field}: {e.message})")
+            if stream.refused is not None:  # every replica left was full: their refusal, retry hint and all
+                _abort_like(context, stream.refused)
             abort_invalid(context, e.field, e.message, e.code)
         fwd = _Forwarding(self.router, route)
         current[:] = [fwd]
@@ -223,17 +328,38 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
             context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
         return fwd
 
-    def _retry(self, error: grpc.RpcError, fwd: _Forwarding, exclude: set[str], context, sent_any: bool) -> bool:
+    def _place_again(self, error: grpc.RpcError, fwd: _Forwarding, exclude: set[str], context,
+                     stream: _Stream) -> bool:
+        """Whether to go on to the next best replica: this one is unavailable (or full, before it streamed
+        anything), the client still waits, and the stream can be continued. Each failed replica is
+        excluded, so this ends."""
         if not context.is_active():
             fwd.finish("cancelled")
             return False
-        if error.code() != grpc.StatusCode.UNAVAILABLE or sent_any or len(exclude) + 1 >= MAX_ATTEMPTS:
+        full = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.sent_any
+        if not (full or error.code() == grpc.StatusCode.UNAVAILABLE and stream.movable()):
             return False
-        log.warning("replica %s unavailable (%s); placing the request again", fwd.route.target.id, error.details())
-        fwd.finish("retried")
+        if full:
+            stream.refused = error
         exclude.add(fwd.route.target.id)
-        self.router.metrics.retries.labels(model=fwd.route.model).inc()
+        if stream.tokens:
+            log.warning("replica %s failed after %d tokens of request %s (%s); continuing it on another",
+                        fwd.route.target.id, len(stream.tokens), stream.request.request_id, error.details())
+            fwd.finish("migrated")
+        else:
+            log.warning("replica %s %s (%s); placing the request again", fwd.route.target.id,
+                        "full" if full else "unavailable", error.details())
+            fwd.finish("retried")
+            self.router.metrics.retries.labels(model=fwd.route.model).inc()
         return True
+
+
+def _abort_like(context, error: grpc.RpcError) -> None:
+    """Ends the call with a replica's status, its google.rpc details (such as RetryInfo) included."""
+    details = [(k, v) for k, v in error.trailing_metadata() or () if k == "grpc-status-details-bin"]
+    if details:
+        context.set_trailing_metadata(details)
+    context.abort(error.code(), error.details() or error.code().name)
 
 
 def _remaining(context) -> float | None:
@@ -279,11 +405,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weighted shares of each endpoint's draft slots per tenant: the caller's gRPC metadata "
                         "x-specpool-tenant, else the placed target's --tenant; each is guaranteed "
                         "floor(slots * w / sum w); unlisted tenants only use unreserved slots")
-    p.add_argument("--lease-ttl-s", type=float, default=600.0,
-                   help="a draft slot's lease outlives a router that died holding it by at most this")
+    p.add_argument("--lease-ttl-s", type=float, default=LEASE_TTL_S,
+                   help="draft-slot lease TTL in Redis, renewed every third of it while its request runs: "
+                        "the slots of a router that dies free within this")
     p.add_argument("--busy-limit", type=float, default=0.95,
                    help="endpoint draft busy ratio from which AUTO requests stop choosing the draft model")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests this router forwards at once; more get RESOURCE_EXHAUSTED with a retry hint")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
+    p.add_argument("--check-interval-s", type=float, default=1.0,
+                   help="while Redis is unreachable, the router health-checks the members it knew this often "
+                        "and stops placing on one that fails two checks in a row")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -292,10 +424,14 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--lease-ttl-s must be > 0, got {args.lease_ttl_s}")
     if not 0 < args.busy_limit <= 1:
         raise ValueError(f"--busy-limit must be in (0, 1], got {args.busy_limit}")
+    if args.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    if args.check_interval_s <= 0:
+        raise ValueError(f"--check-interval-s must be > 0, got {args.check_interval_s}")
     return RouterConfig(
         port=args.port, metrics_port=args.metrics_port, host=args.host, redis_url=args.redis,
         tenant_weights=parse_tenant_weights(args.tenant_weights), lease_ttl_s=args.lease_ttl_s,
-        busy_limit=args.busy_limit, grace_s=args.grace_s,
+        busy_limit=args.busy_limit, grace_s=args.grace_s, check_interval_s=args.check_interval_s,
     )
 
 
@@ -304,7 +440,10 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     registry = Registry(config.redis_url)
     metrics = RouterMetrics()
-    view = ClusterView(registry, on_error=lambda: metrics.registry_errors.labels(op="read").inc())
+    channels = TargetChannels()
+    checks = DirectChecks(channels.health_check(timeout_s=min(1.0, config.check_interval_s)),
+                          interval_s=config.check_interval_s)
+    view = ClusterView(registry, checks=checks, on_error=lambda: metrics.registry_errors.labels(op="read").inc())
     keeper = LeaseKeeper(registry, config.tenant_weights, config.lease_ttl_s,
                          on_error=lambda op: metrics.registry_errors.labels(op=op).inc()).start()
     router = Router(view, keeper, metrics, config)
@@ -327,8 +466,10 @@ def main(args: argparse.Namespace) -> int:
         holdings = dict(zip(ids, lookups.map(held, ids)))
         return cluster_capacity(snapshot, holdings.get, config.tenant_weights, metrics.decision_counts())
 
-    channels = TargetChannels()
-    server, port = build_server(config.port, host=config.host, max_message_bytes=MAX_MESSAGE_BYTES)
+    # Every forwarded request holds a server thread until its replica answers.
+    service = pb.DESCRIPTOR.services_by_name["TargetService"]
+    admission = Admission(args.max_in_flight, method_names(service, "Generate", "GenerateUnary"))
+    server, port = build_server(config.port, host=config.host, admission=admission)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels), server)
     cluster_pb2_grpc.add_ClusterStateServicer_to_server(ClusterStateServicer(capacity), server)
     health = add_health_and_reflection(server, [
@@ -344,6 +485,7 @@ def main(args: argparse.Namespace) -> int:
              port, metrics_server.port, config.redis_url, config.tenant_weights or "none")
     serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
     keeper.stop()
+    checks.close()
     channels.close()
     lookups.shutdown(wait=False)
     registry.close()

@@ -247,7 +247,7 @@ class Batcher:
                 continue
             work = _RoundWork(item.stream, item.round, [SequenceDrafts(s.request_id) for s in item.round.sequences],
                               arrived=item.arrived)
-            self.metrics.rounds.labels(item.round.tenant).inc()
+            self.metrics.rounds.labels(self.metrics.tenants.of(item.round.tenant)).inc()
             seen: set[str] = set()
             for i in range(len(item.round.sequences)):
                 want = self._apply(work, i, seen, now)
@@ -273,6 +273,12 @@ class Batcher:
             return None
         drafters = self.registry.get(session.model)
         session.renew(now)
+        length = session.length + len(seq.new_tokens)
+        if length > drafters.max_len:  # the context cap holds as a session grows too
+            self.drop(session)
+            out.error = (f"sequences[{i}].new_tokens: the session would hold {length} tokens, over this endpoint's "
+                         f"max length {drafters.max_len} (--max-len); session closed, draft locally")
+            return None
         bad = next((t for t in seq.new_tokens if not 0 <= t < drafters.vocab_size), None)
         if bad is not None:
             self.drop(session)
@@ -296,7 +302,7 @@ class Batcher:
                 return None
         if accepted:
             self.sessions.count(session.key.tenant, accepted=accepted)
-            self.metrics.accepted.labels(session.key.tenant, session.model).inc(accepted)
+            self.metrics.accepted.labels(self.metrics.tenants.of(session.key.tenant), session.model).inc(accepted)
 
         n = seq.num_draft_tokens
         if not 0 <= n <= MAX_DRAFT_TOKENS:
@@ -311,11 +317,7 @@ class Batcher:
                     "emitted since its previous drafts (open the session again to redraft)"
                 )
                 return None
-            room = drafters.max_len - session.length + 1
-            if room <= 0:
-                out.error = f"sequences[{i}]: the session reached this endpoint's max length {drafters.max_len}"
-                return None
-            n = min(n, room)
+            n = min(n, drafters.max_len - session.length + 1)  # its tokens and n - 1 fed drafts fit in max_len
             out.dense = not session.params.greedy and session.dense
         if out.dense:
             work.channel = work.channel or self.channels.get(work.round.tenant)
@@ -376,7 +378,7 @@ class Batcher:
             w.session.record_drafts(tokens)
             tenant = w.session.key.tenant
             self.sessions.count(tenant, drafted=n)
-            self.metrics.drafted.labels(tenant, model).inc(n)
+            self.metrics.drafted.labels(self.metrics.tenants.of(tenant), model).inc(n)
         return end - start
 
     def _prespeculate(self) -> list[tuple[RoundStream, OutcomeTable]]:

@@ -27,12 +27,14 @@ from spec_endpoint.messages import (
     SessionSpec,
     StatusCode,
     TenantReport,
+    context_too_long,
 )
 from spec_endpoint.metrics import EndpointMetrics
 from spec_endpoint.registry import DrafterRegistry, ModelDrafters
 from spec_endpoint.sessions import Session, SessionKey, SessionTable, sampled_dense
 
 if TYPE_CHECKING:
+    from engine.ngram import NgramIndex
     from engine.tensor_channel import ChannelHost, ChannelOffer
 
 log = logging.getLogger(__name__)
@@ -41,8 +43,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class EndpointConfig:
     max_sessions: int = 64
-    max_len: int = 2048
+    max_sessions_per_tenant: int = 0  # 0: no cap below max_sessions
+    max_len: int = 2048  # tokens a session may hold, every drafter kind (wire refuses longer contexts)
     lease_s: float = 30.0  # for sessions opened with lease_s 0
+    max_lease_s: float = 120.0  # longer requested leases are clamped to it
+    tenant_labels: int = 64  # tenants named in metric labels (see metrics.TenantLabels)
     endpoint_id: str = ""
     batch_window_s: float = 0.0  # see Batcher.window_s
 
@@ -59,8 +64,8 @@ class Endpoint:
         self.config = config
         self.channels = TenantChannels(channel_host)
         self.clock = clock
-        self.metrics = EndpointMetrics()
-        self.sessions = SessionTable(clock)
+        self.metrics = EndpointMetrics(tenant_labels=config.tenant_labels)
+        self.sessions = SessionTable(clock, label=self.metrics.tenants.of)
         self.lock = threading.RLock()
         self.batcher = Batcher(registry, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock,
                                config.batch_window_s)
@@ -102,8 +107,8 @@ class Endpoint:
     # -- sessions ------------------------------------------------------------------------------
 
     def open_sessions(self, request: OpenRequest) -> list[OpenResult]:
-        """Opens (or re-opens) each session; -> one result per session, ok=False on capacity.
-        Raises FieldError (nothing opened) for an unknown model or tokens outside its vocabulary."""
+        """Opens (or re-opens) each session; -> one result per session, ok=False (with the field and why)
+        on capacity or a session's own bad input. Raises FieldError (nothing opened) for an unknown model."""
         drafters = self.registry.get(request.target_model)
         if drafters is None:
             raise FieldError(
@@ -111,19 +116,30 @@ class Endpoint:
                 f"no drafters for {request.target_model!r}; this endpoint serves {self.registry.names()}",
                 StatusCode.NOT_FOUND,
             )
-        for i, spec in enumerate(request.sessions):
-            _check_vocabulary(f"sessions[{i}]", spec, drafters.vocab_size)
-        lease_s = request.lease_s or self.config.lease_s
+        # Clamped rather than refused: a lease only bounds how long an abandoned session holds its slot.
+        lease_s = min(request.lease_s or self.config.lease_s, self.config.max_lease_s)
+        # n-gram contexts are indexed before the engine lock is taken: under it, indexing 64 sessions
+        # of --max-len tokens would stall every tenant's rounds for about 0.6 s.
+        indexes = [drafters.ngram.index(spec.context)
+                   if (spec.drafter or drafters.best) is DrafterKind.NGRAM and len(spec.context) <= drafters.max_len
+                   else None for spec in request.sessions]
         with self.lock:
-            results = [self._open(request.tenant, drafters, spec, lease_s) for spec in request.sessions]
+            results = [self._open(request.tenant, drafters, f"sessions[{i}]", spec, index, lease_s)
+                       for i, (spec, index) in enumerate(zip(request.sessions, indexes))]
         self._update_active(request.tenant)
         return results
 
-    def _open(self, tenant: str, drafters: ModelDrafters, spec: SessionSpec, lease_s: float) -> OpenResult:
+    def _open(self, tenant: str, drafters: ModelDrafters, path: str, spec: SessionSpec, index: NgramIndex | None,
+              lease_s: float) -> OpenResult:
         key = SessionKey(tenant, spec.request_id)
         old = self.sessions.get(key)
         if old is not None:
             self._drop(old)
+        refused = spec.refused or _vocabulary_problem(path, spec, drafters.vocab_size)
+        if refused:  # this session's own input: the request's other sessions still open
+            return OpenResult(spec.request_id, False, refused)
+        if len(spec.context) > drafters.max_len:
+            return OpenResult(spec.request_id, False, context_too_long(path, len(spec.context), drafters.max_len))
         kind = spec.drafter or drafters.best
         if kind not in drafters.kinds:
             return OpenResult(spec.request_id, False, f"drafter: {drafters.name} has no {kind.value} drafter here; "
@@ -131,17 +147,22 @@ class Endpoint:
         if len(self.sessions) >= self.config.max_sessions:
             return OpenResult(spec.request_id, False,
                               f"capacity: this endpoint holds its maximum of {self.config.max_sessions} sessions")
+        per_tenant = self.config.max_sessions_per_tenant
+        if per_tenant and self.sessions.active(tenant) >= per_tenant:
+            return OpenResult(spec.request_id, False,
+                              f"capacity: tenant {tenant!r} holds its maximum of {per_tenant} sessions on this "
+                              "endpoint (--max-sessions-per-tenant); close finished ones or draft locally")
         if kind in (DrafterKind.DRAFT_MODEL, DrafterKind.SSD):
             cache = drafters.drafter(kind).cache
             if cache.free_slots == 0:
                 return OpenResult(spec.request_id, False,
                                   f"capacity: all {cache.max_slots} {kind.value} KV slots for "
                                   f"{drafters.name} are in use")
-            if len(spec.context) > drafters.max_len:
-                return OpenResult(spec.request_id, False,
-                                  f"context: {len(spec.context)} tokens exceed this endpoint's max length "
-                                  f"{drafters.max_len}")
-        drafters.drafter(kind).add_sequence(key.drafter_id, spec.context)
+        if index is not None:
+            drafters.ngram.add_index(key.drafter_id, index)
+        else:
+            drafters.drafter(kind).add_sequence(key.drafter_id, spec.context)
+        self.metrics.tenants.admit(tenant)
         now = self.clock()
         self.sessions.add(Session(
             key=key, model=drafters.name, kind=kind, params=spec.params,
@@ -184,7 +205,8 @@ class Endpoint:
         self.registry.get(session.model).drafter(session.kind).remove_sequence(session.key.drafter_id)
 
     def _update_active(self, tenant: str) -> None:
-        self.metrics.active_sessions.labels(tenant).set(self.sessions.active(tenant))
+        label = self.metrics.tenants.of(tenant)
+        self.metrics.active_sessions.labels(label).set(self.sessions.active_labelled(label))
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -231,9 +253,10 @@ class Endpoint:
         )
 
 
-def _check_vocabulary(path: str, spec: SessionSpec, vocab_size: int) -> None:
+def _vocabulary_problem(path: str, spec: SessionSpec, vocab_size: int) -> str:
     bad = next((t for t in spec.context if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise FieldError(f"{path}.context", f"token id {bad} outside the vocabulary [0, {vocab_size})")
+        return f"{path}.context: token id {bad} outside the vocabulary [0, {vocab_size})"
     if spec.params.top_k > vocab_size:
-        raise FieldError(f"{path}.sampling.top_k", f"{spec.params.top_k} exceeds the vocabulary size {vocab_size}")
+        return f"{path}.sampling.top_k: {spec.params.top_k} exceeds the vocabulary size {vocab_size}"
+    return ""

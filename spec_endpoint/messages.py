@@ -56,6 +56,12 @@ class SessionSpec:
     drafter: DrafterKind | None = None  # None: the model's best (draft model, else n-gram)
     transport: Transport = Transport.AUTO
     push: bool = False  # SSD: stream outcome tables to the target as soon as they are built
+    refused: str = ""  # why the decoder refused it unread (its context is then empty): the open result's error
+
+
+def context_too_long(path: str, length: int, max_len: int) -> str:
+    return (f"{path}.context: {length} tokens exceed this endpoint's max length {max_len} (--max-len); "
+            "draft this sequence locally")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,8 @@
-"""The endpoint's Prometheus metrics (own registry; labelled by tenant/model, never by request id)."""
+"""The endpoint's Prometheus metrics (own registry; labelled by tenant/model, never by request id).
+
+A tenant is a name in the request, so any client can invent new ones: only a bounded set of them
+becomes label values (TenantLabels), and the rest are counted together.
+"""
 
 from __future__ import annotations
 
@@ -33,10 +37,32 @@ class BusyWindow:
         return min(1.0, max(0.0, busy / self.window_s))
 
 
+OTHER_TENANTS = "_other"  # not a DNS label, so no tenant the Helm chart names can collide with it
+
+
+class TenantLabels:
+    """The tenant label values: the first `limit` tenants to open a session keep their own name for the
+    endpoint's life (a series never changes name); every later tenant is counted under OTHER_TENANTS."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._named: set[str] = set()
+        self._lock = threading.Lock()
+
+    def admit(self, tenant: str) -> None:
+        with self._lock:
+            if len(self._named) < self.limit:
+                self._named.add(tenant)
+
+    def of(self, tenant: str) -> str:
+        return tenant if tenant in self._named else OTHER_TENANTS
+
+
 class EndpointMetrics:
-    def __init__(self, busy: BusyWindow | None = None):
+    def __init__(self, busy: BusyWindow | None = None, tenant_labels: int = 64):
         self.registry = CollectorRegistry()
         self.busy = busy or BusyWindow()
+        self.tenants = TenantLabels(tenant_labels)
         r = self.registry
         self.rounds = Counter("specpool_spec_rounds", "Round requests received", ["tenant"], registry=r)
         self.draft_batches = Counter(

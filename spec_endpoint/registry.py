@@ -83,6 +83,7 @@ class ModelDrafters:
     name: str
     vocab_size: int
     ngram: NgramDrafter
+    max_len: int = 2048  # tokens a session may hold (context and reported tokens), every drafter kind
     model: ModelDrafter | None = None
     ssd: SsdDrafter | None = None  # the same draft model with a speculation cache of its own
     draft_costs: StepCosts | None = None
@@ -109,11 +110,6 @@ class ModelDrafters:
             return self.model
         return self.ngram
 
-    @property
-    def max_len(self) -> int:
-        """Positions a draft-model session may reach (context, reported tokens, drafts)."""
-        return self.model.cache.max_len if self.model else 2**31 - 1
-
     @classmethod
     def load(
         cls,
@@ -128,7 +124,7 @@ class ModelDrafters:
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
-        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore))
+        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len)
         if spec.draft_dir is not None:
             draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=dtype, device=str(device))
             if draft.config.vocab_size != vocab:

@@ -38,7 +38,8 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
 
     def OpenSessions(self, request, context):
         try:
-            return wire.open_response_to(self.endpoint.open_sessions(wire.open_request_from(request)))
+            opened = self.endpoint.open_sessions(wire.open_request_from(request, self.endpoint.config.max_len))
+            return wire.open_response_to(opened)
         except FieldError as e:
             _abort(context, e)
 
@@ -108,7 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "models/smollm2-135m-draft and models/smollm2-135m-datastore.npz",
     )
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")
-    parser.add_argument("--max-len", type=int, default=2048, help="positions per draft-model session")
+    parser.add_argument("--max-sessions-per-tenant", type=int, default=0,
+                        help="sessions one tenant may hold; further opens are refused per session (0: no cap "
+                             "below --max-sessions; set it when tenants share the endpoint)")
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="tokens per session, every drafter kind (context plus reported tokens; the draft "
+                             "model's KV positions): a longer context is refused, a session that grows past it closed")
     parser.add_argument("--ssd-sessions", type=int, default=16, help="SSD sessions per model")
     parser.add_argument("--ssd-fork-slots", type=int, default=128, help="KV slots for SSD forks per model")
     parser.add_argument("--ssd-fork-budget", type=int, default=16,
@@ -119,6 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"],
                         help="on a cache miss: draft now (neural), n-gram (fast), or chosen from measurements")
     parser.add_argument("--lease-s", type=float, default=30.0, help="idle session lease when the target sends 0")
+    parser.add_argument("--max-lease-s", type=float, default=120.0,
+                        help="the longest idle session lease; longer requested leases are clamped to it")
+    parser.add_argument("--max-round-streams", type=int, default=64,
+                        help="Rounds streams at once (one per attached target); another target is refused with "
+                             "RESOURCE_EXHAUSTED and drafts locally until it can attach")
+    parser.add_argument("--tenant-labels", type=int, default=64,
+                        help="tenants named in metric labels: the first this many to open a session; later "
+                             "ones are counted under tenant=\"_other\"")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
                         help="draft models' weights (bf16: where the device computes it natively, else fp32)")
@@ -142,9 +156,16 @@ def main(args: argparse.Namespace) -> int:
     from engine.tensor_channel import ChannelHost
 
     serving.setup_logging(args.log_level)
-    for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s)):
+    for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),
+                        ("--max-lease-s", args.max_lease_s), ("--max-round-streams", args.max_round_streams)):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0; got {value}")
+    for flag, value in (("--max-sessions-per-tenant", args.max_sessions_per_tenant),
+                        ("--tenant-labels", args.tenant_labels)):
+        if value < 0:
+            raise SystemExit(f"{flag} must be >= 0; got {value}")
+    if args.lease_s > args.max_lease_s:
+        raise SystemExit(f"--lease-s {args.lease_s} exceeds --max-lease-s {args.max_lease_s}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device else default_device()
@@ -159,9 +180,13 @@ def main(args: argparse.Namespace) -> int:
     registry = off_main_thread(lambda: DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd,
                                                               dtype=args.dtype))
 
-    server, port = serving.build_server(args.port, host=args.host)
+    # Each attached target's Rounds stream holds a server thread for as long as it is attached.
+    rounds = serving.method_names(pb.DESCRIPTOR.services_by_name["SpeculationService"], "Rounds")
+    server, port = serving.build_server(args.port, host=args.host,
+                                        admission=serving.Admission(args.max_round_streams, rounds))
     config = EndpointConfig(
-        max_sessions=args.max_sessions, max_len=args.max_len, lease_s=args.lease_s,
+        max_sessions=args.max_sessions, max_sessions_per_tenant=args.max_sessions_per_tenant, max_len=args.max_len,
+        lease_s=args.lease_s, max_lease_s=args.max_lease_s, tenant_labels=args.tenant_labels,
         endpoint_id=args.endpoint_id or f"{socket.gethostname()}:{port}",
         batch_window_s=args.batch_window_ms / 1000,
     )

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spec_endpoint.messages import DrafterKind, Transport
+from specpool.serving import SPARSE_Q_MAX_K
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
@@ -70,8 +72,9 @@ class Session:
 
 
 def sampled_dense(params: SamplingParams, transport: Transport) -> bool:
-    """Dense q for sampled drafts unless top-k bounds the support and the tenant did not ask for dense."""
-    return transport is Transport.DENSE or params.top_k <= 0
+    """Dense q for sampled drafts unless top-k bounds the support to at most SPARSE_Q_MAX_K tokens (what
+    fits a gRPC round) and the tenant did not ask for dense."""
+    return transport is Transport.DENSE or not 0 < params.top_k <= SPARSE_Q_MAX_K
 
 
 @dataclass(slots=True)
@@ -83,13 +86,16 @@ class TenantTotals:
 
 
 class SessionTable:
-    """Thread-safe map (tenant, request id) -> Session, with per-tenant totals."""
+    """Thread-safe map (tenant, request id) -> Session, with open sessions per tenant and totals per
+    tenant label (`label`: tenant -> its metric label, so invented tenant names add no entries)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, label: Callable[[str], str] = str):
         self.clock = clock
+        self.label = label
         self._lock = threading.Lock()
         self._sessions: dict[SessionKey, Session] = {}
-        self._totals: dict[str, TenantTotals] = {}
+        self._active: Counter[str] = Counter()  # tenant -> open sessions
+        self._totals: dict[str, TenantTotals] = {}  # by label
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -99,37 +105,51 @@ class SessionTable:
 
     def add(self, session: Session) -> None:
         with self._lock:
+            self._remove(session.key)
             self._sessions[session.key] = session
-            self._totals.setdefault(session.key.tenant, TenantTotals())
+            self._active[session.key.tenant] += 1
+            self._totals.setdefault(self.label(session.key.tenant), TenantTotals())
 
     def pop(self, key: SessionKey) -> Session | None:
         with self._lock:
-            return self._sessions.pop(key, None)
+            return self._remove(key)
 
     def pop_expired(self, now: float) -> list[Session]:
         with self._lock:
             expired = [s for s in self._sessions.values() if s.expires_at <= now]
             for s in expired:
-                del self._sessions[s.key]
+                self._remove(s.key)
             return expired
+
+    def _remove(self, key: SessionKey) -> Session | None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            self._active[key.tenant] -= 1
+            if not self._active[key.tenant]:
+                del self._active[key.tenant]
+        return session
 
     def count(self, tenant: str, drafted: int = 0, accepted: int = 0) -> None:
         with self._lock:
-            totals = self._totals.setdefault(tenant, TenantTotals())
+            totals = self._totals.setdefault(self.label(tenant), TenantTotals())
             totals.drafted += drafted
             totals.accepted += accepted
 
     def active(self, tenant: str) -> int:
+        return self._active.get(tenant, 0)
+
+    def active_labelled(self, label: str) -> int:
+        """Open sessions of every tenant counted under `label`."""
         with self._lock:
-            return sum(1 for k in self._sessions if k.tenant == tenant)
+            return sum(n for tenant, n in self._active.items() if self.label(tenant) == label)
 
     def tenants(self) -> list[tuple[str, int, TenantTotals]]:
-        """(tenant, active sessions, totals) for every tenant seen, sorted by name."""
+        """(label, active sessions, totals) for every label seen, sorted."""
         with self._lock:
-            active: dict[str, int] = {}
-            for key in self._sessions:
-                active[key.tenant] = active.get(key.tenant, 0) + 1
+            active: Counter[str] = Counter()
+            for tenant, n in self._active.items():
+                active[self.label(tenant)] += n
             return [
-                (t, active.get(t, 0), TenantTotals(tot.drafted, tot.accepted))
-                for t, tot in sorted(self._totals.items())
+                (label, active[label], TenantTotals(tot.drafted, tot.accepted))
+                for label, tot in sorted(self._totals.items())
             ]

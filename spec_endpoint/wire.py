@@ -20,6 +20,7 @@ from spec_endpoint.messages import (
     SequenceRound,
     SessionSpec,
     Transport,
+    context_too_long,
 )
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import target_pb2
@@ -54,7 +55,9 @@ def sampling_from(path: str, msg: target_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def open_request_from(msg: pb.OpenSessionsRequest) -> OpenRequest:
+def open_request_from(msg: pb.OpenSessionsRequest, max_len: int) -> OpenRequest:
+    """A session whose context exceeds max_len is refused here, per session, before its tokens
+    become Python ints: a 400k-token context then costs the engine nothing."""
     tenant = tenant_from(msg.tenant)
     if not msg.target_model:
         raise FieldError("target_model", "empty; name the target model (its GGUF file name without .gguf)")
@@ -67,6 +70,10 @@ def open_request_from(msg: pb.OpenSessionsRequest) -> OpenRequest:
             raise FieldError(f"{path}.request_id", "empty")
         if not s.context:
             raise FieldError(f"{path}.context", "empty; send the prompt plus the tokens emitted so far")
+        if len(s.context) > max_len:
+            sessions.append(SessionSpec(s.request_id, (), SamplingParams(),
+                                        refused=context_too_long(path, len(s.context), max_len)))
+            continue
         if s.drafter not in _KIND_FROM_PB:
             raise FieldError(f"{path}.drafter", f"unknown drafter kind {s.drafter}")
         if s.transport not in _TRANSPORT_FROM_PB:

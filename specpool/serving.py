@@ -13,16 +13,21 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NoReturn
 
 import grpc
 import prometheus_client
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,17 @@ LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LIVENESS = "liveness"
 READINESS = "readiness"
+# The largest message any specpool server or client sends or takes. A prompt fits in a few hundred KB
+# of text (--max-context tokens); drafts and sparse q are a few KB a round, dense q travels on the
+# tensor channel. One limit everywhere: a hop that took more than the next one would only waste work.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MESSAGE_SIZE_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
+# row: 8 drafts x 256 x 8 bytes is 16 KB a sequence. A wider support goes dense on the tensor channel.
+SPARSE_Q_MAX_K = 256
+# Threads kept for short calls (health, cancel, info, capacity) beyond those admitted streams hold.
+CONTROL_WORKERS = 16
 
 
 class _SpecpoolLogHandler(logging.StreamHandler):
@@ -46,18 +62,19 @@ def setup_logging(level: str = "INFO") -> None:
         root.addHandler(handler)
 
 
-def build_server(
-    port: int,
-    max_workers: int = 64,
-    max_message_bytes: int = 64 * 1024 * 1024,
-    host: str = "0.0.0.0",
-) -> tuple[grpc.Server, int]:
-    """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port."""
+def build_server(port: int, host: str = "0.0.0.0", admission: Admission | None = None) -> tuple[grpc.Server, int]:
+    """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port.
+
+    A sync gRPC server runs each call on a pool thread until it ends. `admission` bounds the long calls
+    (its methods); the pool has CONTROL_WORKERS threads more, so health checks, cancels and info calls
+    never wait behind generation.
+    """
+    admission = admission or Admission(64, methods=())
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=admission.limit + CONTROL_WORKERS, thread_name_prefix="grpc"),
+        interceptors=[MalformedRequests(), admission],
         options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
+            *MESSAGE_SIZE_OPTIONS,
             # Without this a second server on the same port binds silently and steals half the traffic.
             ("grpc.so_reuseport", 0),
         ],
@@ -70,6 +87,122 @@ def build_server(
     if bound_port == 0:  # older grpcio reports a failed bind this way instead of raising
         raise RuntimeError(f"cannot bind gRPC server to {address}")
     return server, bound_port
+
+
+class Admission(grpc.ServerInterceptor):
+    """At most `limit` calls of `methods` (full names, "/package.Service/Method") at once; the next is
+    refused at once with RESOURCE_EXHAUSTED and a retry hint (google.rpc.RetryInfo), instead of queueing
+    for a thread the server does not have."""
+
+    def __init__(self, limit: int, methods: Iterable[str], retry_after_s: float = 1.0):
+        if limit < 1:
+            raise ValueError(f"admission limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.methods = frozenset(methods)
+        self.retry_after_s = retry_after_s
+        self._free = threading.BoundedSemaphore(limit)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self.methods:
+            return handler
+        if handler.unary_unary:
+            behavior = handler.unary_unary
+
+            def admitted_unary(request, context):
+                with self.call(context):
+                    return behavior(request, context)
+
+            return handler._replace(unary_unary=admitted_unary)
+        kind = "unary_stream" if handler.unary_stream else "stream_stream" if handler.stream_stream else None
+        if kind is None:
+            return handler  # client-streaming unary: none of our APIs has one
+        behavior = getattr(handler, kind)
+
+        def admitted_stream(request_or_iterator, context):
+            with self.call(context):  # held until the response stream ends, however it ends
+                yield from behavior(request_or_iterator, context)
+
+        return handler._replace(**{kind: admitted_stream})
+
+    @contextmanager
+    def call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._free.acquire(blocking=False):
+            abort_with_retry(context, f"request: this server is at its limit of {self.limit} requests in "
+                             f"flight; retry in {self.retry_after_s:g} s or on another replica", self.retry_after_s)
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
+def method_names(service, *methods: str) -> list[str]:
+    """Full gRPC method names ("/package.Service/Method") of a service descriptor's methods."""
+    return [f"/{service.full_name}/{service.methods_by_name[m].name}" for m in methods]
+
+
+def abort_with_retry(context: grpc.ServicerContext, message: str, retry_after_s: float) -> NoReturn:
+    """RESOURCE_EXHAUSTED with google.rpc.RetryInfo: clients and proxies that read status details
+    back off by retry_delay; others still have the message."""
+    info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
+        seconds=int(retry_after_s), nanos=int(retry_after_s % 1 * 1e9)))
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
+    status.details.add().Pack(info)
+    context.abort_with_status(rpc_status.to_status(status))
+    raise AssertionError("grpc context.abort_with_status returned")
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so the call can say so."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """Bytes that are not the method's request message get INVALID_ARGUMENT, not INTERNAL plus a
+    traceback in the server's log (what gRPC does when its deserializer raises)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Malformed(e)
+
+        def refuse(context, bad: _Malformed) -> NoReturn:
+            abort_invalid(context, "request", f"not a valid {handler_call_details.method} request message "
+                          f"({type(bad.error).__name__}: {bad.error})")
+
+        if handler.unary_unary or handler.unary_stream:
+            behavior = handler.unary_unary or handler.unary_stream
+
+            def checked_unary(request, context):
+                if isinstance(request, _Malformed):
+                    refuse(context, request)
+                return behavior(request, context)
+
+            kind = "unary_unary" if handler.unary_unary else "unary_stream"
+            return handler._replace(request_deserializer=lenient, **{kind: checked_unary})
+
+        behavior = handler.stream_unary or handler.stream_stream
+
+        def checked_stream(requests, context):
+            def each():
+                for request in requests:
+                    if isinstance(request, _Malformed):
+                        refuse(context, request)
+                    yield request
+
+            return behavior(each(), context)
+
+        kind = "stream_unary" if handler.stream_unary else "stream_stream"
+        return handler._replace(request_deserializer=lenient, **{kind: checked_stream})
 
 
 class HealthState:

@@ -52,6 +52,13 @@ class TargetMetrics:
             names, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16), registry=r))
         self.endpoint_attached = labelled(Gauge("specpool_target_spec_endpoint_attached",
                                                 "1 while attached to a speculation endpoint", names, registry=r))
+        self.spec_breaker_open = labelled(Gauge(
+            "specpool_target_spec_breaker_open",
+            "1 while the endpoint's rounds keep missing their deadline and this target drafts locally", names,
+            registry=r))
+        self.spec_deadline_seconds = labelled(Gauge(
+            "specpool_target_spec_deadline_seconds", "How long a round now waits for the endpoint's drafts", names,
+            registry=r))
         self.running = labelled(Gauge("specpool_target_running_sequences", "Sequences in the batch", names,
                                       registry=r))
         self.queued = labelled(Gauge("specpool_target_queued_requests", "Requests waiting for a slot", names,
@@ -61,7 +68,8 @@ class TargetMetrics:
         self.fallback_rounds.labels(**self._labels, reason=reason).inc(count)
 
     def observe_request(self, request: Request) -> None:
-        outcome = "cancelled" if request.cancelled else "ok"
+        failed = any(r.finish_reason == "error" for r in request.results)
+        outcome = "cancelled" if request.cancelled else "error" if failed else "ok"
         self.requests.labels(**self._labels, outcome=outcome).inc()
         tokens = sum(len(r.token_ids) for r in request.results)
         self.generated_tokens.inc(tokens)

@@ -44,7 +44,7 @@ class HeartbeatFields:
         draft_policy = self.draft_policy_fn()
         has_endpoint = bool(self.client and self.client.address)
         methods = ["ngram"]
-        if has_endpoint and self.client.attached:
+        if has_endpoint and self.client.healthy:
             methods[:0] = ["ssd", "draft_model"]
         return {
             "address": self.address,

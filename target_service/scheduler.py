@@ -34,6 +34,7 @@ class Request:
     n: int = 1
     drafter_kind: int | None = None  # for SpeculationClient.configure: None local n-gram, -1 none
     max_draft_tokens: int = 0
+    resumed: list[int] = field(default_factory=list)  # completion tokens a failed replica already streamed (n 1)
     events: queue.Queue = field(default_factory=queue.Queue)  # ("delta", index, tokens) / ("done", None, None)
     results: list[GenerationResult] = field(default_factory=list)
     fallback_rounds: list[int] = field(default_factory=list)
@@ -74,8 +75,9 @@ class Scheduler:
         with self._wake:
             if not self.accepting:
                 raise RuntimeError("draining: this target service is shutting down")
-            if len(self._inbox) >= self.max_queue:
-                raise OverflowError(f"queue full ({self.max_queue} requests waiting)")
+            # Requests in the inbox that free slots will take at the next step are not waiting.
+            if len(self._inbox) >= self.max_queue + max(0, self.decoder.free_slots):
+                raise OverflowError(f"queue full ({self.max_queue} requests waiting for a batch slot)")
             if request.request_id in self._running or any(r.request_id == request.request_id for r in self._inbox):
                 raise KeyError(request.request_id)
             self._inbox.append(request)
@@ -168,9 +170,8 @@ class Scheduler:
                 seq_id = request.seq_id(i)
                 if self.client is not None:
                     self.client.configure(seq_id, request.drafter_kind, request.params, request.max_draft_tokens)
-                request.results.append(
-                    self.decoder.add(seq_id, request.prompt_ids, request.params, request.max_tokens, request.stop_ids)
-                )
+                request.results.append(self.decoder.add(seq_id, request.prompt_ids + request.resumed, request.params,
+                                                        request.max_tokens, request.stop_ids))
                 self._by_seq[seq_id] = (request, i)
             request.fallback_rounds = [0] * request.n
             request.cache_hits, request.cache_lookups = [0] * request.n, [0] * request.n
@@ -189,7 +190,14 @@ class Scheduler:
                 request.events.put(("delta", index, tokens))
         # Only after every delta of this step is queued: a request may finish several sequences at once.
         for request in touched.values():
-            if all(r.finish_reason for r in request.results):
+            failed = next((r for r in request.results if r.finish_reason == "error"), None)
+            if failed is not None:
+                log.warning("request %s failed: %s", request.request_id, failed.error)
+                for i in range(request.n):
+                    self.decoder.cancel(request.seq_id(i))
+                request.events.put(("error", None, f"decoding failed: {failed.error}"))
+                self._finish(request)
+            elif all(r.finish_reason for r in request.results):
                 self._finish(request)
 
     def _finish(self, request: Request) -> None:

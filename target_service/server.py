@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from engine.decoding import Decoder
+from engine.decoding import Decoder, GenerationResult
 from engine.device import off_main_thread
 from engine.gguf_loader import default_model_path, model_name
 from engine.model import Llama
@@ -27,10 +27,13 @@ from engine.sampling import SamplingParams
 from engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
 from engine.tokenizer import Tokenizer
 from specpool.serving import (
+    Admission,
     MetricsHttpServer,
     abort_invalid,
+    abort_with_retry,
     add_health_and_reflection,
     build_server,
+    method_names,
     serve_until_signal,
     setup_logging,
 )
@@ -44,7 +47,6 @@ from target_service.speculation_client import SpeculationClient
 log = logging.getLogger("specpool.target")
 
 MAX_DRAFT_TOKENS = 32
-MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a prompt fits in --max-context tokens; anything bigger is refused
 # What each requested method asks of the endpoint (None: local n-gram; -1: no speculation).
 ENDPOINT_KIND = {
     pb.SPECULATION_METHOD_AUTO: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
@@ -63,6 +65,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
+        self.eos_id = model.config.eos_id
         self.name = name
         self.tenant = tenant
         self.max_context = max_context
@@ -73,8 +76,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def Generate(self, request, context):
         req = self._submit(request, context)
-        text = [""] * req.n
-        decoded: list[list[int]] = [[] for _ in range(req.n)]
+        decoded: list[list[int]] = [list(req.resumed) for _ in range(req.n)]
+        # What the client already has: a character the failed replica held back incomplete is not in it.
+        text = [self.tokenizer.decode(ids).rstrip("\ufffd") if self.tokenizer else "" for ids in decoded]
         for kind, index, payload in _events(req, context):
             if kind == "delta":
                 decoded[index].extend(payload)
@@ -108,13 +112,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _submit(self, request: pb.GenerateRequest, context) -> Request:
         req = self._validate(request, context)
+        stops = req.stop_ids if req.stop_ids is not None else [self.eos_id]
+        if req.resumed and req.resumed[-1] in stops:
+            # The failed replica emitted a stop token but not its final message: nothing is left to do.
+            req.results = [GenerationResult(req.prompt_ids + req.resumed, finish_reason="stop")]
+            req.fallback_rounds, req.cache_hits, req.cache_lookups = [0], [0], [0]
+            req.finished_at = time.monotonic()
+            req.events.put(("done", None, None))
+            return req
         try:
             self.scheduler.submit(req)
         except KeyError:
             abort_invalid(context, "request_id", f"{req.request_id!r} is already running",
                           grpc.StatusCode.ALREADY_EXISTS)
         except OverflowError as e:
-            abort_invalid(context, "request", f"{e}; retry later", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            abort_with_retry(context, f"request: {e}; retry in 1 s or on another replica", 1.0)
         except RuntimeError as e:
             abort_invalid(context, "request", str(e), grpc.StatusCode.UNAVAILABLE)
         # A client that goes away (or cancels) frees the slots; harmless once the request is done.
@@ -126,11 +138,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             abort_invalid(context, "model", f"unknown model {r.model!r}; this service serves {self.name!r}",
                           grpc.StatusCode.NOT_FOUND)
         prompt_ids = self._prompt_ids(r, context)
+        resumed = list(r.resume_token_ids)
+        self._check_token_ids(context, "resume_token_ids", resumed)
+        if resumed and r.n > 1:
+            abort_invalid(context, "resume_token_ids", f"resumes one completion; n must be 1, got {r.n}")
         if r.max_tokens < 1:
             abort_invalid(context, "max_tokens", f"must be >= 1, got {r.max_tokens}")
-        room = self.max_context - len(prompt_ids) - MAX_DRAFT_TOKENS - 1
+        held = len(prompt_ids) + len(resumed)
+        room = self.max_context - held - MAX_DRAFT_TOKENS - 1
         if r.max_tokens > room:
-            abort_invalid(context, "max_tokens", f"{r.max_tokens} does not fit: the prompt has {len(prompt_ids)} "
+            abort_invalid(context, "max_tokens", f"{r.max_tokens} does not fit: the prompt has {held} "
                           f"tokens and this service holds {self.max_context} per sequence (at most {max(room, 0)})")
         s = r.sampling
         if not math.isfinite(s.temperature) or s.temperature < 0:
@@ -142,23 +159,31 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         n = r.n or 1
         if not 1 <= n <= self.max_batch:
             abort_invalid(context, "n", f"must be in [1, {self.max_batch}], got {r.n}")
-        for t in r.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                abort_invalid(context, "stop_token_ids", f"token id {t} outside the vocabulary [0, {self.vocab_size})")
+        self._check_token_ids(context, "stop_token_ids", r.stop_token_ids)
         if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
             abort_invalid(context, "speculation.max_draft_tokens",
                           f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
-        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+        if r.speculation.method not in ENDPOINT_KIND:
+            abort_invalid(context, "speculation.method", f"unknown method {r.speculation.method}; one of "
+                          + ", ".join(pb.SpeculationMethod.keys()))
+        # top_k at or above the vocabulary keeps every token: the same sampler as no truncation.
+        top_k = s.top_k if s.top_k < self.vocab_size else 0
+        params = SamplingParams(temperature=s.temperature, top_k=top_k, top_p=s.top_p or 1.0,
                                 seed=s.seed if s.HasField("seed") else None)
-        kind = ENDPOINT_KIND.get(r.speculation.method, spec_pb.DRAFTER_KIND_DRAFT_MODEL)
+        kind = ENDPOINT_KIND[r.speculation.method]
         if kind != -1 and (self.client is None or not self.client.address):
             kind = None  # no endpoint configured: local n-gram drafting
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
             max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or ([] if r.ignore_eos else None), n=n,
             drafter_kind=kind,
-            max_draft_tokens=r.speculation.max_draft_tokens,
+            max_draft_tokens=r.speculation.max_draft_tokens, resumed=resumed,
         )
+
+    def _check_token_ids(self, context, field: str, ids) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            abort_invalid(context, field, f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
 
     def _prompt_ids(self, r: pb.GenerateRequest, context) -> list[int]:
         which = r.WhichOneof("input")
@@ -166,13 +191,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             abort_invalid(context, "prompt", "one of prompt, prompt_ids or messages is required")
         if which == "prompt_ids":
             ids = list(r.prompt_ids.ids)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                abort_invalid(context, "prompt_ids", f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            self._check_token_ids(context, "prompt_ids", ids)
         else:
             field = "prompt" if which == "prompt" else "messages"
             if self.tokenizer is None:
                 abort_invalid(context, field, "this model has no tokenizer; send prompt_ids")
+            # Refused before tokenizing: the tokenizer holds the GIL (1.4 s per MB) and stalls decoding.
+            size = len(r.prompt.encode()) if which == "prompt" else sum(
+                len(m.content.encode()) for m in r.messages.messages)
+            limit = self.max_context * self.tokenizer.max_token_bytes
+            if size > limit:
+                abort_invalid(context, field, f"{size} bytes of text cannot fit in {self.max_context} tokens "
+                              f"(at most {limit} bytes: {self.tokenizer.max_token_bytes} per token)")
             if which == "prompt":
                 ids = self.tokenizer.encode(r.prompt)
             else:
@@ -198,9 +228,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _result(self, req: Request) -> pb.GenerateResult:
         completions = []
         for i, res in enumerate(req.results):
+            token_ids = req.resumed + res.token_ids
             completions.append(pb.Completion(
-                index=i, token_ids=res.token_ids,
-                text=self.tokenizer.decode(res.token_ids) if self.tokenizer else "",
+                index=i, token_ids=token_ids,
+                text=self.tokenizer.decode(token_ids) if self.tokenizer else "",
                 finish_reason="cancelled" if req.cancelled else res.finish_reason,
                 speculation=pb.SpeculationStats(
                     method=METHOD_NAMES.get(req.drafter_kind, "unknown"), target_steps=res.target_steps,
@@ -213,7 +244,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return pb.GenerateResult(
             request_id=req.request_id, model=self.name, completions=completions,
             usage=pb.Usage(prompt_tokens=len(req.prompt_ids),
-                           completion_tokens=sum(len(r.token_ids) for r in req.results)),
+                           completion_tokens=sum(len(c.token_ids) for c in completions)),
             time_to_first_token_s=first, elapsed_s=(req.finished_at or time.monotonic()) - req.submitted_at,
         )
 
@@ -268,6 +299,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-deadline-ms", type=float, default=500.0,
                    help="per-step wait for the endpoint's drafts before drafting locally")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a batch slot; more get RESOURCE_EXHAUSTED with a retry hint")
     p.add_argument("--max-context", type=int, default=2048, help="KV positions per sequence")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="fixed draft length (0: chosen per step by the hardware-aware policy)")
@@ -286,6 +319,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    if args.max_queue < 0:
+        raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
@@ -323,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
         scheduler_ref[0].count_fallbacks(seq_ids)
 
     client = SpeculationClient(
-        tenant, name, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
+        tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
         on_fallback=on_fallback, on_attach=on_attach, ssd_push=args.ssd_mode == "push",
         delay_s=args.spec_delay_ms / 1000,
         on_cache_stats=lambda seq_id, hits, lookups: scheduler_ref[0].record_cache_stats(seq_id, hits, lookups),
@@ -331,13 +366,19 @@ def main(args: argparse.Namespace) -> int:
                                           metrics.spec_wire_seconds.observe(max(0.0, wait_s - draft_s))),
     )
     decoder.drafter = client
-    scheduler = Scheduler(decoder, client, metrics, name, policy_for=policies.choose if policies else None)
+    metrics.spec_breaker_open.set_function(lambda: float(client.breaker.open))
+    metrics.spec_deadline_seconds.set_function(client.breaker.deadline)
+    scheduler = Scheduler(decoder, client, metrics, name, max_queue=args.max_queue,
+                          policy_for=policies.choose if policies else None)
     scheduler_ref.append(scheduler)
 
-    server, port = build_server(args.port, host=args.host, max_message_bytes=MAX_REQUEST_BYTES)
+    # Every admitted request holds a server thread: the running batch plus the queue.
+    service = pb.DESCRIPTOR.services_by_name["TargetService"]
+    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate", "GenerateUnary"))
+    server, port = build_server(args.port, host=args.host, admission=admission)
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    health = add_health_and_reflection(server, [service.full_name])
     metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.host)
     metrics_server.start()
     server.start()

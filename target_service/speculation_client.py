@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,13 +26,83 @@ from engine.ngram import NgramDrafter
 from engine.sampling import SamplingParams
 from engine.speculation_policy import StepCosts
 from engine.tensor_channel import ChannelOffer, DistributedPairChannel
+from specpool.serving import MESSAGE_SIZE_OPTIONS, SPARSE_Q_MAX_K
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2
 
 log = logging.getLogger("specpool.target.speculation")
 
 REMOTE_KINDS = (pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM, pb.DRAFTER_KIND_SSD)
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class DeadlineBreaker:
+    """Stops a target waiting on an endpoint whose rounds keep coming late (hung, overloaded, a slow link).
+
+    Closed, a round waits up to `deadline()`: three times the 90th percentile of recent round trips,
+    within [MIN_DEADLINE_S, the configured deadline], so a late round costs a few healthy round trips,
+    not the configured worst case. After `trip_after` late rounds in a row it opens: nothing waits on
+    the endpoint (sequences draft locally) and one probe round at a time goes out, every `probe_s`.
+    Every reply is timed, however late; the first back within the deadline closes it.
+    Called from the step thread, and from the connection's reader thread (`replied`).
+    """
+
+    MIN_DEADLINE_S = 0.05
+
+    def __init__(self, deadline_s: float, trip_after: int = 3, probe_s: float = 0.25, clock=time.monotonic):
+        self.max_deadline_s = deadline_s
+        self.trip_after = trip_after
+        self.probe_s = probe_s
+        self.clock = clock
+        self.open = False
+        self._round_trips: deque[float] = deque(maxlen=64)
+        self._late_in_a_row = 0
+        self._probe_sent_at: float | None = None
+        self._lock = threading.Lock()
+
+    def deadline(self) -> float:
+        with self._lock:
+            return self._deadline()
+
+    def _deadline(self) -> float:
+        if len(self._round_trips) < 8:
+            return self.max_deadline_s
+        p90 = sorted(self._round_trips)[int(0.9 * (len(self._round_trips) - 1))]
+        return min(self.max_deadline_s, max(self.MIN_DEADLINE_S, 3 * p90))
+
+    def on_time(self) -> None:
+        with self._lock:
+            self._late_in_a_row = 0
+
+    def late(self) -> None:
+        with self._lock:
+            self._late_in_a_row += 1
+            if self.open or self._late_in_a_row < self.trip_after:
+                return
+            self.open, self._probe_sent_at = True, None
+            deadline = self._deadline()
+        log.warning("speculation endpoint late %d rounds in a row; drafting locally until a round comes back "
+                    "within %.0f ms", self.trip_after, deadline * 1e3)
+
+    def probe_due(self) -> bool:
+        """While open: whether to send a probe round now (one at a time; a lost one is replaced)."""
+        with self._lock:
+            now, sent = self.clock(), self._probe_sent_at
+            if sent is not None and now - sent < max(self.probe_s, self.max_deadline_s):
+                return False
+            self._probe_sent_at = now
+            return True
+
+    def replied(self, round_trip_s: float) -> None:
+        """A round's reply arrived, this long after it was sent."""
+        with self._lock:
+            self._round_trips.append(round_trip_s)
+            if not self.open:
+                return
+            if round_trip_s > self._deadline():
+                self._probe_sent_at = None  # answered, late: the next probe may go at once
+                return
+            self.open, self._late_in_a_row = False, 0
+        log.info("speculation endpoint answered in %.0f ms; drafting on it again", round_trip_s * 1e3)
 
 
 @dataclass
@@ -59,16 +130,15 @@ class _Reply:
 class _Connection:
     """One attachment to an endpoint: the Rounds stream, its reader thread and the tensor channel."""
 
-    def __init__(self, address: str, tenant: str, connect_timeout_s: float, delay_s: float = 0.0):
+    def __init__(self, address: str, tenant: str, connect_timeout_s: float, delay_s: float = 0.0,
+                 on_reply: Callable[[float], None] = lambda round_trip_s: None):
         self.tenant = tenant
         self.delay_s = delay_s  # injected per message, each way (tests and benchmarks)
+        self.on_reply = on_reply  # every round's reply, awaited or not: its round trip
+        self._sent_at: dict[int, float] = {}
         self.tables: dict[str, pb.OutcomeTable] = {}  # SSD push: the latest table per sequence
         self.tables_changed = threading.Condition()
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-        )
+        self.channel = grpc.insecure_channel(address, options=MESSAGE_SIZE_OPTIONS)
         self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
         self.capacity = self.stub.GetCapacity(pb.CapacityRequest(), timeout=connect_timeout_s)
         self.broken = threading.Event()
@@ -121,6 +191,9 @@ class _Connection:
                     dense = self.tensor.recv((response.dense_rows, response.vocab_size), torch.float32)
                 with self._lock:
                     box = self._waiting.pop(response.round_id, None)
+                    sent_at = self._sent_at.pop(response.round_id, None)
+                if sent_at is not None:
+                    self.on_reply(time.monotonic() - sent_at)
                 if box is not None:
                     box.put(_Reply(response, dense))
         except grpc.RpcError as e:
@@ -152,6 +225,12 @@ class _Connection:
                     return None
                 self.tables_changed.wait(left)
 
+    def probe(self, request: pb.RoundRequest) -> None:
+        """Send a round nobody waits for: its reply is only timed (see DeadlineBreaker)."""
+        with self._lock:
+            self._sent_at[request.round_id] = time.monotonic()
+        self._outbox.put(request)
+
     def round(self, request: pb.RoundRequest, deadline_s: float) -> _Reply | None:
         """Send one round and wait for its reply; None when late or broken."""
         if self.broken.is_set():
@@ -159,6 +238,7 @@ class _Connection:
         box: queue.Queue = queue.Queue(maxsize=1)
         with self._lock:
             self._waiting[request.round_id] = box
+            self._sent_at[request.round_id] = time.monotonic()
         self._outbox.put(request)
         try:
             return box.get(timeout=deadline_s)
@@ -181,6 +261,7 @@ class SpeculationClient:
         self,
         tenant: str,
         target_model: str,
+        vocab_size: int,
         address: str | None,
         local: NgramDrafter,
         deadline_s: float = 0.5,
@@ -199,9 +280,11 @@ class SpeculationClient:
         self.delay_s = delay_s
         self.tenant = tenant
         self.target_model = target_model
+        self.vocab_size = vocab_size  # an endpoint's draft outside it is a bad reply, not a crash
         self.address = address
         self.local = local
         self.deadline_s = deadline_s
+        self.breaker = DeadlineBreaker(deadline_s)
         self.lease_s = lease_s
         self.reattach_s = reattach_s
         self.on_fallback = on_fallback or (lambda reason, seq_ids: None)  # called on the step's thread
@@ -223,6 +306,11 @@ class SpeculationClient:
     def attached(self) -> bool:
         return self._conn is not None and not self._conn.broken.is_set()
 
+    @property
+    def healthy(self) -> bool:
+        """Attached, and its rounds come back on time (the breaker is closed): worth drafting on."""
+        return self.attached and not self.breaker.open
+
     def wait_attached(self, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
@@ -235,7 +323,8 @@ class SpeculationClient:
         while not self._stop.is_set():
             if not self.attached:
                 try:
-                    conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0, delay_s=self.delay_s)
+                    conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0, delay_s=self.delay_s,
+                                       on_reply=self.breaker.replied)
                 except grpc.RpcError as e:
                     log.debug("endpoint %s not reachable: %s", self.address, e.code().name)
                 else:
@@ -337,7 +426,12 @@ class SpeculationClient:
             self._detach(conn)
             self.on_fallback("endpoint_unavailable" if self.address else "no_endpoint", [s for s, _ in wanted])
             return {}
-        self._open_sessions(conn, [s for s, _ in wanted])
+        # An open breaker waits on nothing: at most a probe round goes out, and only its timing is used.
+        probing = self.breaker.open
+        if probing and not self.breaker.probe_due():
+            self.on_fallback("breaker_open", [s for s, _ in wanted])
+            return {}
+        self._open_sessions(conn, [s for s, _ in wanted], wait_s=0.0 if probing else self.breaker.deadline())
         if self._conn is not conn:
             self.on_fallback("endpoint_failed", [s for s, _ in wanted])
             return {}
@@ -354,7 +448,8 @@ class SpeculationClient:
         asking = []
         for s, n in ready:
             seq = self._seqs[s]
-            found = self._resolve_from_table(conn, s, seq, n) if seq.kind == pb.DRAFTER_KIND_SSD else None
+            ssd = seq.kind == pb.DRAFTER_KIND_SSD and not probing
+            found = self._resolve_from_table(conn, s, seq, n) if ssd else None
             if found is None:
                 request.sequences.append(pb.SequenceRound(request_id=s, new_tokens=seq.pending,
                                                           num_draft_tokens=max(n, 0)))
@@ -372,20 +467,28 @@ class SpeculationClient:
             conn.send(request)
             return resolved
         ready = asking
+        if probing:
+            conn.probe(request)
+            self.on_fallback("breaker_open", [s for s, _ in ready])
+            return {}
         start = time.perf_counter()
-        reply = conn.round(request, self.deadline_s)
+        reply = conn.round(request, self.breaker.deadline())
         self.on_round(time.perf_counter() - start, reply.response.draft_seconds if reply else 0.0)
         if reply is None:
             if conn.broken.is_set():
                 self._detach(conn)
                 self.on_fallback("endpoint_failed", [s for s, _ in ready])
             else:
+                self.breaker.late()
                 self.on_fallback("deadline", [s for s, _ in ready])
             return {}
+        self.breaker.on_time()
         drafts = resolved
+        asked = dict(ready)
         dense_row = 0
         for d in reply.response.sequences:
-            if d.request_id in resolved:
+            if d.request_id not in asked:
+                log.warning("endpoint answered for %r, which this round did not ask for; ignored", d.request_id)
                 continue
             if d.error:
                 log.debug("endpoint could not draft %s: %s", d.request_id, d.error)
@@ -394,16 +497,40 @@ class SpeculationClient:
                 continue
             q = None
             if d.dense_on_channel:
-                q = reply.dense[dense_row : dense_row + len(d.tokens)]
+                q = reply.dense[dense_row : dense_row + len(d.tokens)] if reply.dense is not None else None
                 dense_row += len(d.tokens)
             elif d.HasField("sparse"):
-                k = d.sparse.k
-                q = (torch.tensor(d.sparse.ids, dtype=torch.long).view(len(d.tokens), k),
-                     torch.tensor(d.sparse.probs, dtype=torch.float32).view(len(d.tokens), k))
+                q = _sparse_q(d.sparse, len(d.tokens))
+            problem = self._unusable(list(d.tokens), q, asked[d.request_id], d.dense_on_channel)
+            if problem:
+                log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.request_id, problem)
+                self.on_fallback("bad_reply", [d.request_id])
+                continue
             drafts[d.request_id] = (list(d.tokens), q)
             if self._seqs[d.request_id].kind == pb.DRAFTER_KIND_SSD and d.tokens:
                 self._seqs[d.request_id].cache_hits += d.from_cache
         return drafts
+
+    def _unusable(self, tokens: list[int], q, asked: int, q_sent: bool) -> str:
+        """Why an endpoint's drafts for one sequence cannot be verified ('' when they can). Checked here:
+        in verification a bad id or shape would fail every sequence of the batch, not only this one."""
+        if len(tokens) > asked:
+            return f"{len(tokens)} drafts where {asked} were asked"
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            return f"a draft token outside the vocabulary [0, {self.vocab_size})"
+        if q_sent and q is None:
+            return "its draft distribution is malformed"
+        if isinstance(q, torch.Tensor):
+            if tuple(q.shape) != (len(tokens), self.vocab_size):
+                return f"dense q of shape {tuple(q.shape)} for {len(tokens)} drafts"
+            probs = q
+        elif q is not None:
+            ids, probs = q
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+                return "a sparse q id outside the vocabulary"
+        if q is not None and not (torch.isfinite(probs).all() and (probs >= 0).all()):
+            return "negative or non-finite draft probabilities"
+        return ""
 
     def _resolve_from_table(self, conn: _Connection, seq_id: str, seq: _Seq, n: int):
         """SSD: count the lookup; in push mode, -> (resolution, tokens, q) when the pushed table
@@ -417,7 +544,7 @@ class SpeculationClient:
         seq.cache_lookups += 1
         if not self.ssd_push or n <= 0:
             return None
-        table = conn.table_for(seq_id, seq.drafts, self.deadline_s)
+        table = conn.table_for(seq_id, seq.drafts, self.breaker.deadline())
         if table is None:
             return None
         for entry in table.entries:
@@ -425,9 +552,12 @@ class SpeculationClient:
                 tokens = list(entry.tokens)[:n]
                 q = None
                 if entry.HasField("sparse"):
-                    sk = entry.sparse.k
-                    q = (torch.tensor(entry.sparse.ids, dtype=torch.long).view(-1, sk)[: len(tokens)],
-                         torch.tensor(entry.sparse.probs, dtype=torch.float32).view(-1, sk)[: len(tokens)])
+                    q = _sparse_q(entry.sparse, len(entry.tokens))
+                    q = (q[0][: len(tokens)], q[1][: len(tokens)]) if q is not None else None
+                problem = self._unusable(tokens, q, n, entry.HasField("sparse"))
+                if problem:
+                    log.warning("endpoint's table for %s is unusable (%s); asking instead", seq_id, problem)
+                    return None
                 seq.cache_hits += 1
                 return pb.ROUND_RESOLUTION_TABLE_HIT, tokens, q
         if table.fast_backup:
@@ -436,9 +566,9 @@ class SpeculationClient:
 
 
 
-    def _open_sessions(self, conn: _Connection, seq_ids: list[str]) -> None:
-        """Open sessions for new (or re-attached) sequences, waiting at most the step deadline: a slow
-        open leaves its sequences drafting locally until it lands, never stalls the step."""
+    def _open_sessions(self, conn: _Connection, seq_ids: list[str], wait_s: float) -> None:
+        """Open sessions for new (or re-attached) sequences, waiting at most wait_s: a slow open
+        leaves its sequences drafting locally until it lands, never stalls the step."""
         now = time.monotonic()
         closed = [s for s in seq_ids if not (self._seqs[s].opened or self._seqs[s].opening)
                   and self._seqs[s].retry_at <= now]
@@ -459,7 +589,7 @@ class SpeculationClient:
             )
             self._opens.append((conn, closed, future))
             try:
-                future.result(timeout=self.deadline_s)
+                future.result(timeout=wait_s)
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass  # collected below or on a later step
         self._collect_opens()
@@ -504,8 +634,19 @@ class SpeculationClient:
             seq.opened, seq.opening, seq.pending = False, False, []
 
 
+def _sparse_q(msg: pb.SparseDistribution, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids [rows, k], probs [rows, k]), or None when the message's sizes do not say that."""
+    k = msg.k
+    if k < 1 or len(msg.ids) != rows * k or len(msg.probs) != rows * k:
+        return None
+    return (torch.tensor(msg.ids, dtype=torch.long).view(rows, k),
+            torch.tensor(msg.probs, dtype=torch.float32).view(rows, k))
+
+
 def _needs_dense(seq: _Seq) -> bool:
-    return not seq.params.greedy and seq.params.top_k == 0 and seq.kind == pb.DRAFTER_KIND_DRAFT_MODEL
+    """The endpoint's choice (spec_endpoint.sessions.sampled_dense) for the sessions this client opens."""
+    sparse = 0 < seq.params.top_k <= SPARSE_Q_MAX_K
+    return not seq.params.greedy and not sparse and seq.kind == pb.DRAFTER_KIND_DRAFT_MODEL
 
 
 def _assemble(rows: list[tuple[list[int], object]], params: SamplingParams) -> Drafts:

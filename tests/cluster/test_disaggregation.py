@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -38,11 +39,13 @@ def stub_for(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
     return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(server.address))
 
 
-def tiny_files(root: Path, vocab: int, seed: int, norm_scale: float = 1.0) -> tuple[Path, Path]:
+def tiny_files(root: Path, vocab: int, seed: int, norm_scale: float = 1.0,
+               max_context: int | None = None) -> tuple[Path, Path]:
     """A tiny target GGUF and a 1-layer draft distilled from nothing: its first layer and head,
     so q differs from p, as a real draft's does. `norm_scale` < 1 flattens both (a random tiny
     model is nearly one-hot otherwise, which would hide a sampling bias)."""
     cfg = tiny_config(vocab_size=vocab, d_model=16)
+    cfg = replace(cfg, max_context=max_context or cfg.max_context)
     weights = random_weights(cfg, seed=seed)
     weights["norm"] = weights["norm"] * norm_scale
     gguf = save_gguf(root / "tiny.gguf", cfg, weights)

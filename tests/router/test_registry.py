@@ -262,10 +262,15 @@ def test_target_heartbeat_fields_read_the_live_process():
     fields = HeartbeatFields(
         "h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (15, 2)),
         decoder=SimpleNamespace(acceptance=AcceptanceEstimate(prior_alpha=0.3)), metrics=metrics,
-        client=SimpleNamespace(address="h:9", attached=True), free_policy=SpeculationPolicy(costs(0.0001)),
+        client=SimpleNamespace(address="h:9", healthy=True), free_policy=SpeculationPolicy(costs(0.0001)),
         draft_policy_fn=lambda: draft,
     ).fields()
     assert fields["running"] == 15 and fields["queued"] == 2 and fields["mean_accept_len"] == 2.5
     assert fields["predicted_speedup_draft"] == round(predicted_speedup(draft, 16, 0.3), 4) < 1.0
     assert fields["predicted_speedup_ngram"] > 1.0
     assert fields["spec_endpoint"] == "h:9" and fields["methods"] == ["ssd", "draft_model", "ngram"]
+    # An endpoint whose rounds keep coming late (breaker open): routers stop planning drafts on it.
+    late = HeartbeatFields("h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
+                           decoder=SimpleNamespace(acceptance=AcceptanceEstimate()), metrics=metrics,
+                           client=SimpleNamespace(address="h:9", healthy=False), free_policy=None).fields()
+    assert late["methods"] == ["ngram"]

@@ -61,7 +61,7 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.gate.set()
         self._in_flight = 0
         self._lock = threading.Lock()
-        self.server, self.port = build_server(0, max_workers=32, host="127.0.0.1")
+        self.server, self.port = build_server(0, host="127.0.0.1")
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, self.server)
         self.server.start()
         self.heartbeat = Heartbeat(redis_url, "target", member_id, self.fields, ttl_s=1.0, interval_s=0.1).start()

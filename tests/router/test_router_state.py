@@ -13,7 +13,7 @@ import pytest
 
 from cluster.redis_server import start_redis
 from router.leases import LeaseKeeper
-from router.view import ClusterView
+from router.view import ClusterView, DirectChecks
 from specpool.registry import Heartbeat, Registry
 
 
@@ -40,10 +40,14 @@ def beat(url: str, member_id: str, model: str = "m") -> Heartbeat:
     return heartbeat
 
 
-def test_the_snapshot_is_cached_and_survives_an_outage(redis_server):
+def test_the_snapshot_is_cached_and_survives_an_outage_checked_directly(redis_server):
+    """While Redis is down the members read before stay in use for as long as they answer health checks
+    of their own (here a fake check; the router's asks grpc.health.v1), however long the outage."""
     registry, clock = Registry(redis_server.url), Clock()
     errors = []
-    view = ClusterView(registry, max_age_s=0.25, stale_ok_s=30.0, clock=clock, on_error=lambda: errors.append(1))
+    answering = {"t1": True, "t2": True}
+    checks = DirectChecks(lambda addresses: [answering[a] for a in addresses], interval_s=3600, misses=2)
+    view = ClusterView(registry, max_age_s=0.25, checks=checks, clock=clock, on_error=lambda: errors.append(1))
     beat(redis_server.url, "t1")
     assert [t.id for t in view.snapshot().targets] == ["t1"]
     beat(redis_server.url, "t2")
@@ -55,12 +59,27 @@ def test_the_snapshot_is_cached_and_survives_an_outage(redis_server):
     clock.now += 0.3
     stale = view.snapshot()
     assert not stale.reachable and [t.id for t in stale.targets] == ["t1", "t2"] and errors
-    clock.now += 31
-    assert view.snapshot().targets == [], "too old to place on"
+    answering["t2"] = False
+    for _ in range(checks.misses):  # what the checking thread does every interval_s (an hour here)
+        checks.check_once()
+    clock.now += 3600
+    assert [t.id for t in view.snapshot().targets] == ["t1"], "an hour on: t1 still answers, t2 does not"
+    answering["t2"] = True
+    checks.check_once()
+    clock.now += 0.3
+    assert [t.id for t in view.snapshot().targets] == ["t1", "t2"], "t2 answers again"
 
+    answering["t2"] = False
+    for _ in range(checks.misses):
+        checks.check_once()
     redis_server.start()  # empty: no persistence
     clock.now += 0.3
-    assert view.snapshot().reachable and view.snapshot().targets == []
+    rebuilding = view.snapshot()
+    assert rebuilding.reachable and [t.id for t in rebuilding.targets] == ["t1"], \
+        "kept, less the member found down, while heartbeats refill Redis"
+    clock.now += 5
+    assert view.snapshot().targets == [], "nothing beat: gone for real after the grace"
+    checks.close()
     registry.close()
 
 
@@ -116,7 +135,7 @@ def test_flags():
             parse_tenant_weights(bad)
     parser = build_parser()
     args = parser.parse_args(["serve-router", "--redis", "redis://h:1/0"])
-    assert (args.port, args.lease_ttl_s, args.tenant_weights) == (50070, 600.0, "")
+    assert (args.port, args.lease_ttl_s, args.tenant_weights) == (50070, 10.0, "")
     for command in ("serve-target", "serve-spec"):
         args = parser.parse_args([command])
         assert (args.redis, args.advertise_host) == (None, "127.0.0.1")

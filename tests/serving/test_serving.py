@@ -12,11 +12,19 @@ from pathlib import Path
 import grpc
 import prometheus_client
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_status import rpc_status
 
-from specpool.serving import MetricsHttpServer, abort_invalid, add_health_and_reflection, build_server
-from specpool.v1 import target_pb2  # noqa: F401  (puts specpool.v1.TargetService in the default pool)
+from specpool.serving import (
+    Admission,
+    MetricsHttpServer,
+    abort_invalid,
+    add_health_and_reflection,
+    build_server,
+)
+from specpool.v1 import target_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -29,7 +37,7 @@ def _invalid_prompt(request: bytes, context: grpc.ServicerContext) -> bytes:
 
 @pytest.fixture
 def server():
-    server, port = build_server(0, max_workers=4, host="127.0.0.1")
+    server, port = build_server(0, host="127.0.0.1")
     health = add_health_and_reflection(server, ["specpool.v1.TargetService"])
     handler = grpc.unary_unary_rpc_method_handler(_invalid_prompt)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Check", {"Prompt": handler})])
@@ -86,6 +94,70 @@ def test_build_server_refuses_a_taken_port():
             build_server(port, host="127.0.0.1")
     finally:
         first.stop(0)
+
+
+def test_admission_refuses_past_its_limit_with_a_retry_hint_and_control_calls_still_answer():
+    """Two held streams fill an admission of 2: the third is refused at once with RESOURCE_EXHAUSTED and
+    RetryInfo, health answers meanwhile, and a slot frees when a stream ends."""
+    release = threading.Event()
+
+    def hold(request: bytes, context):
+        yield b"started"
+        while not release.wait(0.05) and context.is_active():  # as Generate does: ends when its client goes
+            pass
+
+    admission = Admission(2, ["/test.Hold/Stream"], retry_after_s=1.5)
+    server, port = build_server(0, host="127.0.0.1", admission=admission)
+    add_health_and_reflection(server, [])
+    handler = grpc.unary_stream_rpc_method_handler(hold)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Hold", {"Stream": handler})])
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    open_stream = channel.unary_stream("/test.Hold/Stream")
+    try:
+        held = [open_stream(b"", timeout=30) for _ in range(2)]
+        assert [next(s) for s in held] == [b"started"] * 2
+        with pytest.raises(grpc.RpcError) as err:
+            next(open_stream(b"", timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        [detail] = rpc_status.from_call(err.value).details
+        info = error_details_pb2.RetryInfo()
+        assert detail.Unpack(info) and info.retry_delay.ToTimedelta().total_seconds() == 1.5
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1)
+        assert check.status == SERVING
+        held[0].cancel()
+        time.sleep(0.2)
+        assert next(open_stream(b"", timeout=30)) == b"started"
+    finally:
+        release.set()
+        channel.close()
+        server.stop(0).wait()
+
+
+def test_bytes_that_are_not_the_request_message_are_invalid_argument():
+    seen = []
+
+    def generate(request: target_pb2.GenerateRequest, context):
+        seen.append(request)
+        return target_pb2.GenerateResult()
+
+    server, port = build_server(0, host="127.0.0.1")
+    handler = grpc.unary_unary_rpc_method_handler(generate, request_deserializer=target_pb2.GenerateRequest.FromString,
+                                                  response_serializer=target_pb2.GenerateResult.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Gen", {"Call": handler})])
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/test.Gen/Call")(b"\xff\xff\xff\xff", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("request: not a valid /test.Gen/Call request message")
+        assert not seen
+        channel.unary_unary("/test.Gen/Call")(target_pb2.GenerateRequest(max_tokens=3).SerializeToString(), timeout=5)
+        assert seen[0].max_tokens == 3
+    finally:
+        channel.close()
+        server.stop(0).wait()
 
 
 def _get(url: str) -> tuple[int, str, bytes]:

@@ -304,11 +304,9 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
          "target_model: no drafters for 'nope'; this endpoint serves ['tiny']"),
         ({}, {"request_id": ""}, {}, INVALID, "sessions[0].request_id: "),
         ({}, {"context": []}, {}, INVALID, "sessions[0].context: "),
-        ({}, {"context": [1, 99999]}, {}, INVALID, "sessions[0].context: token id 99999 outside the vocabulary [0, 64)"),
         ({}, {}, {"temperature": -0.5}, INVALID, "sessions[0].sampling.temperature: "),
         ({}, {}, {"top_p": 1.5}, INVALID, "sessions[0].sampling.top_p: "),
         ({}, {}, {"top_k": -1}, INVALID, "sessions[0].sampling.top_k: "),
-        ({}, {}, {"top_k": 65}, INVALID, "sessions[0].sampling.top_k: 65 exceeds the vocabulary size 64"),
         ({"lease_s": -1}, {}, {}, INVALID, "lease_s: "),
     ],
 )
@@ -323,6 +321,24 @@ def test_grpc_open_sessions_validation(served, request_kw, spec_kw, sampling_kw,
     assert err.value.code() == code
     assert err.value.details().startswith(prefix), err.value.details()
     assert grpc_open(stub, "a", "ok", [1, 2, 3]).sessions[0].ok  # still serving
+
+
+@pytest.mark.parametrize(("spec_kw", "sampling_kw", "error"), [
+    ({"context": [1, 99999]}, {}, "sessions[0].context: token id 99999 outside the vocabulary [0, 64)"),
+    ({}, {"top_k": 65}, "sessions[0].sampling.top_k: 65 exceeds the vocabulary size 64"),
+])
+def test_a_sessions_own_bad_input_refuses_that_session_only(served, spec_kw, sampling_kw, error):
+    """Before, one session's top_k past the vocabulary refused the whole OpenSessions, every step, and the
+    co-opened sequences of other requests lost speculation with it."""
+    _, stub = served
+    request = pb.OpenSessionsRequest(tenant="a", target_model=MODEL, sessions=[
+        pb.SessionSpec(**({"request_id": "bad", "context": [1, 2, 3]} | spec_kw),
+                       sampling=target_pb2.SamplingParams(**sampling_kw)),
+        pb.SessionSpec(request_id="good", context=[1, 2, 3]),
+    ])
+    bad, good = stub.OpenSessions(request, timeout=10).sessions
+    assert (bad.ok, bad.error) == (False, error)
+    assert good.ok
 
 
 def test_grpc_round_and_other_rpc_validation(served):
@@ -361,6 +377,7 @@ def test_flags_and_drafter_specs():
     args = parser.parse_args(["--drafter", "a=/a.gguf", "--drafter", "b=/b.gguf,draft=/d"])
     assert (args.port, args.metrics_port, args.max_sessions, args.max_len, args.lease_s, args.channel_host) == (
         50060, 9460, 64, 2048, 30.0, "127.0.0.1")
+    assert (args.max_sessions_per_tenant, args.max_lease_s, args.tenant_labels) == (0, 120.0, 64)
     assert [DrafterSpec.parse(d).name for d in args.drafter] == ["a", "b"]
     spec = DrafterSpec.parse("m=/x/t.gguf,draft=/d,datastore=/s.npz")
     assert (spec.name, spec.target_gguf, spec.draft_dir, spec.datastore) == ("m", Path("/x/t.gguf"), Path("/d"),

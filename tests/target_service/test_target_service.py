@@ -139,3 +139,33 @@ def test_health_and_metrics(target, stub):
     text = urllib.request.urlopen(f"http://127.0.0.1:{target.metrics_port}/metrics").read().decode()
     assert "specpool_target_generated_tokens_total" in text
     assert "specpool_target_time_to_first_token_seconds_bucket" in text
+
+
+def test_a_resumed_request_continues_after_the_tokens_it_was_given(stub, tiny_gguf):
+    """resume_token_ids, as a router sends them when it moves a stream off a failed replica: greedy, the
+    stream continues with exactly AR's remaining tokens, and the final completion holds all of them."""
+    model, _ = Llama.from_gguf(tiny_gguf, dtype="fp32", device="cpu")
+    prompt, total, k = PROMPTS[3], 24, 10
+    [ar] = generate(model, [prompt], SamplingParams(), total, stop_ids=[0])
+    want = ar.token_ids
+    assert len(want) > k, "the tiny model stops too early for this prompt"
+    resumed = _request(prompt, max_tokens=total - k, resume_token_ids=want[:k])
+    deltas, finals = [], []
+    for msg in stub.Generate(resumed):
+        if msg.HasField("delta"):
+            deltas.extend(msg.delta.token_ids)
+        else:
+            finals.append(msg.final)
+    [final] = finals
+    assert deltas == want[k:], "only the new tokens stream"
+    assert list(final.completions[0].token_ids) == want
+    assert final.usage.completion_tokens == len(want) and final.usage.prompt_tokens == len(prompt)
+    assert list(stub.GenerateUnary(resumed).completions[0].token_ids) == want
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GenerateUnary(_request(prompt, max_tokens=4, n=2, resume_token_ids=want[:k]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("resume_token_ids:"), err.value.details()
+    # A replica that died between a stop token and its final: the continuation is already complete.
+    stopped = stub.GenerateUnary(_request(prompt, max_tokens=4, stop=(want[k - 1],), resume_token_ids=want[:k]))
+    assert list(stopped.completions[0].token_ids) == want[:k]
+    assert stopped.completions[0].finish_reason == "stop"
