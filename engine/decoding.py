@@ -120,6 +120,7 @@ class Decoder:
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
         self._generator_override = generator  # one stream for every group (reproducible tests)
+        self._asked: _Asked | None = None  # the round whose drafts are being made
         self._generators: dict[SamplingParams, torch.Generator] = {}
 
     @property
@@ -249,29 +250,60 @@ class Decoder:
         return self.policy.choose(n, self.acceptance.expected_tokens, catch_up, remaining, self.acceptance.fill)
 
     def _round(self) -> list[tuple[str, list[int]]]:
+        """Asks for drafts, then verifies them for every running sequence in one forward. While a remote
+        drafter's reply is out, the sequences that wait for no remote drafts (plain decoding, local
+        drafts) step on their own, so they never wait for another sequence's drafts."""
+        running = {s.seq_id for s in self.running}
+        if self._asked is not None and self._asked.waiting() and not self._asked.waiting() & running:
+            self._asked = None  # every sequence it asked for has left: nothing to wait for
+        if self._asked is None:
+            self._asked = self._ask_drafts()
+        asked = self._asked
+        waiting = asked.waiting() & running
+        side = [s for s in self.running if s.seq_id not in waiting]
+        if waiting and side and not asked.ready():
+            asked.moved.update(s.seq_id for s in side)  # their drafts of this round are stale now
+            return self._verify(side)
+        self._asked = None
+        return self._verify(self.running, asked)
+
+    def _ask_drafts(self) -> _Asked:
         start = time.perf_counter()
-        batch = self.running
         length = self._draft_length()
-        groups = _groups(batch)
-        drafts = [Drafts.empty(len(rows)) for rows, _ in groups]
+        batch = self.running
         # Never draft past the length limit: the bonus token always fills the last place.
-        offered = [min(length, seq.max_new_tokens - len(seq.result.token_ids) - 1) for seq in batch]
+        offered = {s.seq_id: min(length, s.max_new_tokens - len(s.result.token_ids) - 1) for s in batch}
         asks = []
-        for g, (rows, params) in enumerate(groups):
-            budget = [offered[r] for r in rows]
+        for rows, params in _groups(batch):
+            budget = [offered[batch[r].seq_id] for r in rows]
             if any(budget):
-                asks.append((g, DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params))))
-        if asks:
-            vocab = self.model.config.vocab_size
-            for (g, _), d in zip(asks, propose_all(self.drafter, [a for _, a in asks])):
-                # A token the target cannot embed would fail the whole batch's forward: drop the group's drafts.
-                if all(0 <= t < vocab for row in d.tokens for t in row):
-                    drafts[g] = d
+                asks.append(DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params)))
+        if not asks:
+            asked = _Asked(offered, asks, self.drafter, drafts=[])
+        elif hasattr(self.drafter, "start_groups"):
+            asked = _Asked(offered, asks, self.drafter, in_flight=self.drafter.start_groups(asks))
+        else:
+            asked = _Asked(offered, asks, self.drafter, drafts=propose_all(self.drafter, asks))
+        asked.drafting_s = time.perf_counter() - start
+        return asked
+
+    def _verify(self, batch: list[_Sequence], asked: _Asked | None = None) -> list[tuple[str, list[int]]]:
+        """One target forward over `batch`: the drafts `asked` for (None: a step without drafts)
+        verified, accepted, rolled back. Sequences that moved since the ask, or joined, have none."""
+        drafted = asked.collect(self.model.config.vocab_size) if asked is not None else {}
+        # The sequences this round was asked for (and that did not move since): its acceptance and time.
+        ours = set() if asked is None else {s.seq_id for s in batch if s.seq_id in asked.offered} - asked.moved
+        start = time.perf_counter()
+        groups = _groups(batch)
+        drafts = []
+        for rows, _ in groups:
+            picked = [drafted.get(batch[r].seq_id) for r in rows]
+            source = next((d for d, _ in filter(None, picked)), None)
+            drafts.append(source.select([p[1] if p else None for p in picked]) if source else Drafts.empty(len(rows)))
         row_drafts = [[] for _ in batch]
         for (rows, _), d in zip(groups, drafts):
             for b, r in enumerate(rows):
                 row_drafts[r] = d.tokens[b]
-        verify_start = time.perf_counter()
         feed = [[seq.result.token_ids[-1], *row_drafts[r]] for r, seq in enumerate(batch)]
         logits = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=True)  # [B, T, V]
 
@@ -291,7 +323,8 @@ class Decoder:
                 res.drafted_tokens += len(proposed)
                 res.accepted_tokens += accepted
                 res.rounds.append((len(proposed), accepted))
-                self.acceptance.update(accepted, offered[r], len(proposed))
+                if seq.seq_id in ours:
+                    self.acceptance.update(accepted, asked.offered[seq.seq_id], len(proposed))
                 # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
                 self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]) + 1 + accepted)
                 taken = self._emit(seq, proposed[:accepted] + [next_token])
@@ -301,13 +334,46 @@ class Decoder:
                     # Accepted drafts are already in the drafter's cache; the rest is new to it.
                     seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(accepted, len(taken))
         end = time.perf_counter()
-        self.last_verify_s = end - verify_start
+        self.last_verify_s = end - start
         for seq in batch:
-            seq.result.decode_s += end - start
+            # Drafting counts for the sequences it drafted for: the time they waited for their drafts.
+            seq.result.decode_s += end - start + (asked.drafting_s if seq.seq_id in ours else 0.0)
             if seq.result.finish_reason:
                 self._release(seq, started=True)
-        self.running = [s for s in batch if not s.result.finish_reason]
+        self.running = [s for s in self.running if not s.result.finish_reason]
         return moved
+
+
+@dataclass
+class _Asked:
+    """One round's drafts, asked for: either here already, or on their way from a remote drafter."""
+
+    offered: dict[str, int]  # seq_id -> positions offered to the drafter
+    asks: list[DraftRequest]
+    drafter: Drafter | None
+    drafts: list[Drafts] | None = None  # per ask, when the drafter answered at once
+    in_flight: object | None = None  # drafter.start_groups(...)'s handle otherwise
+    moved: set[str] = field(default_factory=set)  # stepped meanwhile: their drafts no longer fit
+    drafting_s: float = 0.0  # asking and collecting, the wait for a remote reply included
+
+    def waiting(self) -> set[str]:
+        return self.in_flight.waiting if self.in_flight is not None else set()
+
+    def ready(self) -> bool:
+        return self.in_flight is None or self.in_flight.ready()
+
+    def collect(self, vocab_size: int) -> dict[str, tuple[Drafts, int]]:
+        """seq_id -> (its group's Drafts, its row), less the sequences that moved since the ask."""
+        start = time.perf_counter()
+        drafts = self.drafts if self.in_flight is None else self.drafter.finish_groups(self.in_flight)
+        self.drafting_s += time.perf_counter() - start
+        out = {}
+        for ask, d in zip(self.asks, drafts):
+            # A token the target cannot embed would fail the whole batch's forward: drop the group's drafts.
+            if not all(0 <= t < vocab_size for row in d.tokens for t in row):
+                continue
+            out.update((s, (d, b)) for b, s in enumerate(ask.seq_ids) if s not in self.moved)
+        return out
 
 
 def _groups(batch: Sequence[_Sequence]) -> list[tuple[list[int], SamplingParams]]:

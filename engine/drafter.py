@@ -34,6 +34,23 @@ class Drafts:
     def empty(batch: int) -> Drafts:
         return Drafts(tokens=[[] for _ in range(batch)])
 
+    def select(self, rows: Sequence[int | None]) -> Drafts:
+        """These rows in this order; None: a row without drafts (its q rows are zero, never read)."""
+        if list(rows) == list(range(len(self.tokens))):
+            return self
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = t.new_zeros((len(rows), *t.shape[1:]))
+            for i, r in enumerate(rows):
+                if r is not None:
+                    out[i] = t[r]
+            return out
+
+        tokens = [list(self.tokens[r]) if r is not None else [] for r in rows]
+        return Drafts(tokens, pick(self.probs), pick(self.topk_ids), pick(self.topk_probs))
+
 
 class Drafter(Protocol):
     def add_sequence(self, seq_id: str, context: Sequence[int]) -> None: ...

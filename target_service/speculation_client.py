@@ -122,9 +122,44 @@ class _Seq:
 
 
 @dataclass(frozen=True)
+class _InFlight:
+    """A round on the wire: box is None when it needs no reply (every draft came from SSD tables)."""
+
+    conn: _Connection
+    round_id: int
+    box: queue.Queue | None
+    asked: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
+    resolved: dict[str, tuple[list[int], object]]  # drafts already known (SSD table hits)
+
+
+@dataclass
+class DraftRound:
+    """One step's drafts, asked for (`SpeculationClient.start_groups`) and not yet collected."""
+
+    requests: list[DraftRequest]
+    in_flight: _InFlight | None
+    deadline: float  # monotonic: when finish_groups stops waiting
+    sent_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def waiting(self) -> set[str]:
+        """The sequences this round drafts (SSD table hits included: the endpoint now counts on those
+        drafts being verified): they must not move until it is collected."""
+        flight = self.in_flight
+        return set(flight.asked) | set(flight.resolved) if flight is not None else set()
+
+    def ready(self) -> bool:
+        """Whether finish_groups would return without waiting."""
+        flight = self.in_flight
+        return (flight is None or flight.box is None or not flight.box.empty()
+                or flight.conn.broken.is_set() or time.monotonic() >= self.deadline)
+
+
+@dataclass(frozen=True)
 class _Reply:
     response: pb.RoundResponse
     dense: torch.Tensor | None  # [dense_rows, V] from the tensor channel
+    arrived_at: float = field(default_factory=time.monotonic)
 
 
 class _Connection:
@@ -231,20 +266,24 @@ class _Connection:
             self._sent_at[request.round_id] = time.monotonic()
         self._outbox.put(request)
 
-    def round(self, request: pb.RoundRequest, deadline_s: float) -> _Reply | None:
-        """Send one round and wait for its reply; None when late or broken."""
-        if self.broken.is_set():
-            return None
+    def send_round(self, request: pb.RoundRequest) -> queue.Queue:
+        """Send one round; its reply (None if the stream breaks) arrives in the returned box."""
         box: queue.Queue = queue.Queue(maxsize=1)
         with self._lock:
             self._waiting[request.round_id] = box
             self._sent_at[request.round_id] = time.monotonic()
+        if self.broken.is_set():
+            box.put(None)
         self._outbox.put(request)
+        return box
+
+    def wait_round(self, round_id: int, box: queue.Queue, timeout_s: float) -> _Reply | None:
+        """The reply from `send_round`, waiting up to timeout_s; None when late or broken."""
         try:
-            return box.get(timeout=deadline_s)
+            return box.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
             with self._lock:
-                self._waiting.pop(request.round_id, None)
+                self._waiting.pop(round_id, None)
             return None
 
     def close(self) -> None:
@@ -391,14 +430,25 @@ class SpeculationClient:
         return self.propose_groups([DraftRequest(list(seq_ids), list(num_tokens), params, generator)])[0]
 
     def propose_groups(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
+        return self.finish_groups(self.start_groups(requests))
+
+    def start_groups(self, requests: Sequence[DraftRequest]) -> DraftRound:
+        """The first half of propose_groups: sends the step's round; `finish_groups` waits for it. In
+        between, the decoder steps the sequences that wait for no remote drafts (engine.decoding)."""
         self._flush_closes()
         requests = [self._capped(r) for r in requests]
-        remote = self._remote_drafts(requests)
+        return DraftRound(requests, self._send(requests), time.monotonic() + self.breaker.deadline())
+
+    def finish_groups(self, pending: DraftRound) -> list[Drafts]:
+        remote = self._receive(pending)
         out = []
-        for r in requests:
+        for r in pending.requests:
             rows = []
             for seq_id, n in zip(r.seq_ids, r.num_tokens):
-                seq = self._seqs[seq_id]
+                seq = self._seqs.get(seq_id)
+                if seq is None:  # left while its round was out (cancelled): the decoder drops its row
+                    rows.append(([], None))
+                    continue
                 if seq_id in remote:
                     rows.append(remote[seq_id])
                 elif seq.kind == -1 or n <= 0:
@@ -415,33 +465,34 @@ class SpeculationClient:
 
     # -- the round ------------------------------------------------------------------------------
 
-    def _remote_drafts(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[list[int], object]]:
-        """One RoundRequest for every remote-drafted sequence of this step -> seq_id -> (tokens, q)."""
+    def _send(self, requests: Sequence[DraftRequest]) -> _InFlight | None:
+        """One RoundRequest for every remote-drafted sequence of this step, sent; None when nothing
+        waits for a reply (no remote sequence, a fallback, or every draft resolved from SSD tables)."""
         wanted = [(s, n) for r in requests for s, n in zip(r.seq_ids, r.num_tokens)
                   if self._seqs[s].kind in REMOTE_KINDS]
         if not wanted:
-            return {}
+            return None
         conn = self._conn
         if conn is None or conn.broken.is_set():
             self._detach(conn)
             self.on_fallback("endpoint_unavailable" if self.address else "no_endpoint", [s for s, _ in wanted])
-            return {}
+            return None
         # An open breaker waits on nothing: at most a probe round goes out, and only its timing is used.
         probing = self.breaker.open
         if probing and not self.breaker.probe_due():
             self.on_fallback("breaker_open", [s for s, _ in wanted])
-            return {}
+            return None
         self._open_sessions(conn, [s for s, _ in wanted], wait_s=0.0 if probing else self.breaker.deadline())
         if self._conn is not conn:
             self.on_fallback("endpoint_failed", [s for s, _ in wanted])
-            return {}
+            return None
         dense_ok = conn.dense_ready
         ready = [(s, n) for s, n in wanted if self._seqs[s].opened and (dense_ok or not _needs_dense(self._seqs[s]))]
         if len(ready) < len(wanted):
             ready_ids = {s for s, _ in ready}
             self.on_fallback("session_unavailable", [s for s, _ in wanted if s not in ready_ids])
         if not ready:
-            return {}
+            return None
         self._round_id += 1
         request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id)
         resolved: dict[str, tuple[list[int], object]] = {}
@@ -465,30 +516,41 @@ class SpeculationClient:
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
         if not asking:
             conn.send(request)
-            return resolved
-        ready = asking
+            return _InFlight(conn, request.round_id, None, {}, resolved)
         if probing:
             conn.probe(request)
-            self.on_fallback("breaker_open", [s for s, _ in ready])
+            self.on_fallback("breaker_open", [s for s, _ in asking])
+            return None
+        return _InFlight(conn, request.round_id, conn.send_round(request), dict(asking), resolved)
+
+    def _receive(self, pending: DraftRound) -> dict[str, tuple[list[int], object]]:
+        """Waits (until the round's deadline) for its reply -> seq_id -> (tokens, q) of remote drafts."""
+        flight = pending.in_flight
+        if flight is None:
             return {}
-        start = time.perf_counter()
-        reply = conn.round(request, self.breaker.deadline())
-        self.on_round(time.perf_counter() - start, reply.response.draft_seconds if reply else 0.0)
+        if flight.box is None:
+            return flight.resolved
+        conn, asked = flight.conn, flight.asked
+        reply = conn.wait_round(flight.round_id, flight.box, pending.deadline - time.monotonic())
+        # Timed to the reply's arrival: the decoder may have stepped other sequences before collecting it.
+        waited = (reply.arrived_at if reply else time.monotonic()) - pending.sent_at
+        self.on_round(waited, reply.response.draft_seconds if reply else 0.0)
         if reply is None:
             if conn.broken.is_set():
                 self._detach(conn)
-                self.on_fallback("endpoint_failed", [s for s, _ in ready])
+                self.on_fallback("endpoint_failed", list(asked))
             else:
                 self.breaker.late()
-                self.on_fallback("deadline", [s for s, _ in ready])
+                self.on_fallback("deadline", list(asked))
             return {}
         self.breaker.on_time()
-        drafts = resolved
-        asked = dict(ready)
+        drafts = dict(flight.resolved)
         dense_row = 0
         for d in reply.response.sequences:
             if d.request_id not in asked:
                 log.warning("endpoint answered for %r, which this round did not ask for; ignored", d.request_id)
+                continue
+            if d.request_id not in self._seqs:  # left while the round was out
                 continue
             if d.error:
                 log.debug("endpoint could not draft %s: %s", d.request_id, d.error)

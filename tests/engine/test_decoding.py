@@ -9,6 +9,8 @@ first round drafted both slots and how often slot 2 and the bonus were reached.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -137,6 +139,45 @@ def test_a_broken_drafter_ends_at_most_its_own_group(tiny_model, fault):
         assert all(r.drafted_tokens > 0 for r in greedy)
         assert sampled.finish_reason == "error" and "RuntimeError" in sampled.error, sampled.error
     assert decoder.cache.free_slots == 4  # every slot came back, the failed sequence's too
+
+
+class SlowRemoteDrafter(ModelDrafter):
+    """Drafts like ModelDrafter, for sequences named "remote-*" as a remote endpoint would: asked in
+    start_groups, ready only after `delay` checks."""
+
+    def __init__(self, model, delay: int):
+        super().__init__(model, 8, 128)
+        self.delay = delay
+        self.checks = 0
+
+    def start_groups(self, requests):
+        drafts = [self.propose(r.seq_ids, r.num_tokens, r.params, r.generator) for r in requests]
+        waiting = {s for r in requests for s in r.seq_ids if s.startswith("remote")}
+        return SimpleNamespace(drafts=drafts, waiting=waiting, ready=self._ready)
+
+    def _ready(self) -> bool:
+        self.checks += 1
+        return self.checks % (self.delay + 1) == 0
+
+    def finish_groups(self, pending):
+        return pending.drafts
+
+
+def test_sequences_that_wait_for_no_remote_drafts_step_while_a_round_is_out(tiny_model):
+    """While a remote round is out, a plain sequence takes steps of its own instead of waiting for the
+    others' drafts, and every output still equals AR."""
+    prompts = {"remote-a": [5, 6, 7], "remote-b": [9, 10, 11, 12], "plain": [13, 14]}
+    ar = dict(zip(prompts, generate(tiny_model, list(prompts.values()), SamplingParams(), 24, stop_ids=[])))
+    drafter = SlowRemoteDrafter(tiny_model, delay=3)
+    decoder = Decoder(tiny_model, 4, 64, drafter, num_draft_tokens=3)
+    results = {name: decoder.add(name, p, SamplingParams(), 24, stop_ids=[]) for name, p in prompts.items()}
+    while decoder.has_work:
+        decoder.step()
+    assert {name: r.token_ids for name, r in results.items()} == {name: r.token_ids for name, r in ar.items()}
+    assert results["remote-a"].drafted_tokens > 0
+    # Three side steps per remote round: the plain sequence took far more target steps than a remote one.
+    assert results["plain"].target_steps > 2 * results["remote-a"].target_steps
+    assert decoder.cache.free_slots == 4
 
 
 PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
