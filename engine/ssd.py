@@ -95,6 +95,7 @@ def geometric_fanout(budget: int, k_max: int, a: float, r: float) -> list[int]:
 @dataclass
 class _Fork:
     slot: int
+    bonus: int  # the outcome's bonus token, its first fed token
     drafts: list[int]
     rows: list[torch.Tensor]  # candidate ids of rows 0..K-1 (row j: after its bonus and d'1..d'j)
     topk_ids: torch.Tensor | None  # [K, k] the sparse q each draft was sampled from
@@ -167,9 +168,8 @@ class SsdDrafter:
         arrived at `arrived_at` (time.monotonic(); default: now)."""
         seq = self._seqs[seq_id]
         self.ngram.extend(seq_id, tokens)
-        if seq.ready is not None:  # a hit nobody drafted from: its drafts leave the cache
-            self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - (len(seq.ready.drafts) - 1))
-            seq.ready = None
+        if seq.ready is not None:  # a hit nobody drafted from
+            self._unready(seq)
         drafts = seq.drafts
         k = 0
         while k < len(drafts) and k < len(tokens) and tokens[k] == drafts[k]:
@@ -187,7 +187,9 @@ class SsdDrafter:
             seq.slot, seq.ready, seq.pending = fork.slot, fork, []
         else:
             self._drop_forks(seq)
-            keep = min(k, seq.fed)
+            # As in ModelDrafter.extend, the last token is always fed again: the next forward needs an
+            # input (an outcome of accepted drafts only, with no bonus, left nothing to feed).
+            keep = min(k, seq.fed, max(len(tokens) - 1, 0))
             self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed + keep)
             seq.pending.extend(tokens[keep:])
             seq.ready = None
@@ -287,9 +289,8 @@ class SsdDrafter:
     def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
         """The target verifies drafts of its own next (push mode: a miss it resolved locally)."""
         seq = self._seqs[seq_id]
-        if seq.ready is not None:  # we had a hit it did not see in time: those drafts leave the cache
-            self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - (len(seq.ready.drafts) - 1))
-            seq.ready = None
+        if seq.ready is not None:  # we had a hit it did not see in time
+            self._unready(seq)
         seq.drafts, seq.fed, seq.rows, seq.source = list(drafts), 0, [], "fast"
         seq.handed_out_at = time.monotonic()
 
@@ -410,7 +411,7 @@ class SsdDrafter:
             c.k[:, slot, :, :prefix] = c.k[:, seq.slot, :, :prefix]
             c.v[:, slot, :, :prefix] = c.v[:, seq.slot, :, :prefix]
             c.lengths[slot] = prefix
-            fork = _Fork(slot, [], [], None, None)
+            fork = _Fork(slot, outcome[1], [], [], None, None)
             seq.forks[outcome] = fork
             built.append((seq, outcome[1], fork))
         feed = [[b] for _, b, _ in built]
@@ -435,6 +436,14 @@ class SsdDrafter:
             # The last draft was never fed (as after any propose): the cache holds b, d'1..d'_{K-1}.
             if ids_rows[i]:
                 fork.topk_ids, fork.topk_probs = torch.stack(ids_rows[i]), torch.stack(prob_rows[i])
+
+    def _unready(self, seq: _Seq) -> None:
+        """Drops a hit's drafts from the cache, and its bonus token too, back to pending: the next forward
+        (drafts, or the glue before pre-speculating) needs a token to feed. Keeping the bonus cached
+        left nothing to feed after an outcome with no new tokens, and the glue one row short."""
+        self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(seq.ready.drafts))
+        seq.pending = [seq.ready.bonus, *seq.pending]
+        seq.ready = None
 
     def _drop_forks(self, seq: _Seq) -> None:
         for fork in seq.forks.values():

@@ -42,6 +42,10 @@ class ChannelError(RuntimeError):
     """The channel is closed or broken (a send failed, the peer went away); make a new pair."""
 
 
+class ChannelBusy(ChannelError):
+    """The host has as many pairs waiting for their peers as it allows; offer again later."""
+
+
 @runtime_checkable
 class PairChannel(Protocol):
     def send(self, tensor: torch.Tensor) -> None:
@@ -292,7 +296,8 @@ class ChannelHost:
     """Endpoint side: one TCPStore server, one pair per peer (rank 0 here, rank 1 at the peer).
 
     The store binds every interface; `host` is the address peers are told to reach (and where the
-    Gloo side of each pair listens).
+    Gloo side of each pair listens). At most `max_joining` offers wait for their peers at once (each holds
+    a thread for up to timeout_s); more are refused with ChannelBusy.
     """
 
     def __init__(
@@ -301,9 +306,11 @@ class ChannelHost:
         port: int = 0,
         timeout_s: float = 30.0,
         device: torch.device | None = None,
+        max_joining: int = 16,
     ):
         self.host = host
         self.timeout_s = timeout_s
+        self.max_joining = max_joining
         self.device = device or default_device()
         self.backend = distributed_backend(self.device)
         self._store = dist.TCPStore(
@@ -312,6 +319,7 @@ class ChannelHost:
         self.port = self._store.port
         self._advertised_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
         self._pairings: dict[str, _Pairing] = {}
+        self._joining = 0  # offers whose rank 0 still waits for the peer
         self._lock = threading.Lock()
         self._closed = False
 
@@ -329,6 +337,12 @@ class ChannelHost:
         with self._lock:
             if self._closed:
                 raise ChannelError("ChannelHost is closed")
+            # Offers nobody joins (a peer that died, a client that only asks) would otherwise hold a
+            # thread each: one per call, however many calls.
+            if self._joining >= self.max_joining:
+                raise ChannelBusy(f"{self._joining} tensor channel offers are waiting for their peers, the most "
+                                  f"this endpoint allows; retry within {self.timeout_s:g} s")
+            self._joining += 1
             previous = self._pairings.get(peer)
             self._pairings[peer] = pairing
         if previous is not None:
@@ -363,8 +377,12 @@ class ChannelHost:
         prefix = pairing.offer.prefix
         channel = None
         try:
+            # A connection of its own: waits on one connection take turns, so an offer nobody joins
+            # held every later pair up for its whole timeout (50 such offers: 25 minutes).
+            store = dist.TCPStore("127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host, self.port,
+                                  is_master=False, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
             channel = DistributedPairChannel._join(
-                dist.PrefixStore(prefix, self._store),
+                dist.PrefixStore(prefix, store),
                 rank=0,
                 backend=self.backend,
                 device=self.device,
@@ -376,6 +394,7 @@ class ChannelHost:
             log.warning("%s", e)
         finally:
             with self._lock:
+                self._joining -= 1
                 if channel is not None and not pairing.dropped:
                     pairing.channel, channel = channel, None
             pairing.done.set()

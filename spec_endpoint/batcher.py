@@ -32,6 +32,7 @@ from spec_endpoint.messages import (
     Round,
     RoundResult,
     SequenceDrafts,
+    SequenceRound,
 )
 from spec_endpoint.metrics import EndpointMetrics
 from spec_endpoint.registry import DrafterRegistry
@@ -116,6 +117,18 @@ def split_conflicts(items: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]
             seen |= keys
         now.append(item)
     return now, later
+
+
+def _local_drafts_error(seq: SequenceRound, vocab_size: int) -> str:
+    """Why SSD cannot pre-speculate after a round's local drafts ("" when it can)."""
+    if not seq.new_tokens:  # the glue computes the first draft's row from the last new token
+        return "new_tokens: empty, but local drafts follow the tokens emitted since the previous round"
+    if len(seq.drafts_in_use) > MAX_DRAFT_TOKENS:
+        return f"drafts_in_use: {len(seq.drafts_in_use)} drafts, over {MAX_DRAFT_TOKENS}"
+    bad = next((t for t in seq.drafts_in_use if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"drafts_in_use: token id {bad} outside the vocabulary [0, {vocab_size})"
+    return ""
 
 
 class _StreamClock:
@@ -291,6 +304,12 @@ class Batcher:
         if session.kind is not DrafterKind.SSD:
             drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
         else:
+            if seq.resolution == "local_drafts":  # pre-speculation feeds them, with every SSD session's forks
+                error = _local_drafts_error(seq, drafters.vocab_size)
+                if error:
+                    self.drop(session)
+                    out.error = f"sequences[{i}].{error}; session closed"
+                    return None
             # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
             drafters.ssd.extend(session.key.drafter_id, seq.new_tokens, arrived_at=work.arrived)
             session.stream = work.stream

@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from engine.tensor_channel import ChannelError
+from engine.tensor_channel import ChannelBusy, ChannelError
 from spec_endpoint.messages import FieldError, StatusCode
 
 if TYPE_CHECKING:
@@ -27,7 +27,12 @@ class TenantChannels:
             raise FieldError("tenant", "this endpoint has no tensor channel host", StatusCode.FAILED_PRECONDITION)
         with self._lock:
             self._attached.pop(tenant, None)
-        return self.host.offer(tenant)
+        try:
+            return self.host.offer(tenant)
+        except ChannelBusy as e:
+            raise FieldError("tenant", str(e), StatusCode.RESOURCE_EXHAUSTED) from e
+        except ChannelError as e:  # closed: the endpoint is stopping
+            raise FieldError("tenant", str(e), StatusCode.UNAVAILABLE) from e
 
     def attach(self, tenant: str, channel: PairChannel) -> None:
         """Use an already connected channel (in-process: one end of a LoopbackChannel pair)."""

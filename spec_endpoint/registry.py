@@ -21,7 +21,7 @@ from engine.ngram import NgramDrafter, SuffixArrayDatastore
 from engine.sampling import make_generator
 from engine.speculation_policy import StepCosts, cached_step_costs
 from engine.ssd import SsdDrafter
-from spec_endpoint.messages import DrafterKind
+from spec_endpoint.messages import MAX_DRAFT_TOKENS, DrafterKind
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,12 @@ class ModelDrafters:
                 )
             drafters.model = ModelDrafter(draft, max_sequences=max_sessions, max_len=max_len)
             # SSD sessions hold forks too, so they get a cache of their own (`ssd`: SsdDrafter options).
+            # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
+            # a bonus token and its own drafts: without that room a session near max_len failed the
+            # pre-speculation of every SSD session in its step.
             options = {"max_sequences": 16, "fork_slots": 128} | (ssd or {})
-            drafters.ssd = SsdDrafter(draft, max_len=max_len, ngram=NgramDrafter(datastore), **options)
+            drafters.ssd = SsdDrafter(draft, max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1, ngram=NgramDrafter(datastore),
+                                      **options)
             drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=step_cost_dir)
             drafters.generator = make_generator(None, device)
         log.info(

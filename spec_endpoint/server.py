@@ -76,9 +76,11 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
                     self.endpoint.submit(stream, wire.round_from(msg))
                 except FieldError as e:
                     stream.fail(e)
-                    return
+                    break  # still ended below: the batcher forgets the stream (its round clock) there
         except grpc.RpcError:
             pass  # the client went away; its sessions live on until their leases end
+        except serving.MalformedRequest:
+            pass  # the call already ends with INVALID_ARGUMENT, which names the request
         except Exception:
             log.exception("Rounds reader failed")
         self.endpoint.end_stream(stream)
@@ -129,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the longest idle session lease; longer requested leases are clamped to it")
     parser.add_argument("--max-round-streams", type=int, default=64,
                         help="Rounds streams at once (one per attached target); another target is refused with "
-                             "RESOURCE_EXHAUSTED and drafts locally until it can attach")
+                             "RESOURCE_EXHAUSTED and drafts locally until it can attach. Also the tensor channel "
+                             "offers that may wait for their peers at once")
     parser.add_argument("--tenant-labels", type=int, default=64,
                         help="tenants named in metric labels: the first this many to open a session; later "
                              "ones are counted under tenant=\"_other\"")
@@ -190,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
         endpoint_id=args.endpoint_id or f"{socket.gethostname()}:{port}",
         batch_window_s=args.batch_window_ms / 1000,
     )
-    channels = ChannelHost(host=args.channel_host, device=device)
+    channels = ChannelHost(host=args.channel_host, device=device, max_joining=args.max_round_streams)
     endpoint = Endpoint(registry, config, channel_host=channels)
     health = add_to_server(server, endpoint)
     metrics = serving.MetricsHttpServer(

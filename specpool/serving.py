@@ -159,6 +159,12 @@ class _Malformed:
         self.error = error
 
 
+class MalformedRequest(ValueError):
+    """Raised by a request stream at a message that did not parse, once the call's status is set
+    (INVALID_ARGUMENT): a servicer that reads its requests on a thread of its own (the endpoint's Rounds)
+    can tell bad input from a bug of its own, and stop reading without a traceback."""
+
+
 class MalformedRequests(grpc.ServerInterceptor):
     """Bytes that are not the method's request message get INVALID_ARGUMENT, not INTERNAL plus a
     traceback in the server's log (what gRPC does when its deserializer raises)."""
@@ -196,7 +202,10 @@ class MalformedRequests(grpc.ServerInterceptor):
             def each():
                 for request in requests:
                     if isinstance(request, _Malformed):
-                        refuse(context, request)
+                        try:
+                            refuse(context, request)
+                        except Exception as aborted:  # context.abort's own, bare: the status is set
+                            raise MalformedRequest(f"request: {request.error}") from aborted
                     yield request
 
             return behavior(each(), context)

@@ -131,6 +131,46 @@ def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tin
     assert checked["cache"] > 5 and checked["neural"] > 5, checked
 
 
+def test_outcomes_a_target_rarely_sends_leave_the_cache_equal_to_the_context():
+    """Found fuzzing the endpoint: accepted drafts with no bonus, a hit then an outcome with no new tokens,
+    and local drafts after a hit the target did not see left nothing to feed ("a row needs at least one
+    token", failing every session drafted with it) or the glue a row short (IndexError in pre-speculation,
+    failing every SSD session's). After each, the next drafts equal fresh greedy drafts of the context."""
+    draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=5)
+    ssd = SsdDrafter(draft, 1, 96, fork_slots=16, fork_budget=4, backup="neural")
+    context = [5, 6, 7, 8, 5, 6]
+    ssd.add_sequence("s", context)
+
+    def drafts() -> list[int]:
+        got = ssd.propose(["s"], [3], SamplingParams(), None).tokens[0]
+        ssd.prespeculate(["s"])
+        cache = draft.new_cache(1, 128)
+        slot, feed, fresh = cache.allocate(), context, []
+        for _ in got:
+            fresh.append(int(draft.forward(cache, [slot], [feed]).argmax(-1)[0]))
+            feed = fresh[-1:]
+        assert got == fresh
+        return got
+
+    def outcome(tokens: list[int]) -> None:
+        context.extend(tokens)
+        ssd.extend("s", tokens)
+
+    def a_hit(d: list[int]) -> list[int]:
+        k, bonus = next(iter(ssd.outcome_table("s")))
+        return d[:k] + [bonus]
+
+    outcome(drafts()[:1])  # the first draft accepted, no bonus
+    outcome(a_hit(drafts()))
+    outcome([])
+    d = drafts()
+    outcome(a_hit(d))
+    ssd.adopt("s", [9, 10])  # the target missed the hit and drafts on its own
+    ssd.prespeculate(["s"])
+    outcome([9, 11])
+    drafts()
+
+
 # -- lossless sampling ---------------------------------------------------------------------------------
 
 V = 8

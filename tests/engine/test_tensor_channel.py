@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.tensor_channel import (
+    ChannelBusy,
     ChannelError,
     ChannelHost,
     ChannelOffer,
@@ -116,6 +117,27 @@ def test_connect_times_out_with_a_clear_error_when_no_peer_joins():
         assert time.monotonic() - t0 < 5
         assert host.get("target-b", timeout_s=3.0) is None  # rank 0 gave up too
         assert host.get("never-offered") is None
+    finally:
+        host.close()
+
+
+def test_offers_nobody_joins_neither_hold_up_another_pair_nor_pile_up():
+    """Rank 0 waited on the store's one connection: each offer nobody joined held every later one up
+    for its whole timeout (fuzzed OpenTensorChannel calls: 50 offers, 25 minutes, a thread each)."""
+    host = ChannelHost(timeout_s=3.0, device=CPU, max_joining=3)
+    try:
+        host.offer("ghost-1")
+        host.offer("ghost-2")
+        offer = host.offer("target-c")
+        with pytest.raises(ChannelBusy, match="waiting for their peers"):
+            host.offer("ghost-3")
+        t0 = time.monotonic()
+        peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
+        assert host.get("target-c", timeout_s=3.0) is not None
+        assert time.monotonic() - t0 < 2.0, "paired only after the ghosts timed out"
+        peer.close()
+        time.sleep(3.5)  # the ghosts' offers time out: room again
+        host.offer("ghost-3")
     finally:
         host.close()
 

@@ -222,6 +222,33 @@ def test_ngram_sessions_draft_from_their_own_context(files):
     assert result.sequences[0].tokens == [3, 4]
 
 
+def test_ssd_rounds_that_failed_every_sessions_prespeculation_are_answered_per_sequence(files):
+    """Each of these made SSD pre-speculation raise (found fuzzing the endpoint, tests/cluster/test_fuzz.py),
+    which lost the step's pre-speculation for every SSD session, other tenants' too. (Outcomes the SSD
+    drafter itself mishandled are in tests/engine/test_ssd.py.)"""
+    endpoint = make_endpoint(files)  # max_len 128
+    stream = endpoint.open_stream()
+
+    def step(*seqs: SequenceRound) -> list:
+        endpoint.submit(stream, Round("a", 1, seqs))
+        assert endpoint.batcher.run_once()
+        replies = []
+        while not stream.outbound.empty():
+            replies += stream.outbound.get_nowait().sequences  # pushed tables carry none
+        return replies
+
+    assert open_one(endpoint, "a", "s", [1, 2, 3] * 3, drafter=DrafterKind.SSD, push=True).ok
+    assert open_one(endpoint, "a", "long", [1, 2, 3, 4] * 30, drafter=DrafterKind.SSD, push=True).ok
+    step(SequenceRound("s", (), 3), SequenceRound("long", (), 8))
+    # "long" holds 121 tokens and 8 drafts: its forks run past max_len (the SSD cache had no room for them).
+    step(SequenceRound("s", (4,), 3, "local_drafts", (5,) * 4), SequenceRound("long", (9,), 8))
+    [empty] = step(SequenceRound("s", (), 3, "local_drafts", (5,) * 4))
+    assert empty.error.startswith("sequences[0].new_tokens: empty, but local drafts follow"), empty.error
+    [bad] = step(SequenceRound("long", (6,), 3, "local_drafts", (V,)))
+    assert bad.error.startswith(f"sequences[0].drafts_in_use: token id {V} outside the vocabulary"), bad.error
+    assert endpoint.metrics.value("specpool_spec_drafted_tokens_total", {"tenant": "a", "model": MODEL}) > 0
+
+
 # -- through gRPC ------------------------------------------------------------------------------
 
 
@@ -369,6 +396,25 @@ def test_grpc_round_and_other_rpc_validation(served):
     assert len(again.recv().sequences[0].tokens) == 2
     again.close()
     assert stub.CloseSessions(pb.CloseSessionsRequest(tenant="a", request_ids=["x"]), timeout=10).closed == 1
+
+
+def test_grpc_bytes_that_are_no_round_are_invalid_argument_without_a_traceback(files, caplog):
+    """The Rounds reader thread met the interceptor's abort as a bare Exception: one traceback per stream."""
+    endpoint = make_endpoint(files)
+    server, port = serving.build_server(0, host="127.0.0.1")
+    add_to_server(server, endpoint)
+    server.start()
+    endpoint.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            rounds = channel.stream_stream("/specpool.v1.SpeculationService/Rounds")
+            with pytest.raises(grpc.RpcError) as err:
+                list(rounds(iter([b"\xff\xff\xff\xff"]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("request: ")
+        assert "Traceback" not in caplog.text and "Rounds reader failed" not in caplog.text
+    finally:
+        endpoint.stop()
+        server.stop(None)
 
 
 def test_flags_and_drafter_specs():
