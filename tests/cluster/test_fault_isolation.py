@@ -37,19 +37,11 @@ from engine.sampling import SamplingParams
 from specpool.registry import Registry
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.router.test_router import wait_for
 
 MAX_BATCH, MAX_QUEUE = 8, 16
 CONFIG = replace(tiny_config(vocab_size=64), max_context=4096)
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
-
-
-def wait_for(predicate, timeout_s: float = 20.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met in {timeout_s}s")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from engine.sampling import SamplingParams
 from router.server import _Stream
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.router.test_router import wait_for
 
 MAX_CONTEXT = 2048
 CONFIG = replace(tiny_config(vocab_size=64), max_context=MAX_CONTEXT)
@@ -70,16 +71,6 @@ def pool(tiny_gguf, redis_server):
     finally:
         with ThreadPoolExecutor(len(servers) or 1) as ex:
             list(ex.map(ServerProcess.stop, servers))
-
-
-def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met in {timeout_s}s")
 
 
 def pool_targets(router: ServerProcess) -> list[str]:

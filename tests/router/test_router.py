@@ -37,7 +37,7 @@ DRAFT, NGRAM, NONE, AUTO = (pb.SPECULATION_METHOD_DRAFT_MODEL, pb.SPECULATION_ME
                             pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_AUTO)
 
 
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         value = predicate()
