@@ -322,8 +322,7 @@ class SpeculationClient:
         self.vocab_size = vocab_size  # an endpoint's draft outside it is a bad reply, not a crash
         self.address = address
         self.local = local
-        self.deadline_s = deadline_s
-        self.breaker = DeadlineBreaker(deadline_s)
+        self.breaker = DeadlineBreaker(deadline_s)  # holds the configured deadline: rounds wait up to it
         self.lease_s = lease_s
         self.reattach_s = reattach_s
         self.on_fallback = on_fallback or (lambda reason, seq_ids: None)  # called on the step's thread
@@ -647,7 +646,7 @@ class SpeculationClient:
             future = conn.stub.OpenSessions.future(
                 pb.OpenSessionsRequest(tenant=self.tenant, target_model=self.target_model,
                                        lease_s=self.lease_s, sessions=specs),
-                timeout=max(10.0, self.deadline_s),
+                timeout=max(10.0, self.breaker.max_deadline_s),
             )
             self._opens.append((conn, closed, future))
             try:
