@@ -171,8 +171,11 @@ class Llama:
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
         slot_index = torch.tensor(list(slots), device=dev)
 
-        cos = self.rope_cos[pos][:, :, None, :]  # [B, T, 1, D/2]
-        sin = self.rope_sin[pos][:, :, None, :]
+        # A short row's padding runs past its real positions, and near the end of the context past the
+        # table: any angle serves a padding position (its key goes to the scratch slot).
+        rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
+        cos = self.rope_cos[rope_pos][:, :, None, :]  # [B, T, 1, D/2]
+        sin = self.rope_sin[rope_pos][:, :, None, :]
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)  # [B, T, d]
         for li, layer in enumerate(self.layers):

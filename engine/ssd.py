@@ -249,12 +249,13 @@ class SsdDrafter:
     def prespeculate(self, seq_ids: Sequence[str]) -> None:
         """Build the speculation cache for the outstanding drafts of these sequences (one glue
         forward, then K tree-decode forwards over every fork of every sequence)."""
-        seqs = [(sid, self._seqs[sid]) for sid in seq_ids if sid in self._seqs and self._seqs[sid].drafts]
+        k_next = max(self.lookahead, 1)
+        seqs = [(sid, self._seqs[sid]) for sid in seq_ids
+                if sid in self._seqs and self._seqs[sid].drafts and self._has_room(self._seqs[sid], k_next)]
         if not seqs:
             return
         start = time.monotonic()
         self._glue([s for _, s in seqs])
-        k_next = max(self.lookahead, 1)
         per_seq = max(1, min(self.forks, self.cache.free_slots // len(seqs)))
         fanout = geometric_fanout(per_seq, k_next, self.stats.accept_ema, self.stats.miss_exponent())
         forks: list[tuple[_Seq, Outcome, int]] = []  # (sequence, outcome, prefix length)
@@ -273,6 +274,12 @@ class SsdDrafter:
         elapsed = time.monotonic() - start
         self.stats.prespec_s = ema(self.stats.prespec_s, elapsed)
         self._size_forks(elapsed)
+
+    def _has_room(self, seq: _Seq, k_next: int) -> bool:
+        """Whether the cache holds this sequence glued (context + d1..dK) plus a fork's bonus and
+        drafts: near the end of the cache, a sequence is drafted on demand instead of pre-speculated."""
+        glued = self.cache.lengths[seq.slot] + len(seq.pending) + len(seq.drafts) - seq.fed
+        return glued + k_next <= self.cache.max_len
 
     def _size_forks(self, elapsed: float) -> None:
         """One fork per sequence fewer when a pass overran its share of the verify time, one more

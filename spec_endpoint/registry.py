@@ -132,6 +132,11 @@ class ModelDrafters:
                     f"--drafter {spec.name}: draft {spec.draft_dir} has vocabulary {draft.config.vocab_size}, "
                     f"target {spec.target_gguf} has {vocab}"
                 )
+            if max_len > draft.config.max_context:
+                # No session may outgrow the draft's positions (the n-gram drafter's too: one cap per model).
+                log.warning("--drafter %s: --max-len %d exceeds the draft's context %d; sessions are capped at %d",
+                            spec.name, max_len, draft.config.max_context, draft.config.max_context)
+                max_len = drafters.max_len = draft.config.max_context
             drafters.model = ModelDrafter(draft, max_sequences=max_sessions, max_len=max_len)
             # SSD sessions hold forks too, so they get a cache of their own (`ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork

@@ -44,6 +44,24 @@ def test_ragged_batch_equals_each_sequence_alone(tiny_model):
         torch.testing.assert_close(stepped[b, : len(row)], want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_short_row_at_the_end_of_the_context_beside_a_longer_one():
+    """Found fuzzing the endpoint: a 1-token row at the last position, batched with a 3-token row, padded
+    past the rope table (IndexError for the whole batch)."""
+    from dataclasses import replace
+
+    config = replace(tiny_config(vocab_size=64), max_context=16)
+    model = Llama.random_init(config, seed=2)
+    cache = model.new_cache(2, 16)
+    long, short = cache.allocate(), cache.allocate()
+    prompt = _prompts(1, 64)[0]
+    model.forward(cache, [long, short], [prompt, list(range(3, 18))])
+    both = model.forward(cache, [long, short], [[7, 8, 9], [20]], all_logits=True)
+    alone = model.new_cache(1, 16)
+    slot = alone.allocate()
+    model.forward(alone, [slot], [list(range(3, 18))])
+    torch.testing.assert_close(both[1, 0], model.forward(alone, [slot], [[20]])[0], atol=1e-5, rtol=1e-5)
+
+
 def test_rollback_forgets_rejected_positions(tiny_model):
     prompt = _prompts(1, 64)[0]
     cache = tiny_model.new_cache(2, 64)

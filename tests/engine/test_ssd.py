@@ -7,6 +7,7 @@ target verifies them), which exercises exactly the endpoint's cache, forks and b
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -169,6 +170,24 @@ def test_outcomes_a_target_rarely_sends_leave_the_cache_equal_to_the_context():
     ssd.prespeculate(["s"])
     outcome([9, 11])
     drafts()
+
+
+def test_a_sequence_at_the_end_of_the_cache_is_drafted_on_demand_not_pre_speculated():
+    """Found fuzzing the endpoint: a session as long as the draft's context (--max-len = its max_context)
+    handed out drafts that filled the cache, and the glue before pre-speculating fed one position more
+    (ValueError in the forward, failing every SSD session's pre-speculation in that step)."""
+    config = replace(tiny_config(vocab_size=64, n_layers=1), max_context=24)
+    draft = Llama.random_init(config, seed=5)
+    ssd = SsdDrafter(draft, 1, 64, fork_slots=16, fork_budget=4, backup="neural")
+    assert ssd.cache.max_len == 24
+    context = list(range(1, 23))
+    ssd.add_sequence("s", context)
+    drafts = ssd.propose(["s"], [3], SamplingParams(), None).tokens[0]
+    assert ssd.cache.lengths[ssd._seqs["s"].slot] == 24
+    ssd.prespeculate(["s"])
+    assert ssd.outcome_table("s") == {}, "no room for forks: nothing pre-speculated"
+    ssd.extend("s", drafts[:1] + [7])
+    assert ssd.propose(["s"], [1], SamplingParams(), None).tokens[0] and ssd._seqs["s"].source == "neural"
 
 
 # -- lossless sampling ---------------------------------------------------------------------------------
