@@ -26,6 +26,7 @@ from engine.tensor_channel import ChannelError
 from spec_endpoint.channels import TenantChannels
 from spec_endpoint.messages import (
     MAX_DRAFT_TOKENS,
+    RESOLUTIONS,
     DrafterKind,
     FieldError,
     OutcomeTable,
@@ -283,6 +284,10 @@ class Batcher:
         session = self.sessions.get(SessionKey(work.round.tenant, seq.request_id))
         if session is None:
             out.error = SESSION_NOT_FOUND
+            return None
+        if seq.resolution not in RESOLUTIONS:  # before the outcome is recorded: the session is out of step now
+            self.drop(session)
+            out.error = f"sequences[{i}].resolution: unknown value {seq.resolution}; session closed"
             return None
         drafters = self.registry.get(session.model)
         session.renew(now)

@@ -82,12 +82,15 @@ class OpenResult:
     drafter: DrafterKind | None = None
 
 
+RESOLUTIONS = ("ask", "table_hit", "local_drafts")  # SequenceRound.resolution; anything else is refused
+
+
 @dataclass(frozen=True, slots=True)
 class SequenceRound:
     request_id: str
     new_tokens: tuple[int, ...]  # the verification outcome since this session's previous round
     num_draft_tokens: int
-    resolution: str = "ask"  # SSD push: "table_hit" / "local_drafts" when the target drafted itself
+    resolution: str = "ask"  # SSD push: "table_hit" / "local_drafts" when the target drafted itself (RESOLUTIONS)
     drafts_in_use: tuple[int, ...] = ()  # with "local_drafts"
 
 

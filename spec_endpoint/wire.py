@@ -106,7 +106,7 @@ def round_from(msg: pb.RoundRequest) -> Round:
         round_id=msg.round_id,
         sequences=tuple(
             SequenceRound(s.request_id, tuple(s.new_tokens), s.num_draft_tokens,
-                          _RESOLUTION_FROM_PB.get(s.resolution, "ask"), tuple(s.drafts_in_use))
+                          _RESOLUTION_FROM_PB.get(s.resolution, str(s.resolution)), tuple(s.drafts_in_use))
             for s in msg.sequences
         ),
     )

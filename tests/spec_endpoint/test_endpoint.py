@@ -273,9 +273,9 @@ class RoundsClient:
         self._requests: queue.Queue = queue.Queue()
         self._replies = stub.Rounds(iter(self._requests.get, None), timeout=20)
 
-    def send(self, tenant, round_id, *seqs):
+    def send(self, tenant, round_id, *seqs, resolution=pb.ROUND_RESOLUTION_ASK):
         self._requests.put(pb.RoundRequest(tenant=tenant, round_id=round_id, sequences=[
-            pb.SequenceRound(request_id=r, new_tokens=t, num_draft_tokens=n) for r, t, n in seqs
+            pb.SequenceRound(request_id=r, new_tokens=t, num_draft_tokens=n, resolution=resolution) for r, t, n in seqs
         ]))
 
     def recv(self) -> pb.RoundResponse:
@@ -396,6 +396,18 @@ def test_grpc_round_and_other_rpc_validation(served):
     assert len(again.recv().sequences[0].tokens) == 2
     again.close()
     assert stub.CloseSessions(pb.CloseSessionsRequest(tenant="a", request_ids=["x"]), timeout=10).closed == 1
+
+
+def test_an_unknown_round_resolution_is_refused_for_that_sequence(served):
+    """Before, an unknown SequenceRound.resolution was read as ASK: the endpoint guessed at the target's state."""
+    _, stub = served
+    assert grpc_open(stub, "a", "odd", CONTEXTS[0]).sessions[0].ok
+    client = RoundsClient(stub)
+    client.send("a", 1, ("odd", [], 2), resolution=7)
+    assert client.recv().sequences[0].error == "sequences[0].resolution: unknown value 7; session closed"
+    client.send("a", 2, ("odd", [], 2))
+    assert client.recv().sequences[0].error == SESSION_NOT_FOUND
+    client.close()
 
 
 def test_grpc_bytes_that_are_no_round_are_invalid_argument_without_a_traceback(files, caplog):
