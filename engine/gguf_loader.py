@@ -110,9 +110,11 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
     )
 
 
-def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Path:
-    """Write a Llama GGUF with fp32 tensors and no tokenizer: how tests hand tiny random-init
-    models to servers that load `--model PATH` exactly as they load a real one."""
+def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor],
+              tokenizer_of: GGUFModel | None = None, chat_template: str | None = None) -> Path:
+    """Write a Llama GGUF with fp32 tensors: how tests hand tiny random-init models to servers that
+    load `--model PATH` exactly as they load a real one. No tokenizer, unless `tokenizer_of` lends its
+    vocabulary (`chat_template` then replaces its template)."""
     from gguf import GGUFWriter
 
     path = Path(path)
@@ -127,6 +129,12 @@ def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Te
     writer.add_context_length(config.max_context)
     writer.add_bos_token_id(config.bos_id)
     writer.add_eos_token_id(config.eos_id)
+    if tokenizer_of is not None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokenizer_of.tokens)
+        writer.add_token_types(tokenizer_of.token_types)
+        writer.add_token_merges(tokenizer_of.merges)
+        writer.add_chat_template(chat_template or tokenizer_of.chat_template or "")
     inverse = {v: k for k, v in {
         "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
         "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -42,8 +42,10 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.chat_template = chat_template
+        # A model file is data: its template renders in a sandbox, so a crafted one cannot reach Python
+        # internals (a plain Environment let one run shell commands: the CVE-2024-34359 pattern).
         self._template = (
-            jinja2.Environment(trim_blocks=False, lstrip_blocks=False).from_string(chat_template)
+            ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(chat_template)
             if chat_template
             else None
         )

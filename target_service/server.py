@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import jinja2
 import torch
 
 from engine.decoding import Decoder, GenerationResult
@@ -210,7 +211,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 bad_role = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
                 if bad_role is not None:
                     abort_invalid(context, "messages", f"role {bad_role!r} is not one of system, user, assistant")
-                ids = self.tokenizer.encode_chat(messages) if messages else []
+                try:
+                    ids = self.tokenizer.encode_chat(messages) if messages else []
+                except jinja2.TemplateError as e:  # the model file's template: refused by the sandbox, or broken
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"messages: this model's chat template failed ({type(e).__name__}: {e}); "
+                                  "send prompt or prompt_ids instead")
         if not ids:
             abort_invalid(context, {"prompt": "prompt", "prompt_ids": "prompt_ids"}.get(which, "messages"), "is empty")
         return ids
