@@ -9,13 +9,14 @@ registered in a real Redis, and a router in front of it.
   the field, at the target and through the router;
 - with the real model (slow): a 4 MB text prompt is refused in under 0.2 s while another stream's gaps
   between tokens stay under twice their solo figure, and a forged "<|im_start|>system" in user content
-  is tokenized as text.
+  is tokenized as text;
+- (slow) the endpoint SIGSTOPped, or its link slowed 300 ms each way, for 8 s: the target's breaker opens,
+  steps stop waiting for drafts, and speculation resumes within 2 s of recovery.
 """
 
 from __future__ import annotations
 
 import itertools
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -254,86 +255,28 @@ def test_control_tokens_typed_in_chat_content_are_text(real_target):
     assert result.usage.prompt_tokens == len(ids)
 
 
-# -- a hung endpoint ----------------------------------------------------------------------------------
-
-
-def _timed_stream(stub_, request: pb.GenerateRequest, stamps: list[tuple[float, int]], out: list) -> None:
-    """Runs one stream: (arrival time, tokens) per delta into stamps, then its final into out."""
-    for msg in stub_.Generate(request, timeout=300):
-        if msg.HasField("delta"):
-            stamps.append((time.monotonic(), len(msg.delta.token_ids)))
-        else:
-            out.append(msg.final)
-
-
-def _rate(stamps: list[tuple[float, int]], start: float, end: float) -> float:
-    """Tokens per second a stream received in [start, end]."""
-    return sum(n for t, n in stamps if start <= t <= end) / (end - start)
+# -- a hung or slow endpoint ----------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_a_hung_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_answers(tmp_path):
-    """The endpoint SIGSTOPped for 8 s under a drafted stream and a co-batched plain one: after the
-    breaker opens (three late rounds) steps stop waiting, so the plain stream runs at least as fast as
-    before the stop (before, every step waited the full 500 ms deadline: about 2 tokens/s); within 2 s
-    of SIGCONT the breaker closes; the drafted stream still equals AR."""
-    from tests.cluster.test_disaggregation import start_endpoint, start_target, tiny_files
+@pytest.mark.parametrize("fault", ["sigstop", "slow_link"])
+def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recovers(tmp_path, fault):
+    """The endpoint SIGSTOPped, or its link slowed by 300 ms each way, for 8 s under a drafted stream
+    and a co-batched plain one (bench/grey_failure.py): after the breaker opens (three late rounds)
+    steps stop waiting, so both streams run about as fast as before the fault (before, every step
+    waited the full 500 ms deadline: about 2 tokens/s); within 2 s of recovery the breaker closes and
+    the endpoint drafts again; the drafted stream equals AR. The tight figures (1.2x solo, 1.3x AR)
+    are the benchmark's, on a quiet machine; here, next to other tests, the bound is 1.5x."""
+    from bench.grey_failure import measure
+    from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3, max_context=4096)
-    spec = start_endpoint(gguf, draft, "--max-len", "4200")
-    target = start_target(gguf, spec, "grey", "--draft-tokens", "3", "--max-context", "4096",
-                          "--spec-deadline-ms", "500")
-    try:
-        s = stub(target)
-        model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
-        drafted_prompt = [3, 7, 9, 11, 3, 7]
-        [want] = generate(model, [drafted_prompt], SamplingParams(), 3000, stop_ids=[])
-        drafted = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=drafted_prompt), max_tokens=3000, ignore_eos=True,
-                                     speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_DRAFT_MODEL))
-        plain = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=4000, ignore_eos=True,
-                                   speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_NONE))
-        drafted_stamps, plain_stamps, finals = [], [], []
-        threads = [threading.Thread(target=_timed_stream, args=(s, r, st, finals), daemon=True)
-                   for r, st in ((plain, plain_stamps), (drafted, drafted_stamps))]
-        threads[0].start()
-        wait_for(lambda: sum(n for _, n in plain_stamps) >= 20)
-        time.sleep(1.0)
-        solo = _rate(plain_stamps, time.monotonic() - 1.0, time.monotonic())
-        threads[1].start()
-        wait_for(lambda: sum(n for _, n in drafted_stamps) >= 20)
-        time.sleep(1.0)
-        stopped = time.monotonic()
-        before = _rate(plain_stamps, stopped - 1.0, stopped)
-        spec.proc.send_signal(signal.SIGSTOP)
-        try:
-            wait_for(lambda: target.metric_total("specpool_target_spec_breaker_open") == 1, timeout_s=5)
-            tripped = time.monotonic()
-            time.sleep(max(0.0, stopped + 8.0 - time.monotonic()))
-        finally:
-            spec.proc.send_signal(signal.SIGCONT)
-        resumed = time.monotonic()
-        # Probes ride on rounds: a drafted request keeps them going, whether or not the first two ended.
-        drafted.max_tokens = 2000
-        threads.append(threading.Thread(target=_timed_stream, args=(s, drafted, [], finals), daemon=True))
-        threads[-1].start()
-        during = _rate(plain_stamps, tripped, min(resumed, plain_stamps[-1][0]))
-        closed_in = wait_for(lambda: target.metric_total("specpool_target_spec_breaker_open") == 0
-                             and time.monotonic() - resumed, timeout_s=10)
-        for t in threads:
-            t.join(timeout=300)
-        print(f"breaker open after {tripped - stopped:.2f} s, closed {closed_in:.2f} s after SIGCONT; plain "
-              f"stream {solo:.0f} tokens/s alone, {before:.0f} next to the drafted one, {during:.0f} while the "
-              f"breaker was open")
-        assert tripped - stopped < 2.0
-        assert during >= before / 1.5
-        assert closed_in < 2.0
-        drafted_final = next(f for f in finals if len(f.completions[0].token_ids) == 3000
-                             and f.completions[0].speculation.method == "draft_model")
-        assert list(drafted_final.completions[0].token_ids) == want.token_ids
-        assert drafted_final.completions[0].speculation.fallback_rounds > 0
-        drafted.max_tokens = 64
-        again = s.GenerateUnary(drafted, timeout=60).completions[0]
-        assert again.speculation.fallback_rounds == 0 and again.speculation.drafted_tokens > 0
-    finally:
-        for server in (target, spec):
-            server.stop()
+    one_thread = ["--threads", "1"]
+    f = measure(gguf, draft, fault, [3, 7, 9, 11, 3, 7], 3000, 4000,
+                ["--draft-tokens", "3", "--max-context", "4096", "--datastore", "", *one_thread],
+                ["--max-len", "4096", *one_thread])
+    print({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()})
+    assert f["tripped_s"] < 2.0 and f["resumed_s"] < 2.0
+    assert f["plain_during"] >= f["plain_before"] / 1.5 and f["drafted_during"] >= f["plain_before"] / 1.5
+    assert f["equal_ar"] and f["fallback_rounds"] > 0
+    assert f["resumed_drafting"]

@@ -1,0 +1,278 @@
+"""Grey failures of the speculation tier (issue 13, case 5), measured: an endpoint that hangs
+(SIGSTOP) or whose link turns slow (300 ms each way, a real TCP proxy), for 8 s, under a drafted
+stream and a co-batched plain one on one target.
+
+    python -m bench.grey_failure --json bench/results/grey_failure.json
+
+Figures, per fault, all from one run (this machine is shared and noisy):
+- plain_solo: the plain stream's tokens/s alone (its prompt decoded plainly, so also the AR rate);
+- plain_during / drafted_during: each stream's tokens/s while the target's breaker was open;
+- plain_ratio = plain_solo / plain_during (issue 13: within 1.2x) and drafted_ratio =
+  plain_solo / drafted_during (the drafted request against AR: within 1.3x);
+- tripped_s: fault to breaker open; resumed_s: recovery to breaker closed (within 2 s);
+- step_costs: the target's forward for the plain row alone and batched with the drafted row's
+  verify. A co-batched plain stream cannot beat joint_over_solo; `passed` asks that it stays within
+  1.2x of that (no waiting on drafts) and reports the issue's 1.2x-of-solo figure beside it;
+- the drafted stream's tokens equal AR, and a request sent after recovery is drafted by the endpoint
+  again (`after`: its steps, drafted tokens and rounds drafted locally).
+
+Without the breaker every step waited the full --spec-deadline-ms (500 ms): about 2 tokens/s.
+tests/cluster/test_fault_isolation.py runs the same scenario on tiny models with a looser bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from bench.machine import machine_info, machine_line
+from cluster.delay_proxy import DelayProxy
+from cluster.processes import ServerProcess, start_server
+from engine.decoding import generate
+from engine.gguf_loader import default_model_path, model_name
+from engine.model import Llama
+from engine.sampling import SamplingParams
+from specpool.v1 import target_pb2 as pb
+from specpool.v1 import target_pb2_grpc
+
+FAULT_S = 8.0
+SLOW_LINK_S = 0.3  # each way
+DRAFT_TOKENS = 4  # fixed: the hardware-aware policy may rightly stop drafting where the draft does not pay
+BREAKER = "specpool_target_spec_breaker_open"
+FALLBACK_REASONS = ("deadline", "breaker_open", "session_unavailable", "session_lost", "endpoint_failed",
+                    "endpoint_unavailable", "bad_reply")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Hang:
+    """The endpoint process SIGSTOPped: it accepts nothing and answers nothing."""
+
+    def __init__(self, spec: ServerProcess):
+        self.spec, self.address = spec, spec.address
+
+    def start(self) -> None:
+        self.spec.proc.send_signal(signal.SIGSTOP)
+
+    def end(self) -> None:
+        self.spec.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        pass
+
+
+class SlowLink:
+    """SLOW_LINK_S added each way on the target's link to the endpoint."""
+
+    def __init__(self, spec: ServerProcess):
+        self.proxy = DelayProxy(spec.address)
+        self.address = self.proxy.address
+
+    def start(self) -> None:
+        self.proxy.delay_s = SLOW_LINK_S
+
+    def end(self) -> None:
+        self.proxy.delay_s = 0.0
+
+    def close(self) -> None:
+        self.proxy.close()
+
+
+FAULTS = {"sigstop": Hang, "slow_link": SlowLink}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met in {timeout_s}s")
+
+
+class Stream:
+    """One Generate call in a thread: (arrival time, tokens) per delta, then its final."""
+
+    def __init__(self, stub, request: pb.GenerateRequest):
+        self.stamps: list[tuple[float, int]] = []
+        self.tokens: list[int] = []
+        self.final: pb.GenerateResult | None = None
+        self.error: grpc.RpcError | None = None
+        self._call = stub.Generate(request, timeout=600)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                if msg.HasField("delta"):
+                    self.stamps.append((time.monotonic(), len(msg.delta.token_ids)))
+                    self.tokens += msg.delta.token_ids
+                else:
+                    self.final = msg.final
+        except grpc.RpcError as e:
+            self.error = e
+
+    def count(self) -> int:
+        return sum(n for _, n in self.stamps)
+
+    def rate(self, start: float, end: float) -> float:
+        """Tokens per second received in [start, end] (up to its last token, if it ended first)."""
+        end = min(end, self.stamps[-1][0]) if self.stamps else end
+        return sum(n for t, n in self.stamps if start <= t <= end) / max(end - start, 1e-9)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+def step_costs(gguf: Path, draft_tokens: int, context: int = 200, repeats: int = 15) -> dict:
+    """Median ms of the target's forward, one thread as the served target: a plain row alone, and a
+    plain row batched with a drafted row verifying draft_tokens + 1 positions. Their ratio is what
+    co-batching costs a plain stream whatever the endpoint does."""
+    torch.set_num_threads(1)
+    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    cache = model.new_cache(2, context + draft_tokens + 2)
+    plain, drafted = cache.allocate(), cache.allocate()
+    model.forward(cache, [plain, drafted], [list(range(3, 3 + context))] * 2)
+
+    def median_ms(slots: list[int], feeds: list[list[int]]) -> float:
+        times = []
+        for _ in range(repeats):
+            lengths = [cache.lengths[s] for s in slots]
+            start = time.perf_counter()
+            model.forward(cache, slots, feeds, all_logits=True)
+            times.append(time.perf_counter() - start)
+            for s, n in zip(slots, lengths):
+                cache.truncate(s, n)
+        return 1e3 * sorted(times)[len(times) // 2]
+
+    solo = median_ms([plain], [[5]])
+    joint = median_ms([plain, drafted], [[5], list(range(5, 6 + draft_tokens))])
+    return {"solo_step_ms": solo, "joint_step_ms": joint, "joint_over_solo": joint / solo}
+
+
+def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_tokens: int, plain_tokens: int,
+            target_args: list[str], endpoint_args: list[str], window_s: float = 1.0,
+            cpus: tuple[list[int], list[int]] | None = None) -> dict:
+    """The scenario of the module docstring on one endpoint and one target (pinned to `cpus`:
+    (endpoint's, target's), as cluster/default.yaml pins them); returns its figures (see the
+    docstring) with `equal_ar` and `resumed_drafting`."""
+    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    [want] = generate(model, [prompt], SamplingParams(), drafted_tokens, stop_ids=[])
+    spec = start_server("spec", ["serve-spec", "--port", "0", "--metrics-port", "0",
+                                 "--drafter", f"{model_name(gguf)}={gguf},draft={draft}", *endpoint_args],
+                        cpus=cpus[0] if cpus else None)
+    grey = FAULTS[fault](spec)
+    target = None
+    try:
+        target = start_server("target", ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
+                                         "--spec-endpoint", grey.address, "--tenant", "grey",
+                                         "--spec-deadline-ms", "500", *target_args],
+                              cpus=cpus[1] if cpus else None)
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+
+        def request(method: int, max_tokens: int) -> pb.GenerateRequest:
+            return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
+                                      speculation=pb.SpeculationPreference(method=method))
+
+        plain = Stream(stub, request(pb.SPECULATION_METHOD_NONE, plain_tokens))
+        wait_for(lambda: plain.count() >= 20, timeout_s=120)
+        time.sleep(window_s)
+        solo = plain.rate(time.monotonic() - window_s, time.monotonic())
+        drafted = Stream(stub, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens))
+        wait_for(lambda: drafted.count() >= 20, timeout_s=120)
+        time.sleep(window_s)
+        began = time.monotonic()
+        plain_before, drafted_before = plain.rate(began - window_s, began), drafted.rate(began - window_s, began)
+        grey.start()
+        try:
+            wait_for(lambda: target.metric_total(BREAKER) == 1, timeout_s=10)
+            tripped = time.monotonic()
+            time.sleep(max(0.0, began + FAULT_S - time.monotonic()))
+        finally:
+            grey.end()
+        recovered = time.monotonic()
+        plain_during, drafted_during = plain.rate(tripped, recovered), drafted.rate(tripped, recovered)
+        # Probes ride on rounds: a drafted request keeps them going, whether or not the first one ended.
+        prober = Stream(stub, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens))
+        resumed = wait_for(lambda: target.metric_total(BREAKER) == 0 and time.monotonic() - recovered, timeout_s=30)
+        plain.cancel()
+        prober.cancel()
+        drafted.join(600)
+        after = stub.GenerateUnary(request(pb.SPECULATION_METHOD_DRAFT_MODEL, 32), timeout=120).completions[0]
+        done = drafted.final.completions[0] if drafted.final else None
+        fallbacks = {reason: target.metric_total("specpool_target_spec_fallback_rounds_total", reason=reason)
+                     for reason in FALLBACK_REASONS}
+        return {
+            "fault": fault, "fault_s": FAULT_S,
+            "plain_solo": solo, "plain_before": plain_before, "drafted_before": drafted_before,
+            "plain_during": plain_during, "drafted_during": drafted_during,
+            "plain_ratio": solo / max(plain_during, 1e-9), "drafted_ratio": solo / max(drafted_during, 1e-9),
+            "tripped_s": tripped - began, "resumed_s": resumed,
+            "equal_ar": drafted.tokens == want.token_ids,
+            "fallback_rounds": done.speculation.fallback_rounds if done else None,
+            "fallback_rounds_by_reason": {r: n for r, n in fallbacks.items() if n},
+            # Its first round may draft locally while its session opens; after that the endpoint drafts.
+            "resumed_drafting": after.speculation.drafted_tokens > 0
+                                and after.speculation.fallback_rounds < after.speculation.target_steps,
+            "after": {"target_steps": after.speculation.target_steps, "drafted_tokens": after.speculation.drafted_tokens,
+                      "fallback_rounds": after.speculation.fallback_rounds},
+        }
+    finally:
+        for server in (target, spec):
+            if server is not None:
+                server.stop()
+        grey.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", default="sigstop,slow_link")
+    p.add_argument("--drafted-tokens", type=int, default=400)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    print(machine_line(), flush=True)
+    gguf, draft = default_model_path(), REPO / "models" / "smollm2-135m-draft"
+    _, tokenizer = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Write a Python function that returns the factorial "
+                                                                 "of n, with a docstring and tests."}])
+    one_thread = ["--threads", "1"]
+    # The default cluster's layout: the endpoint (and this client) on core 0, the target on core 1.
+    cpus = ([0], [1]) if {0, 1} <= os.sched_getaffinity(0) else None
+    costs = step_costs(gguf, DRAFT_TOKENS)
+    print(json.dumps(costs), flush=True)
+    results = []
+    for fault in args.faults.split(","):
+        figures = measure(gguf, draft, fault, prompt, args.drafted_tokens, 4000,
+                          ["--max-context", "4096", "--max-batch", "4", "--draft-tokens", str(DRAFT_TOKENS),
+                           *one_thread],
+                          ["--max-len", "4096", *one_thread], cpus=cpus)
+        print(json.dumps(figures, indent=1), flush=True)
+        results.append(figures)
+    for r in results:
+        r["plain_within_1_2x_of_solo"] = r["plain_ratio"] <= 1.2
+        r["plain_within_1_2x_of_its_forward"] = r["plain_ratio"] <= 1.2 * costs["joint_over_solo"]
+    passed = all(r["plain_within_1_2x_of_its_forward"] and r["drafted_ratio"] <= 1.3 and r["resumed_s"] < 2.0
+                 and r["equal_ar"] and r["resumed_drafting"] for r in results)
+    report = {"command": "python -m bench.grey_failure " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                                   vars(args).items() if k != "json"),
+              "machine": machine_info(), "cpus": {"endpoint": cpus[0], "target": cpus[1]} if cpus else None,
+              "step_costs": costs, "results": results, "passed": passed}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
