@@ -170,7 +170,8 @@ def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
     raise ValueError(f"unknown mode {name!r}")
 
 
-def _first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: list[int]) -> float:
+def first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: list[int]) -> float:
+    """The target's top-2 logit gap where `out` first departs from the greedy `ref` (or ends early)."""
     i = next((j for j, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
     cache = model.new_cache(1, len(prompt) + i + 1)
     logits = model.forward(cache, [cache.allocate()], [prompt + ref[:i]])[0]
@@ -263,7 +264,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 near, bad = 0, 0
                 for p, r, o in zip(prompts, ref.outputs, t.outputs):
                     if r != o:
-                        if _first_divergence_gap(model, p, r, o) < NEAR_TIE:
+                        if first_divergence_gap(model, p, r, o) < NEAR_TIE:
                             near += 1
                         else:
                             bad += 1

@@ -29,6 +29,8 @@ class ServerProcess:
     port: int = 0
     metrics_port: int = 0
     log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
+    command: list[str] = field(default_factory=list)  # what started it, for restart()
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -52,6 +54,16 @@ class ServerProcess:
         if self.alive():
             self.proc.kill()
             self.proc.wait()
+
+    def restart(self, timeout_s: float = 180.0) -> None:
+        """A crash and a supervisor's restart: SIGKILL, then the same command on the same ports, so
+        peers that know its address find it again. Blocks until it serves."""
+        self.kill()
+        cmd = list(self.command)
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if flag in cmd:
+                cmd[cmd.index(flag) + 1] = str(port)
+        _launch(self, cmd, timeout_s, echo=False)
 
     def logs(self) -> str:
         return "".join(self.log_tail)
@@ -83,11 +95,16 @@ def start_server(
     cmd = [sys.executable, "-m", module, *args]
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid()), **(env or {})},
-    )
-    server = ServerProcess(name, proc)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid()), **(env or {})}
+    server = ServerProcess(name, None, env=env)
+    _launch(server, cmd, timeout_s, echo)
+    return server
+
+
+def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=server.env)
+    server.proc, server.command, name = proc, cmd, server.name
     ready = threading.Event()
 
     def pump() -> None:
@@ -107,4 +124,3 @@ def start_server(
             server.kill()
             why = f"exited with {proc.returncode}" if proc.returncode is not None else f"not ready in {timeout_s}s"
             raise RuntimeError(f"{name} {why}; its log:\n{server.logs()}")
-    return server
