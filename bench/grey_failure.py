@@ -35,7 +35,7 @@ import torch
 
 from bench.machine import machine_info, machine_line
 from cluster.delay_proxy import DelayProxy
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from engine.decoding import generate
 from engine.gguf_loader import default_model_path, model_name
 from engine.model import Llama
@@ -87,15 +87,6 @@ class SlowLink:
 
 FAULTS = {"sigstop": Hang, "slow_link": SlowLink}
 
-
-def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"condition not met in {timeout_s}s")
 
 
 class Stream:

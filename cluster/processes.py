@@ -22,6 +22,17 @@ from specpool.serving import LAUNCHER_PID
 READY = re.compile(r"serving (\w+) on port (\d+), metrics on port (\d+)")
 
 
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
+    """Polls until predicate() is truthy and returns that value; TimeoutError after timeout_s."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met in {timeout_s}s")
+
+
 @dataclass
 class ServerProcess:
     name: str

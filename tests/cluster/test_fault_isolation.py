@@ -28,7 +28,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.config import tiny_config
 from engine.decoding import generate
@@ -38,7 +38,6 @@ from engine.sampling import SamplingParams
 from specpool.registry import Registry
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
-from tests.router.test_router import wait_for
 
 MAX_BATCH, MAX_QUEUE = 8, 16
 CONFIG = replace(tiny_config(vocab_size=64), max_context=4096)

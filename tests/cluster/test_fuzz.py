@@ -31,7 +31,7 @@ import pytest
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.decoding import generate
 from engine.gguf_loader import model_name
@@ -42,7 +42,6 @@ from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import start_endpoint, start_target, tiny_files
-from tests.cluster.test_fault_isolation import wait_for
 
 SEED = 13
 REQUESTS_PER_SERVICE = 10_000

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from specpool.registry import Heartbeat, Registry
-from tests.router.test_router import DRAFT, NGRAM, FakeTarget, request, stub, wait_for, wait_for_model
+from tests.router.test_router import DRAFT, NGRAM, FakeTarget, request, stub, wait_for_model
 
 MODEL, ENDPOINT, SLOTS = "lease-model", "lease-ep", 4
 

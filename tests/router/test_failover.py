@@ -23,7 +23,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.config import tiny_config
 from engine.decoding import generate
@@ -33,7 +33,6 @@ from engine.sampling import SamplingParams
 from router.server import _Stream
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
-from tests.router.test_router import wait_for
 
 MAX_CONTEXT = 2048
 CONFIG = replace(tiny_config(vocab_size=64), max_context=MAX_CONTEXT)

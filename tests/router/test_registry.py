@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from cluster.processes import wait_for
 from cluster.redis_server import start_redis
 from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
 from spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
@@ -47,15 +48,6 @@ def registry(redis_server):
     yield reg
     reg.close()
 
-
-def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.02):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met in {timeout_s}s")
 
 
 def target_fields(**overrides) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster.processes import ServerProcess, start_server
+from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.gguf_loader import model_name
 from router.capacity import capacity_json
@@ -36,15 +35,6 @@ pytestmark = pytest.mark.slow
 DRAFT, NGRAM, NONE, AUTO = (pb.SPECULATION_METHOD_DRAFT_MODEL, pb.SPECULATION_METHOD_NGRAM,
                             pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_AUTO)
 
-
-def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met in {timeout_s}s")
 
 
 class FakeTarget(target_pb2_grpc.TargetServiceServicer):
