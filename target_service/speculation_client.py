@@ -38,9 +38,9 @@ REMOTE_KINDS = (pb.DRAFTER_KIND_DRAFT_MODEL, pb.DRAFTER_KIND_NGRAM, pb.DRAFTER_K
 class DeadlineBreaker:
     """Stops a target waiting on an endpoint whose rounds keep coming late (hung, overloaded, a slow link).
 
-    Closed, a round waits up to `deadline()`: three times the 90th percentile of recent round trips,
-    within [MIN_DEADLINE_S, the configured deadline], so a late round costs a few healthy round trips,
-    not the configured worst case. After `trip_after` late rounds in a row it opens: nothing waits on
+    Closed, a round waits up to `deadline()`: twice the slowest of the last 64 round trips, within
+    [MIN_DEADLINE_S, the configured deadline], so a late round costs a few healthy round trips, not
+    the configured worst case. After `trip_after` late rounds in a row it opens: nothing waits on
     the endpoint (sequences draft locally) and one probe round at a time goes out, every `probe_s`.
     Every reply is timed, however late; the first back within the deadline closes it.
     Called from the step thread, and from the connection's reader thread (`replied`).
@@ -66,8 +66,9 @@ class DeadlineBreaker:
     def _deadline(self) -> float:
         if len(self._round_trips) < 8:
             return self.max_deadline_s
-        p90 = sorted(self._round_trips)[int(0.9 * (len(self._round_trips) - 1))]
-        return min(self.max_deadline_s, max(self.MIN_DEADLINE_S, 3 * p90))
+        # Twice the slowest of the recent replies: a healthy endpoint's occasional slow round (its batch
+        # window, a busy core) is never cut short; a 90th percentile was, and drafted rounds fell back.
+        return min(self.max_deadline_s, max(self.MIN_DEADLINE_S, 2 * max(self._round_trips)))
 
     def on_time(self) -> None:
         with self._lock:
@@ -481,7 +482,9 @@ class SpeculationClient:
         if probing and not self.breaker.probe_due():
             self.on_fallback("breaker_open", [s for s, _ in wanted])
             return None
-        self._open_sessions(conn, [s for s, _ in wanted], wait_s=0.0 if probing else self.breaker.deadline())
+        # An open prefills the context on the endpoint, longer than a round: it may take the configured
+        # deadline, not the adaptive one (a few round trips), or a new sequence's first round drafts locally.
+        self._open_sessions(conn, [s for s, _ in wanted], wait_s=0.0 if probing else self.breaker.max_deadline_s)
         if self._conn is not conn:
             self.on_fallback("endpoint_failed", [s for s, _ in wanted])
             return None
