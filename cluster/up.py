@@ -34,6 +34,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ServerProcess, start_server
+from specpool.registry import redacted
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 
@@ -374,7 +375,7 @@ class Cluster:
                 out.append(Member("endpoint", e.name, s.address, s.metrics_port,
                                   f"{e.max_sessions} sessions, cpus {_cpus_text(self.pins.get(e.name))}"))
         if self.redis_url:
-            out.append(Member("redis", "registry", self.redis_url, 0,
+            out.append(Member("redis", "registry", redacted(self.redis_url), 0,
                               "started here" if self.redis is not None else "external"))
         return out
 

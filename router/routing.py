@@ -56,7 +56,7 @@ class Route:
 class RouterConfig:
     port: int = 50070
     metrics_port: int = 9470
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     redis_url: str = "redis://127.0.0.1:6379/0"
     tenant_weights: dict[str, float] = field(default_factory=dict)
     lease_ttl_s: float = LEASE_TTL_S

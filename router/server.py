@@ -30,7 +30,7 @@ from router.leases import LEASE_TTL_S, LeaseKeeper
 from router.metrics import RouterMetrics
 from router.routing import Route, Router, RouterConfig, RoutingError, tenant_of
 from router.view import ClusterView, DirectChecks
-from specpool.registry import Registry
+from specpool.registry import Registry, redacted
 from specpool.serving import (
     MESSAGE_SIZE_OPTIONS,
     Admission,
@@ -398,7 +398,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50070, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=9470,
                    help="Prometheus /metrics and /capacity port (0 picks)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     p.add_argument("--redis", required=True, metavar="URL",
                    help="the cluster registry, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--tenant-weights", default="", metavar="T=W,...",
@@ -450,7 +451,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         registry.client.ping()
     except redis.RedisError as e:
-        log.warning("registry %s not reachable yet (%s); requests fail until it is", config.redis_url, e)
+        log.warning("registry %s not reachable yet (%s); requests fail until it is", redacted(config.redis_url), e)
 
     lookups = ThreadPoolExecutor(4, thread_name_prefix="capacity")
 
@@ -482,7 +483,7 @@ def main(args: argparse.Namespace) -> int:
     server.start()
     health.set_ready(True)
     log.info("serving Router on port %d, metrics on port %d (registry %s, tenant weights %s)",
-             port, metrics_server.port, config.redis_url, config.tenant_weights or "none")
+             port, metrics_server.port, redacted(config.redis_url), config.tenant_weights or "none")
     serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
     keeper.stop()
     checks.close()

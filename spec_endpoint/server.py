@@ -102,7 +102,8 @@ def add_to_server(server: grpc.Server, endpoint: Endpoint) -> serving.HealthStat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind gRPC and metrics to")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=50060, help="gRPC port (0: pick a free one)")
     parser.add_argument("--metrics-port", type=int, default=9460, help="Prometheus /metrics port (0: pick)")
     parser.add_argument(

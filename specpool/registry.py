@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -124,6 +125,15 @@ def decode_record(cls: type, raw: Mapping[str, str]):
         except ValueError:
             log.warning("registry: %s.%s=%r is not a %s; ignored", cls.__name__, f.name, text, f.type)
     return cls(**kwargs)
+
+
+def redacted(url: str) -> str:
+    """The URL with its password replaced by ***: what logs, pages and status lines may show."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def connect(redis_url: str, timeout_s: float = 1.0) -> redis.Redis:

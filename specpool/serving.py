@@ -62,7 +62,7 @@ def setup_logging(level: str = "INFO") -> None:
         root.addHandler(handler)
 
 
-def build_server(port: int, host: str = "0.0.0.0", admission: Admission | None = None) -> tuple[grpc.Server, int]:
+def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None = None) -> tuple[grpc.Server, int]:
     """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port.
 
     A sync gRPC server runs each call on a pool thread until it ends. `admission` bounds the long calls
@@ -269,7 +269,7 @@ class MetricsHttpServer:
         self,
         registry: prometheus_client.CollectorRegistry,
         port: int,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         json_routes: dict[str, Callable[[], dict]] | None = None,
     ):
         self.registry = registry

@@ -295,7 +295,8 @@ def _events(req: Request, context):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port (0 picks)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--device", default=None)

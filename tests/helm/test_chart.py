@@ -196,7 +196,8 @@ def test_template_flags_exist(server_parsers):
         accepted = set(server_parsers[command]._option_string_actions)
         unknown = flags - accepted
         assert not unknown, f"templates pass {sorted(unknown)} to `specpool {command}`, which does not accept them"
-        assert {"--port", "--metrics-port", "--redis"} <= flags, command
+        # --host too: the servers listen on loopback unless told otherwise, and pods are reached on their IP.
+        assert {"--port", "--metrics-port", "--redis", "--host"} <= flags, command
 
 
 def test_values_extra_args_flags_exist(values, server_parsers):

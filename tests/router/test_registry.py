@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from cluster.processes import wait_for
+from cluster.processes import start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
 from spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
@@ -30,6 +30,7 @@ from specpool.registry import (
     decode_record,
     encode_fields,
     guarantees,
+    redacted,
 )
 from target_service.registration import predicted_speedup
 
@@ -266,3 +267,18 @@ def test_target_heartbeat_fields_read_the_live_process():
                            decoder=SimpleNamespace(acceptance=AcceptanceEstimate()), metrics=metrics,
                            client=SimpleNamespace(address="h:9", healthy=False), free_policy=None).fields()
     assert late["methods"] == ["ngram"]
+
+
+def test_a_registry_password_is_never_shown():
+    assert redacted("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted("rediss://svc:s3cret@redis.example:6380/1") == "rediss://svc:***@redis.example:6380/1"
+    assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_router_logs_its_registry_without_the_password(redis_server):
+    """Issue 14: the router printed the Redis URL, password included, in its startup and retry lines."""
+    url = redis_server.url.replace("redis://", "redis://:s3cret@")  # this Redis has none; the client goes on
+    router = start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0", "--redis", url])
+    router.stop()
+    assert "s3cret" not in router.logs()
+    assert redacted(url) in router.logs()
