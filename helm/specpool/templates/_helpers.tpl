@@ -58,30 +58,141 @@ targets are given (--spec-endpoint), so the router pairs them by the same HOST:P
 {{- printf "%s:%v" (include "specpool.specName" .) .Values.specEndpoint.port }}
 {{- end }}
 
-{{/* true when the chart runs its own Redis. */}}
-{{- define "specpool.inChartRedis" -}}
-{{- if and (not .Values.redis.url) (not .Values.redis.existingSecret.name) }}true{{ end }}
+{{/* Checks run once per render (router.yaml includes this): values this chart no longer takes, and
+the security settings' combinations. Renders nothing. */}}
+{{- define "specpool.validate" -}}
+{{- if or .Values.redis.url (.Values.redis.existingSecret | default (dict)).name }}
+{{- fail "redis.url and redis.existingSecret are gone: use redis.external.urlSecret {name, key} (or redis.external.url for a URL without a password); the in-chart Redis now has a password (redis.auth)" }}
+{{- end }}
+{{- if not (has .Values.security.tls.mode (list "generate" "certManager" "existingSecrets")) }}
+{{- fail (printf "security.tls.mode must be generate, certManager or existingSecrets, not %q" (toString .Values.security.tls.mode)) }}
+{{- end }}
+{{- if and (not .Values.security.insecure) (eq .Values.security.tls.mode "certManager") (not .Values.security.tls.certManager.issuerRef.name) }}
+{{- fail "security.tls.mode certManager needs security.tls.certManager.issuerRef.name (a CA issuer: every component's Secret must carry the same ca.crt)" }}
+{{- end }}
+{{- range $tenant, $tokens := (.Values.security.tokens.tenants | default (dict)) }}
+{{- range (kindIs "slice" $tokens | ternary $tokens (list $tokens)) }}
+{{- if and . (lt (len (toString .)) 16) }}
+{{- fail (printf "security.tokens.tenants.%s: a token must have 16 characters or more (empty: the chart generates one)" $tenant) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
-{{- define "specpool.redisUrl" -}}
-{{- if .Values.redis.url }}
-{{- .Values.redis.url }}
+{{/* Secret names. TLS Secrets hold ca.crt, tls.crt and tls.key (the kubernetes.io/tls layout
+cert-manager writes), one per component instance (arg: dict "root" $ "role" router|endpoint|target
+"name" TENANT). */}}
+{{- define "specpool.tlsSecretName" -}}
+{{- $tls := .root.Values.security.tls }}
+{{- $fullname := include "specpool.fullname" .root }}
+{{- if eq $tls.mode "existingSecrets" }}
+{{- if eq .role "router" }}
+{{- required "security.tls.existingSecrets.router: the router's TLS Secret" $tls.existingSecrets.router }}
+{{- else if eq .role "endpoint" }}
+{{- required "security.tls.existingSecrets.endpoint: the endpoint's TLS Secret" $tls.existingSecrets.endpoint }}
 {{- else }}
-{{- printf "redis://%s:%v/0" (include "specpool.redisName" .) .Values.redis.port }}
+{{- required (printf "security.tls.existingSecrets.targets.%s: tenant %s's TLS Secret" .name .name) (index ($tls.existingSecrets.targets | default (dict)) .name) }}
+{{- end }}
+{{- else if eq .role "router" }}
+{{- printf "%s-router-tls" $fullname }}
+{{- else if eq .role "endpoint" }}
+{{- printf "%s-spec-tls" $fullname }}
+{{- else }}
+{{- printf "%s-target-%s-tls" $fullname .name }}
 {{- end }}
 {{- end }}
 
-{{/* Env entries every server gets: the registry URL (passed as --redis=$(SPECPOOL_REDIS_URL)) and
-the pod's IP (what targets advertise to routers, and the endpoint's tensor-channel host). */}}
-{{- define "specpool.commonEnv" -}}
+{{- define "specpool.caSecretName" -}}
+{{- printf "%s-ca" (include "specpool.fullname" .) }}
+{{- end }}
+
+{{/* The router's tokens file (YAML: tenant -> token or list of tokens): Secret name and key. */}}
+{{- define "specpool.tokensSecretName" -}}
+{{- .Values.security.tokens.existingSecret.name | default (printf "%s-tokens" (include "specpool.fullname" .)) }}
+{{- end }}
+
+{{- define "specpool.tokensSecretKey" -}}
+{{- if .Values.security.tokens.existingSecret.name }}{{ .Values.security.tokens.existingSecret.key | default "tokens.yaml" }}{{ else }}tokens.yaml{{ end }}
+{{- end }}
+
+{{/* The metrics token's Secret (empty: /metrics and /capacity need no token) and its key. */}}
+{{- define "specpool.metricsTokenSecret" -}}
+{{- if .Values.security.metricsToken.existingSecret.name }}
+{{- .Values.security.metricsToken.existingSecret.name }}
+{{- else if .Values.metrics.requireToken }}
+{{- printf "%s-metrics-token" (include "specpool.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "specpool.metricsTokenKey" -}}
+{{- if .Values.security.metricsToken.existingSecret.name }}{{ .Values.security.metricsToken.existingSecret.key | default "token" }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* true when the chart runs its own Redis (no redis.external URL given). */}}
+{{- define "specpool.inChartRedis" -}}
+{{- if and (not .Values.redis.external.url) (not .Values.redis.external.urlSecret.name) }}true{{ end }}
+{{- end }}
+
+{{/* The Secret that holds the in-chart Redis' redis.conf (and, unless redis.auth.existingSecret is
+set, its generated password and the specpool pods' URL). */}}
+{{- define "specpool.redisSecretName" -}}
+{{- include "specpool.redisName" . }}
+{{- end }}
+
+{{/* The Secret and key holding the in-chart Redis' password. */}}
+{{- define "specpool.redisPasswordSecret" -}}
+{{- .Values.redis.auth.existingSecret.name | default (include "specpool.redisSecretName" .) }}
+{{- end }}
+
+{{- define "specpool.redisPasswordKey" -}}
+{{- if .Values.redis.auth.existingSecret.name }}{{ .Values.redis.auth.existingSecret.key | default "password" }}{{ else }}password{{ end }}
+{{- end }}
+
+{{/* SPECPOOL_REDIS_URL, always from a Secret (the servers read it when no registry flag is given, so
+a password never shows in a process's arguments). With redis.auth.existingSecret the URL is composed
+from the password's env var (Kubernetes expands $(VAR) in env values). */}}
+{{- define "specpool.redisEnv" -}}
+{{- $r := .Values.redis }}
+{{- if $r.external.urlSecret.name }}
 - name: SPECPOOL_REDIS_URL
-{{- if .Values.redis.existingSecret.name }}
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.existingSecret.name }}
-      key: {{ .Values.redis.existingSecret.key }}
+      name: {{ $r.external.urlSecret.name }}
+      key: {{ $r.external.urlSecret.key | default "url" }}
+{{- else if $r.external.url }}
+- name: SPECPOOL_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-redis-url" (include "specpool.fullname" .) }}
+      key: url
+{{- else if $r.auth.existingSecret.name }}
+- name: SPECPOOL_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specpool.redisPasswordSecret" . }}
+      key: {{ include "specpool.redisPasswordKey" . }}
+- name: SPECPOOL_REDIS_URL
+  value: {{ printf "redis://:$(SPECPOOL_REDIS_PASSWORD)@%s:%v/0" (include "specpool.redisName" .) $r.port | quote }}
 {{- else }}
-  value: {{ include "specpool.redisUrl" . | quote }}
+- name: SPECPOOL_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specpool.redisSecretName" . }}
+      key: url
+{{- end }}
+{{- end }}
+
+{{/* Env entries every server gets: the registry URL (from a Secret), the metrics token when one is
+configured, and the pod's IP (what targets advertise to routers, and the endpoint's tensor-channel
+host). TLS settings are set in each server's template, next to its flags. */}}
+{{- define "specpool.commonEnv" -}}
+{{- include "specpool.redisEnv" . }}
+{{- with include "specpool.metricsTokenSecret" . }}
+- name: SPECPOOL_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ include "specpool.metricsTokenKey" $ }}
 {{- end }}
 - name: POD_IP
   valueFrom:
@@ -110,27 +221,29 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* gRPC health probes (arg: dict "root" $ "port" N). */}}
+{{/* HTTP probes on the metrics port, which stays plaintext and open for /livez and /readyz (the
+gRPC port speaks TLS, which kubelet's gRPC probes cannot). /livez answers once the server runs,
+/readyz while it takes work (arg: dict "root" $ "port" METRICS_PORT). */}}
 {{- define "specpool.probes" -}}
 {{- $p := .root.Values.probes }}
 startupProbe:
-  grpc:
+  httpGet:
+    path: /livez
     port: {{ .port }}
-    service: liveness
   periodSeconds: {{ $p.startup.periodSeconds }}
   timeoutSeconds: {{ $p.startup.timeoutSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 livenessProbe:
-  grpc:
+  httpGet:
+    path: /livez
     port: {{ .port }}
-    service: liveness
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
 readinessProbe:
-  grpc:
+  httpGet:
+    path: /readyz
     port: {{ .port }}
-    service: readiness
   periodSeconds: {{ $p.readiness.periodSeconds }}
   timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
