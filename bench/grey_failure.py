@@ -40,6 +40,7 @@ from engine.decoding import generate
 from engine.gguf_loader import default_model_path, model_name
 from engine.model import Llama
 from engine.sampling import SamplingParams
+from specpool.security import LocalCA
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
@@ -161,17 +162,18 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
     docstring) with `equal_ar` and `resumed_drafting`."""
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     [want] = generate(model, [prompt], SamplingParams(), drafted_tokens, stop_ids=[])
+    ca = LocalCA.temporary()
     spec = start_server("spec", ["serve-spec", "--port", "0", "--metrics-port", "0",
                                  "--drafter", f"{model_name(gguf)}={gguf},draft={draft}", *endpoint_args],
-                        cpus=cpus[0] if cpus else None)
+                        cpus=cpus[0] if cpus else None, env=ca.env)
     grey = FAULTS[fault](spec)
     target = None
     try:
         target = start_server("target", ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
                                          "--spec-endpoint", grey.address, "--tenant", "grey",
                                          "--spec-deadline-ms", "500", *target_args],
-                              cpus=cpus[1] if cpus else None)
-        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+                              cpus=cpus[1] if cpus else None, env=ca.env)
+        stub = target_pb2_grpc.TargetServiceStub(ca.client("bench").channel(target.address, "target", "grey"))
 
         def request(method: int, max_tokens: int) -> pb.GenerateRequest:
             return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,

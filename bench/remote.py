@@ -1,7 +1,9 @@
 """Benchmark modes that go through the servers.
 
 sd-remote, ngram-remote, ssd, ssd-pull: a speculation endpoint and a target service start as
-separate processes (once per run). routed and routed-ar: a whole local cluster (cluster/default.yaml
+separate processes (once per run), with mutual TLS between them and to the bench (a throwaway CA).
+sd-remote-plaintext and ngram-remote-plaintext run the same on servers of their own started with
+--insecure: what TLS costs, measured side by side. routed and routed-ar: a whole local cluster (cluster/default.yaml
 or --cluster FILE: Redis, router, targets, endpoint) and requests through its router, with
 speculation planned by the router (AUTO) or off (NONE, AR on the same servers). Each chunk of
 prompts is sent as concurrent Generate calls through the Target API, and the wall time from the
@@ -15,20 +17,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-
 from cluster.processes import ServerProcess, start_server
 from cluster.up import Cluster, ClusterConfig
 from engine.gguf_loader import default_model_path, model_name
 from engine.sampling import SamplingParams
+from specpool.security import LocalCA, Security
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+PLAINTEXT = "-plaintext"
 METHODS = {
     "sd-remote": pb.SPECULATION_METHOD_DRAFT_MODEL,
     "ngram-remote": pb.SPECULATION_METHOD_NGRAM,
+    "sd-remote" + PLAINTEXT: pb.SPECULATION_METHOD_DRAFT_MODEL,
+    "ngram-remote" + PLAINTEXT: pb.SPECULATION_METHOD_NGRAM,
     "ssd": pb.SPECULATION_METHOD_SSD,
     "ssd-pull": pb.SPECULATION_METHOD_SSD,
 }
@@ -64,26 +68,29 @@ class RemoteCluster:
         self.servers: list[ServerProcess] = []
         self.targets: dict[str, ServerProcess] = {}  # by kind (see _target)
         self._endpoints: dict[str, ServerProcess] = {}
+        self.ca = LocalCA.temporary()
+        self.credentials = self.ca.client("bench")
 
-    def _endpoint(self, pinned: bool) -> ServerProcess:
-        key = "pinned" if pinned else "shared"
+    def _endpoint(self, pinned: bool, plaintext: bool) -> ServerProcess:
+        key = ("pinned" if pinned else "shared") + (PLAINTEXT if plaintext else "")
         if key not in self._endpoints:
             args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
                     "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
                     "--ssd-sessions", str(max(16, self.max_batch)), *self.endpoint_args]
             self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned),
-                                               cpus=SSD_ENDPOINT_CPUS if pinned else None)
+                                               cpus=SSD_ENDPOINT_CPUS if pinned else None, plaintext=plaintext)
         return self._endpoints[key]
 
-    def _target(self, mode: str, draft_tokens: int = 0) -> ServerProcess:
-        """mode[:K] -> the target serving it, started on first use (a fixed draft length K gets a
-        target of its own)."""
+    def _target(self, mode: str, draft_tokens: int = 0) -> tuple[str, ServerProcess]:
+        """mode[:K] -> (its tenant, the target serving it), started on first use (a fixed draft length
+        K gets a target of its own)."""
         pinned = mode in ("ssd", "ssd-pull")
-        kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared")
+        plaintext = mode.endswith(PLAINTEXT)
+        kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared") + (PLAINTEXT if plaintext else "")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
         if kind not in self.targets:
-            endpoint = self._endpoint(pinned)
+            endpoint = self._endpoint(pinned, plaintext)
             args = ["serve-target", "--port", "0", "--metrics-port", "0", "--model", str(self.model_path),
                     "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
                     "--max-context", str(self.max_context), "--datastore", str(self.datastore or ""),
@@ -93,15 +100,16 @@ class RemoteCluster:
                 args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:
                 args += ["--draft-tokens", str(draft_tokens)]
-            self.targets[kind] = self._start(f"target-{kind}", args, cpus=SSD_TARGET_CPUS if pinned else None)
-        return self.targets[kind]
+            self.targets[kind] = self._start(f"target-{kind}", args, cpus=SSD_TARGET_CPUS if pinned else None,
+                                             plaintext=plaintext)
+        return f"bench-{kind}", self.targets[kind]
 
     def _threads(self, pinned: bool) -> list[str]:
         threads = 1 if pinned else self.threads
         return ["--threads", str(threads)] if threads else []
 
-    def _start(self, name: str, args: list[str], cpus: list[int] | None = None) -> ServerProcess:
-        server = start_server(name, args, cpus=cpus)
+    def _start(self, name: str, args: list[str], cpus: list[int] | None, plaintext: bool) -> ServerProcess:
+        server = start_server(name, args + ["--insecure"] if plaintext else args, cpus=cpus, env=self.ca.env)
         self.servers.append(server)
         return server
 
@@ -110,8 +118,9 @@ class RemoteCluster:
             server.stop()
 
     def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
-        target = self._target(mode, draft_tokens)
-        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target.address))
+        tenant, target = self._target(mode, draft_tokens)
+        credentials = Security.insecure() if mode.endswith(PLAINTEXT) else self.credentials
+        stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
         return target_api_runner(stub, METHODS[mode], max_tokens, target)
 
 
@@ -129,7 +138,7 @@ class RoutedCluster:
     def runner(self, mode: str, max_tokens: int):
         if self.cluster is None:
             self.cluster = Cluster.start(self.config, progress=lambda text: log.info("cluster: %s", text))
-        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(self.cluster.router_address))
+        stub = target_pb2_grpc.TargetServiceStub(self.cluster.router_channel("alpha"))
         return target_api_runner(stub, ROUTED_METHODS[mode], max_tokens)
 
     def close(self) -> None:

@@ -81,7 +81,7 @@ class Soak:
                  seconds: float, clients: int, seed: int):
         self.cluster, self.model, self.prompts, self.refs = cluster, model, prompts, refs
         self.seconds, self.clients, self.seed = seconds, clients, seed
-        self.stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(cluster.router_address))
+        self.stub = target_pb2_grpc.TargetServiceStub(cluster.router_channel("alpha"))
         self.tally = Tally()
         self.rss: dict[str, list[tuple[float, int]]] = {}
         self.restarts: dict[str, float] = {}  # server name -> when it was restarted (s into the run)
@@ -204,11 +204,11 @@ class Soak:
         while True:
             held = {}
             for name, target in self.cluster.targets.items():
-                with grpc.insecure_channel(target.address) as channel:
+                with self.cluster.credentials().channel(target.address, "target", name) as channel:
                     info = target_pb2_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
                 held[f"{name} sequences"] = info.active_sequences + info.queued_requests
             for name, endpoint in self.cluster.endpoints.items():
-                with grpc.insecure_channel(endpoint.address) as channel:
+                with self.cluster.credentials().channel(endpoint.address, "endpoint", name) as channel:
                     cap = speculation_pb2_grpc.SpeculationServiceStub(channel).GetCapacity(
                         spec_pb.CapacityRequest(), timeout=5)
                 held[f"{name} sessions"] = cap.active_sessions

@@ -20,8 +20,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from cluster.up import Cluster, ClusterConfig, format_members
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
@@ -167,7 +165,7 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
 
     totals = {AUTO: Totals(), NONE: Totals()}
     same = 0
-    with grpc.insecure_channel(cluster.router_address) as channel:
+    with cluster.router_channel("alpha") as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         # Not measured: first requests pay for allocations, endpoint sessions and the router's first look.
         for mode in (AUTO, NONE):

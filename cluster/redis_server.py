@@ -8,6 +8,7 @@ brings the same server back on the same port, as an operator restarting Redis wo
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import shutil
 import socket
 import subprocess
@@ -42,7 +43,8 @@ def _free_port() -> int:
 
 @dataclass
 class RedisProcess:
-    """One redis-server child process on 127.0.0.1:port.
+    """One redis-server child process on 127.0.0.1:port, with a password (a fresh random one unless
+    given; read from stdin, so `ps` does not show it) and protected mode on.
 
     Without a data_dir it keeps nothing on disk, so a restart starts empty (the registry rebuilds from
     heartbeats). With one it appends every write there and a restart reloads it.
@@ -50,6 +52,7 @@ class RedisProcess:
 
     port: int
     data_dir: Path | None = None
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     binary: str = field(default_factory=redis_server_binary)
     proc: subprocess.Popen | None = None
     log_tail: deque = field(default_factory=lambda: deque(maxlen=100))
@@ -57,7 +60,8 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """With the password: pass it to servers in $SPECPOOL_REDIS_URL, print it only redacted."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -73,10 +77,13 @@ class RedisProcess:
             if self._scratch is None:
                 self._scratch = tempfile.TemporaryDirectory(prefix="specpool-redis-")
             workdir, persistence = Path(self._scratch.name), ["--appendonly", "no", "--save", ""]
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
-               "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning", *persistence]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        cmd = [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
+               "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning", *persistence]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.proc.stdin.write(f"requirepass {self.password}\n")
+        self.proc.stdin.close()
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=0.5)
         end = time.monotonic() + timeout_s
         try:
             while True:

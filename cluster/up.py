@@ -5,7 +5,7 @@ The embedded default (cluster/default.yaml) is Redis, one router, two target ser
 Redis. Other topologies are other files (cluster/examples/). As a library:
 
     with Cluster.start(ClusterConfig.load(path).with_free_ports()) as cluster:
-        stub = TargetServiceStub(grpc.insecure_channel(cluster.router_address))
+        stub = TargetServiceStub(cluster.router_channel("alpha"))
 
 Servers start tier by tier (Redis, endpoints, targets, routers; the servers of one tier in
 parallel, except that the first target of each model starts before its siblings, so a first run
@@ -14,16 +14,25 @@ reports `readiness` SERVING. A server's `cpus` pin it with taskset (cores this m
 unpinned, with a note) and its `threads` set torch's and OpenMP's thread counts. stop() drains
 front to back: SIGTERM to every router (each drains its in-flight requests), wait, then the
 targets, then the endpoints, then Redis.
+
+Secure by default: a throwaway CA (specpool/security.py, in a 0700 temporary directory) gives each
+server a certificate naming it, every target's tenant and every weighted tenant gets a bearer token
+(`cluster.token(tenant)`, `cluster.router_channel(tenant)`), and Redis gets a random password. Servers
+read the CA's directory and the Redis URL from the environment, so no secret is in a process's
+arguments. `insecure=True` (`specpool up --insecure`) runs plaintext and open, with a warning.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -31,10 +40,11 @@ from typing import Self
 
 import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.processes import ServerProcess, start_server
 from specpool.registry import redacted
+from specpool.security import LocalCA, Security
+from specpool.serving import REDIS_URL_ENV
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 
@@ -217,8 +227,10 @@ class Member:
 class Cluster:
     """Running servers of one ClusterConfig; stop() (or leaving the `with` block) drains them all."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, insecure: bool = False):
         self.config = config
+        self.insecure = insecure
+        self.ca: LocalCA | None = None  # the throwaway CA (None: insecure)
         self.redis = None  # cluster.redis_server.RedisProcess when this cluster started one
         self.redis_url = config.redis.url or ""
         self.endpoints: dict[str, ServerProcess] = {}
@@ -232,10 +244,10 @@ class Cluster:
 
     @classmethod
     def start(cls, config: ClusterConfig, echo: bool = False, timeout_s: float = 300.0,
-              progress=None) -> Cluster:
+              progress=None, insecure: bool = False) -> Cluster:
         """Starts every server and returns once all report readiness; on any failure stops what
         started and raises with the failing server's log. `progress(text)` hears each step."""
-        cluster = cls(config)
+        cluster = cls(config, insecure)
         say = progress or (lambda text: None)
         try:
             cluster._start(echo, timeout_s, say)
@@ -253,12 +265,20 @@ class Cluster:
             data_dir = Path(self.config.redis.data_dir) if self.config.redis.data_dir else None
             self.redis = start_redis(self.config.redis.port, data_dir)
             self.redis_url = self.redis.url
-        redis_args = ["--redis", self.redis_url]
+        env = {REDIS_URL_ENV: self.redis_url}  # not an argument: `ps` shows those
+        if self.insecure:
+            redis_args = ["--insecure"]
+        else:
+            self.ca = LocalCA.temporary()
+            for tenant in [t.tenant for t in self.config.targets] + list(self.config.routers.tenant_weights):
+                self.ca.token(tenant)
+            env.update(self.ca.env)
+            redis_args = []
 
         def spawn(name: str, args: list[str], cpus, threads) -> ServerProcess:
-            env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+            server_env = {**env, "OMP_NUM_THREADS": str(threads)} if threads else env
             server = start_server(name, args, timeout_s=timeout_s, cpus=self._pin(name, cpus, allowed),
-                                  env=env, echo=echo)
+                                  env=server_env, echo=echo)
             try:
                 _wait_ready(server, timeout_s=30.0)
             except BaseException:
@@ -308,11 +328,12 @@ class Cluster:
         r = self.config.routers
         jobs = {}
         for i in range(r.count):
-            args = ["serve-router", "--port", str(r.port + i if r.port else 0),
+            name = f"router-{i}" if r.count > 1 else "router"
+            args = ["serve-router", "--port", str(r.port + i if r.port else 0), "--name", name,
                     "--metrics-port", str(r.metrics_port + i if r.metrics_port else 0), *redis_args]
             if r.tenant_weights:
                 args += ["--tenant-weights", ",".join(f"{k}={v:g}" for k, v in r.tenant_weights.items())]
-            jobs[f"router-{i}" if r.count > 1 else "router"] = (args + list(r.args), r.cpus, None)
+            jobs[name] = (args + list(r.args), r.cpus, None)
         if jobs:
             say(f"routers: starting {', '.join(jobs)}")
         self.routers = list(self._start_tier(jobs, spawn).values())
@@ -359,6 +380,18 @@ class Cluster:
     def router_addresses(self) -> list[str]:
         return [r.address for r in self.routers]
 
+    def token(self, tenant: str) -> str | None:
+        """The tenant's bearer token for the routers (issued now if it has none); None when insecure."""
+        return self.ca.token(tenant) if self.ca is not None else None
+
+    def credentials(self, tenant: str = "alpha") -> Security:
+        """A client of this cluster: the tenant's token towards routers, and a client certificate
+        (client/<tenant>) towards targets and endpoints."""
+        return self.ca.client(tenant, tenant) if self.ca is not None else Security.insecure()
+
+    def router_channel(self, tenant: str = "alpha", index: int = 0, options=None) -> grpc.Channel:
+        return self.credentials(tenant).channel(self.routers[index].address, "router", options=options)
+
     def members(self) -> list[Member]:
         out = [Member("router", r.name, r.address, r.metrics_port,
                       f"Target API (front door); capacity: http://127.0.0.1:{r.metrics_port}/capacity")
@@ -396,6 +429,8 @@ class Cluster:
             _stop_all(tier, grace_s)
         if self.redis is not None:
             self.redis.close()
+        if self.ca is not None:
+            shutil.rmtree(self.ca.dir, ignore_errors=True)
 
     def __enter__(self) -> Self:
         return self
@@ -418,21 +453,20 @@ def _stop_all(servers: list[ServerProcess], grace_s: float = 20.0) -> None:
 
 
 def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
-    """Until the server's grpc.health.v1 reports `readiness` SERVING."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        end = time.monotonic() + timeout_s
-        while True:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                status = None
-            if not server.alive() or time.monotonic() > end:
-                raise RuntimeError(f"{server.name} on {server.address} is not ready (health: {status}); "
-                                   f"its log:\n{server.logs()}")
-            time.sleep(0.2)
+    """Until the server's /readyz (its metrics port, plain HTTP: no credentials needed) answers 200."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/readyz", timeout=2.0) as reply:
+                status = reply.status
+            if status == 200:
+                return
+        except (urllib.error.URLError, OSError) as e:
+            status = getattr(e, "code", None) or str(e)
+        if not server.alive() or time.monotonic() > end:
+            raise RuntimeError(f"{server.name} on {server.address} is not ready (/readyz: {status}); "
+                               f"its log:\n{server.logs()}")
+        time.sleep(0.2)
 
 
 def _allowed_cpus() -> set[int]:
@@ -464,6 +498,8 @@ def add_arguments(p) -> None:
     p.add_argument("--free-ports", action="store_true", help="let every server pick a free port")
     p.add_argument("--verbose", action="store_true", help="echo every server's log lines to stderr")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per server, to come up")
+    p.add_argument("--insecure", action="store_true",
+                   help="no TLS, tokens or certificates (anyone reaching a port is any tenant); Redis keeps its password")
 
 
 def main(args) -> int:
@@ -480,7 +516,7 @@ def main(args) -> int:
     started = time.monotonic()
     try:
         try:
-            cluster = Cluster.start(config, echo=args.verbose, timeout_s=args.timeout_s,
+            cluster = Cluster.start(config, echo=args.verbose, timeout_s=args.timeout_s, insecure=args.insecure,
                                     progress=lambda text: print(f"[up] {text}", file=sys.stderr, flush=True))
         except KeyboardInterrupt:
             print("[up] interrupted while starting; stopped what had started", file=sys.stderr)
@@ -493,6 +529,11 @@ def main(args) -> int:
             if cluster.routers:
                 print(f"\nsend requests to {cluster.router_address} (specpool.v1.TargetService); Ctrl-C stops "
                       "everything", flush=True)
+            if cluster.ca is not None:
+                print(f"TLS: CA certificate {cluster.ca.dir / 'ca.crt'} (verify the router as router.specpool); "
+                      f"tenants' bearer tokens in {cluster.ca.dir / 'tokens.yaml'}", flush=True)
+            else:
+                print("WARNING: --insecure: plaintext and no authentication on every port", flush=True)
             while not stop.wait(1.0):
                 dead = cluster.dead()
                 if dead:

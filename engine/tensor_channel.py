@@ -11,13 +11,23 @@ per peer; the caller ships the offer over gRPC and the peer calls `DistributedPa
     offer = host.offer("target-a")  --gRPC-->    ch = DistributedPairChannel.connect(offer, offer.target_rank)
     host.get("target-a", 30).send(t)             ch.recv(shape, dtype)
 
+The store is reachable by anyone who reaches its port, and anyone there can list its keys and join
+a pair. So each offer carries a fresh random secret that only travels over the (authenticated) gRPC
+call, never through the store: once the group forms, each rank proves it holds the secret
+(HMAC-SHA256 over the other rank's random nonce) before the channel is used, and a peer that cannot
+is refused. Prefixes are random and name no peer.
+
 `LoopbackChannel.pair()` is the in-process stand-in for tests.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import queue
+import secrets
 import socket
 import threading
 import uuid
@@ -34,8 +44,10 @@ from engine.device import default_device, distributed_backend
 log = logging.getLogger(__name__)
 
 _TAG = 0
-_HANDSHAKE = 0x5350  # "SP": both ranks exchange it once, so a connected channel has carried a tensor
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_SECRET_BYTES = 32  # per offer
+_NONCE_BYTES = 32  # per rank per handshake
+_PROOF_BYTES = hashlib.sha256().digest_size
 
 
 class ChannelError(RuntimeError):
@@ -59,7 +71,7 @@ class PairChannel(Protocol):
 
 @dataclass(frozen=True)
 class ChannelOffer:
-    """What a peer needs to join a pair; travels over gRPC."""
+    """What a peer needs to join a pair; travels over gRPC (authenticated: `secret` admits the peer)."""
 
     host: str
     port: int
@@ -67,6 +79,7 @@ class ChannelOffer:
     backend: str
     target_rank: int
     timeout_s: float
+    secret: bytes = field(repr=False)  # the pair's; never written into the store, never logged
 
 
 class DistributedPairChannel:
@@ -111,6 +124,8 @@ class DistributedPairChannel:
         """Joins the pair an endpoint offered; blocks until both ranks are in (or offer.timeout_s passes)."""
         device = device or default_device()
         _check_backend(offer.backend, device, offer.prefix)
+        if not offer.secret:
+            raise ValueError(f"tensor channel {offer.prefix}: the offer carries no pairing secret")
         timeout = timedelta(seconds=offer.timeout_s)
         try:
             store = dist.TCPStore(
@@ -127,6 +142,7 @@ class DistributedPairChannel:
             timeout_s=offer.timeout_s,
             name=offer.prefix,
             local_host=_local_address_towards(offer.host, offer.port),
+            secret=offer.secret,
         )
 
     @classmethod
@@ -140,19 +156,28 @@ class DistributedPairChannel:
         timeout_s: float,
         name: str,
         local_host: str | None,
+        secret: bytes,
     ) -> DistributedPairChannel:
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1 in a pair; got {rank}")
+        if not secret:
+            raise ValueError(f"tensor channel {name}: no pairing secret")
         _check_backend(backend, device, name)
         try:
             group = _new_group(store, rank, backend, timedelta(seconds=timeout_s), local_host)
         except Exception as e:
             raise _connect_error(e, name, rank, timeout_s, "waiting for the peer to join") from e
         channel = cls(group, store, rank=rank, device=device, timeout_s=timeout_s, name=name)
+        del group  # the channel holds the only reference: its shutdown closes the sockets
         try:
-            channel._handshake()
+            channel._handshake(secret)
+        except _PeerRefused as e:
+            log.warning("tensor channel %s: refused the peer at rank %d: it did not prove the pair's secret",
+                        name, 1 - rank)
+            channel._abort()
+            raise ChannelError(f"tensor channel {name}: rank {rank} refused rank {1 - rank}: {e}") from None
         except Exception as e:
-            channel.close()
+            channel._abort()
             raise _connect_error(e, name, rank, timeout_s, "handshake") from e
         return channel
 
@@ -212,17 +237,45 @@ class DistributedPairChannel:
                 log.exception("tensor channel %s: send of %s failed", self.name, what)
                 self._error = e
 
-    def _handshake(self) -> None:
-        token = torch.tensor([_HANDSHAKE], dtype=torch.int64, device=self.device)
-        received = torch.zeros_like(token)
+    def _handshake(self, secret: bytes) -> None:
+        """Mutual proof of the pair's secret, before the channel carries anything else.
+
+        Each rank sends a fresh random nonce; each answers HMAC-SHA256(secret, b"rank<own rank>" +
+        the other's nonce), which only a holder of the secret can compute and which is good for this
+        handshake only (the rank in it keeps a peer from echoing our own proof back). The joining rank
+        (1) proves first; rank 0 answers only a peer that proved, so an impostor at rank 1 sees no proof
+        at all. A peer whose proof does not match raises _PeerRefused.
+        """
+        own_nonce = secrets.token_bytes(_NONCE_BYTES)
         if self.rank == 0:
-            self._backend.send([token], self.peer_rank, _TAG).wait(self._timeout)
-            self._backend.recv([received], self.peer_rank, _TAG).wait(self._timeout)
+            self._send_bytes(own_nonce)
+            peer_nonce = self._recv_bytes(_NONCE_BYTES)
+            self._check_proof(secret, own_nonce, self._recv_bytes(_PROOF_BYTES))
+            self._send_bytes(_proof(secret, self.rank, peer_nonce))
         else:
-            self._backend.recv([received], self.peer_rank, _TAG).wait(self._timeout)
-            self._backend.send([token], self.peer_rank, _TAG).wait(self._timeout)
-        if int(received.item()) != _HANDSHAKE:
-            raise RuntimeError(f"unexpected handshake value {int(received.item())}")
+            peer_nonce = self._recv_bytes(_NONCE_BYTES)
+            self._send_bytes(own_nonce)
+            self._send_bytes(_proof(secret, self.rank, peer_nonce))
+            self._check_proof(secret, own_nonce, self._recv_bytes(_PROOF_BYTES))
+
+    def _check_proof(self, secret: bytes, own_nonce: bytes, answer: bytes) -> None:
+        if not hmac.compare_digest(answer, _proof(secret, self.peer_rank, own_nonce)):
+            raise _PeerRefused(f"rank {self.peer_rank} did not prove the pair's secret")
+
+    def _send_bytes(self, data: bytes) -> None:
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        self._backend.send([tensor], self.peer_rank, _TAG).wait(self._timeout)
+
+    def _recv_bytes(self, n: int) -> bytes:
+        out = torch.zeros(n, dtype=torch.uint8, device=self.device)
+        self._backend.recv([out], self.peer_rank, _TAG).wait(self._timeout)
+        return bytes(out.cpu().tolist())
+
+    def _abort(self) -> None:
+        """Tears the group down without sending anything queued (nothing is, before the handshake)."""
+        self._closed = True
+        self._outbox.put(None)
+        self._shutdown()
 
     def _shutdown(self) -> None:
         backend, self._backend = self._backend, None
@@ -233,6 +286,52 @@ class DistributedPairChannel:
         except RuntimeError as e:  # the peer may already be gone
             log.debug("tensor channel %s: shutdown: %s", self.name, e)
         # Gloo closes its sockets (and so tells the peer) only when the last reference goes: this was it.
+
+
+class _PeerRefused(Exception):
+    """The peer in the group did not prove the pair's secret."""
+
+
+def _proof(secret: bytes, rank: int, nonce: bytes) -> bytes:
+    """What `rank` answers to the other rank's nonce: only a holder of the pair's secret can compute it."""
+    return hmac.new(secret, b"rank%d" % rank + nonce, hashlib.sha256).digest()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port only; a wildcard host ("", 0.0.0.0, ::) means every interface.
+
+    torch's TCPStore, handed a host, still binds every interface: it gets this socket instead.
+    """
+    if host in _WILDCARD_HOSTS:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=128,
+                                        dualstack_ipv6=True)
+        return socket.create_server(("0.0.0.0", port), family=socket.AF_INET, backlog=128)
+    errors = []
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may reuse a fixed port
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)
+            return sock
+        except OSError as e:
+            sock.close()
+            errors.append(e)
+    raise OSError(f"cannot listen on {host}:{port}: {errors[-1] if errors else 'the host has no address'}")
+
+
+def _loopback_for(wildcard: str) -> str:
+    """A loopback address the wildcard listener accepts: IPv4's, unless the machine has only IPv6."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+        return "127.0.0.1"
+    except OSError:
+        return "::1"
 
 
 def _check_backend(backend: str, device: torch.device, name: str) -> None:
@@ -295,9 +394,11 @@ class _Pairing:
 class ChannelHost:
     """Endpoint side: one TCPStore server, one pair per peer (rank 0 here, rank 1 at the peer).
 
-    The store binds every interface; `host` is the address peers are told to reach (and where the
-    Gloo side of each pair listens). At most `max_joining` offers wait for their peers at once (each holds
-    a thread for up to timeout_s); more are refused with ChannelBusy.
+    The store listens on `host` only (a wildcard host, "", 0.0.0.0 or ::, means every interface) and
+    on `port` (0: an ephemeral one; `self.port` says which); `host` is also the address peers are told
+    to reach (and where the Gloo side of each pair listens). Each offer carries its own secret, which
+    the peer must prove before the pair is used. At most `max_joining` offers wait for their peers at
+    once (each holds a thread for up to timeout_s); more are refused with ChannelBusy.
     """
 
     def __init__(
@@ -313,9 +414,15 @@ class ChannelHost:
         self.max_joining = max_joining
         self.device = device or default_device()
         self.backend = distributed_backend(self.device)
-        self._store = dist.TCPStore(
-            host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        # Where this process reaches its own store (the master store and each rank 0 connect to it).
+        self._local_host = _loopback_for(host) if host in _WILDCARD_HOSTS else host
+        with _listening_socket(host, port) as listener:
+            # The store's server takes the descriptor over (and closes it, on failure too): hand it a copy.
+            self._store = dist.TCPStore(
+                self._local_host, listener.getsockname()[1], is_master=True,
+                timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                master_listen_fd=os.dup(listener.fileno()),
+            )
         self.port = self._store.port
         self._advertised_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
         self._pairings: dict[str, _Pairing] = {}
@@ -325,13 +432,15 @@ class ChannelHost:
 
     def offer(self, peer: str) -> ChannelOffer:
         """A fresh pair for peer (replacing any earlier one); rank 0 starts joining in the background."""
+        # The prefix names no peer: anyone who reaches the store may list its keys.
         offer = ChannelOffer(
             host=self._advertised_host,
             port=self.port,
-            prefix=f"pair/{peer}/{uuid.uuid4().hex}",
+            prefix=f"pair/{uuid.uuid4().hex}",
             backend=self.backend,
             target_rank=1,
             timeout_s=self.timeout_s,
+            secret=secrets.token_bytes(_SECRET_BYTES),
         )
         pairing = _Pairing(offer)
         with self._lock:
@@ -379,8 +488,8 @@ class ChannelHost:
         try:
             # A connection of its own: waits on one connection take turns, so an offer nobody joins
             # held every later pair up for its whole timeout (50 such offers: 25 minutes).
-            store = dist.TCPStore("127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host, self.port,
-                                  is_master=False, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            store = dist.TCPStore(self._local_host, self.port, is_master=False,
+                                  timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
             channel = DistributedPairChannel._join(
                 dist.PrefixStore(prefix, store),
                 rank=0,
@@ -389,7 +498,10 @@ class ChannelHost:
                 timeout_s=self.timeout_s,
                 name=prefix,
                 local_host=self.host,
+                secret=pairing.offer.secret,
             )
+        except ChannelError as e:  # a peer that did not prove the secret: already logged
+            log.debug("%s", e)
         except (TimeoutError, RuntimeError) as e:
             log.warning("%s", e)
         finally:

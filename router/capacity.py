@@ -38,6 +38,18 @@ def cluster_capacity(
     )
 
 
+def visible_to(message: pb.ClusterCapacity, tenant: str | None) -> pb.ClusterCapacity:
+    """The capacity a tenant may read: every endpoint's per-tenant leases but its own left out (None:
+    all of them), so tenants learn neither who else shares the pool nor how much they use."""
+    out = pb.ClusterCapacity()
+    out.CopyFrom(message)
+    for endpoint in out.endpoints:
+        own = [t for t in endpoint.tenants if t.tenant == tenant]
+        del endpoint.tenants[:]
+        endpoint.tenants.extend(own)
+    return out
+
+
 def capacity_json(message: pb.ClusterCapacity) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 

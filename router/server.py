@@ -25,20 +25,24 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.capacity import capacity_json, cluster_capacity
+from router.capacity import capacity_json, cluster_capacity, visible_to
 from router.leases import LEASE_TTL_S, LeaseKeeper
 from router.metrics import RouterMetrics
 from router.routing import Route, Router, RouterConfig, RoutingError, tenant_of
 from router.view import ClusterView, DirectChecks
 from specpool.registry import Registry, redacted
+from specpool.security import TENANT_HEADER, Security
 from specpool.serving import (
     MESSAGE_SIZE_OPTIONS,
     Admission,
     MetricsHttpServer,
     abort_invalid,
     add_health_and_reflection,
+    add_security_arguments,
     build_server,
     method_names,
+    redis_url_from,
+    security_from,
     serve_until_signal,
     setup_logging,
 )
@@ -53,24 +57,36 @@ CHANNEL_OPTIONS = [*MESSAGE_SIZE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 5000
 
 
 class TargetChannels:
-    """One channel per member address, shared by all requests and health checks."""
+    """One channel per member, shared by all requests and health checks.
 
-    def __init__(self):
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, target_pb2_grpc.TargetServiceStub] = {}
+    A member is dialled as what the registry says is at its address (`name_of`: ("target", tenant) or
+    ("endpoint", id)), and its certificate must name exactly that: anyone can write a heartbeat into
+    Redis, only the cluster's CA can make a certificate for <tenant>.target.specpool.
+    """
+
+    def __init__(self, credentials: Security, name_of: Callable[[str], tuple[str, str] | None]):
+        self.credentials = credentials
+        self.name_of = name_of
+        self._channels: dict[tuple[str, tuple[str, str] | None], grpc.Channel] = {}
+        self._stubs: dict[tuple[str, tuple[str, str] | None], target_pb2_grpc.TargetServiceStub] = {}
         self._lock = threading.Lock()
 
     def channel(self, address: str) -> grpc.Channel:
+        name = self.name_of(address)
         with self._lock:
-            channel = self._channels.get(address)
+            channel = self._channels.get((address, name))
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                # Not in the registry (any more): expect a name no certificate carries.
+                role, member = name or ("target", "unregistered")
+                channel = self._channels[(address, name)] = self.credentials.channel(
+                    address, role, member, options=CHANNEL_OPTIONS)
             return channel
 
     def stub(self, address: str) -> target_pb2_grpc.TargetServiceStub:
-        stub = self._stubs.get(address)
+        key = (address, self.name_of(address))
+        stub = self._stubs.get(key)
         if stub is None:
-            stub = self._stubs[address] = target_pb2_grpc.TargetServiceStub(self.channel(address))
+            stub = self._stubs[key] = target_pb2_grpc.TargetServiceStub(self.channel(address))
         return stub
 
     def close(self) -> None:
@@ -191,9 +207,14 @@ def _copy(request: pb.GenerateRequest) -> pb.GenerateRequest:
 
 
 class RouterServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, router: Router, channels: TargetChannels):
+    """The tenant of a call is the one its bearer token names; requests are forwarded with it in
+    x-specpool-tenant, which targets believe only from a router's certificate. So a request id is the
+    tenant's own: another tenant's Cancel of it finds nothing."""
+
+    def __init__(self, router: Router, channels: TargetChannels, credentials: Security):
         self.router = router
         self.channels = channels
+        self.credentials = credentials
 
     def Generate(self, request, context):
         tenant = self._tenant(context)
@@ -213,7 +234,7 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
                 self.router.metrics.migrations.labels(model=model).inc()
             try:
                 call = self.channels.stub(fwd.route.target.address).Generate(
-                    fwd.route.request, timeout=_remaining(context))
+                    fwd.route.request, timeout=_remaining(context), metadata=_on_behalf_of(tenant))
                 fwd.attach(call)
                 for msg in call:
                     if not stream.sent_any and msg.HasField("delta"):
@@ -243,7 +264,7 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
             fwd = self._forwarding(stream.request, tenant, exclude, context, current, stream)
             try:
                 future = self.channels.stub(fwd.route.target.address).GenerateUnary.future(
-                    fwd.route.request, timeout=_remaining(context))
+                    fwd.route.request, timeout=_remaining(context), metadata=_on_behalf_of(tenant))
                 fwd.attach(future)
                 result = future.result()
                 fwd.finish("ok")
@@ -260,18 +281,25 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
                 fwd.finish("cancelled")
 
     def Cancel(self, request, context):
-        """Routers keep no request table: every live replica is asked, and any that ran it says so."""
+        """Routers keep no request table: every live replica is asked, and any that ran it (for this
+        tenant) says so. NOT_FOUND when none did, whoever's the id is: ids tell nothing about others."""
+        tenant = self._tenant(context)
         if not request.request_id:
             abort_invalid(context, "request_id", "is required")
         targets = self.router.view.snapshot().targets
-        futures = [self.channels.stub(t.address).Cancel.future(request, timeout=5.0) for t in targets]
+        futures = [self.channels.stub(t.address).Cancel.future(request, timeout=5.0, metadata=_on_behalf_of(tenant))
+                   for t in targets]
         cancelled = False
         for f in futures:
             try:
                 cancelled = f.result().cancelled or cancelled
             except grpc.RpcError as e:
-                log.debug("Cancel on a replica failed: %s", e.code().name)
-        return pb.CancelResponse(cancelled=cancelled)
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    log.debug("Cancel on a replica failed: %s", e.code().name)
+        if not cancelled:
+            abort_invalid(context, "request_id", f"no running request {request.request_id!r} of yours",
+                          grpc.StatusCode.NOT_FOUND)
+        return pb.CancelResponse(cancelled=True)
 
     def GetInfo(self, request, context):
         """The pool as one service: summed capacity and load; the model when the pool serves one."""
@@ -296,7 +324,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
     # -- helpers ------------------------------------------------------------------------------------
 
     def _tenant(self, context) -> str | None:
-        try:
+        caller = self.credentials.caller(context)
+        if caller is not None and not caller.anonymous:
+            return caller.name
+        try:  # --insecure: the caller says who it is
             return tenant_of(context.invocation_metadata())
         except RoutingError as e:
             abort_invalid(context, e.field, e.message, e.code)
@@ -354,6 +385,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         return True
 
 
+def _on_behalf_of(tenant: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TENANT_HEADER, tenant),) if tenant else ()
+
+
 def _abort_like(context, error: grpc.RpcError) -> None:
     """Ends the call with a replica's status, its google.rpc details (such as RetryInfo) included."""
     details = [(k, v) for k, v in error.trailing_metadata() or () if k == "grpc-status-details-bin"]
@@ -369,11 +404,16 @@ def _remaining(context) -> float | None:
 
 
 class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServicer):
-    def __init__(self, capacity):
+    """A tenant sees the pools and endpoints, and of the per-tenant leases only its own."""
+
+    def __init__(self, capacity, credentials: Security):
         self.capacity = capacity
+        self.credentials = credentials
 
     def GetClusterCapacity(self, request, context):
-        return self.capacity()
+        caller = self.credentials.caller(context)
+        message = self.capacity()
+        return message if caller is None or caller.anonymous else visible_to(message, caller.name)
 
 
 # -- process entry point ---------------------------------------------------------------------------
@@ -400,11 +440,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics and /capacity port (0 picks)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
-    p.add_argument("--redis", required=True, metavar="URL",
-                   help="the cluster registry, e.g. redis://127.0.0.1:6379/0")
+    add_security_arguments(p)
+    p.add_argument("--tokens", default=None, metavar="FILE",
+                   help="YAML tenant -> bearer token(s): who may call this router, as which tenant (default: "
+                        "$SPECPOOL_TOKENS_FILE, else tokens.yaml in a local CA's --tls-dir); re-read when it changes")
+    p.add_argument("--name", default="router", help="this router's name in its certificate (router/<name>)")
     p.add_argument("--tenant-weights", default="", metavar="T=W,...",
-                   help="weighted shares of each endpoint's draft slots per tenant: the caller's gRPC metadata "
-                        "x-specpool-tenant, else the placed target's --tenant; each is guaranteed "
+                   help="weighted shares of each endpoint's draft slots per tenant: the caller's token's tenant "
+                        "(x-specpool-tenant metadata with --insecure), else the placed target's --tenant; each is guaranteed "
                         "floor(slots * w / sum w); unlisted tenants only use unreserved slots")
     p.add_argument("--lease-ttl-s", type=float, default=LEASE_TTL_S,
                    help="draft-slot lease TTL in Redis, renewed every third of it while its request runs: "
@@ -429,8 +472,11 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     if args.check_interval_s <= 0:
         raise ValueError(f"--check-interval-s must be > 0, got {args.check_interval_s}")
+    redis_url = redis_url_from(args)
+    if not redis_url:
+        raise ValueError("the router needs the registry: set SPECPOOL_REDIS_URL or pass --redis URL")
     return RouterConfig(
-        port=args.port, metrics_port=args.metrics_port, host=args.host, redis_url=args.redis,
+        port=args.port, metrics_port=args.metrics_port, host=args.host, redis_url=redis_url,
         tenant_weights=parse_tenant_weights(args.tenant_weights), lease_ttl_s=args.lease_ttl_s,
         busy_limit=args.busy_limit, grace_s=args.grace_s, check_interval_s=args.check_interval_s,
     )
@@ -439,9 +485,12 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 def main(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     config = config_from(args)
+    credentials = security_from(args, "router", args.name, tokens_file=args.tokens)
+    if credentials.enabled and credentials.tokens is None:
+        raise SystemExit("the router needs a tokens file to know its callers: --tokens FILE or SPECPOOL_TOKENS_FILE")
     registry = Registry(config.redis_url)
     metrics = RouterMetrics()
-    channels = TargetChannels()
+    channels = TargetChannels(credentials, lambda address: view.member_name(address))
     checks = DirectChecks(channels.health_check(timeout_s=min(1.0, config.check_interval_s)),
                           interval_s=config.check_interval_s)
     view = ClusterView(registry, checks=checks, on_error=lambda: metrics.registry_errors.labels(op="read").inc())
@@ -470,15 +519,20 @@ def main(args: argparse.Namespace) -> int:
     # Every forwarded request holds a server thread until its replica answers.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
     admission = Admission(args.max_in_flight, method_names(service, "Generate", "GenerateUnary"))
-    server, port = build_server(config.port, host=config.host, admission=admission)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels), server)
-    cluster_pb2_grpc.add_ClusterStateServicer_to_server(ClusterStateServicer(capacity), server)
+    # Tenants' programs call the router with bearer tokens, not certificates.
+    server, port = build_server(config.port, host=config.host, admission=admission, credentials=credentials,
+                                client_certificates=False)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
+    cluster_pb2_grpc.add_ClusterStateServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = add_health_and_reflection(server, [
         pb.DESCRIPTOR.services_by_name["TargetService"].full_name,
         cluster_pb2.DESCRIPTOR.services_by_name["ClusterState"].full_name,
     ])
-    metrics_server = MetricsHttpServer(metrics.registry, config.metrics_port, host=config.host,
-                                       json_routes={"/capacity": lambda: capacity_json(capacity())})
+    # Over HTTP the per-tenant leases are for operators: those holding the metrics token.
+    metrics_server = MetricsHttpServer(
+        metrics.registry, config.metrics_port, host=args.metrics_host or config.host, health=health,
+        json_routes={"/capacity": lambda operator: capacity_json(
+            capacity() if operator else visible_to(capacity(), None))})
     metrics_server.start()
     server.start()
     health.set_ready(True)

@@ -120,6 +120,17 @@ class ClusterView:
         self._known_at = 0.0  # when those members were last known to be in use: read, or checked in an outage
         self._lock = threading.Lock()
 
+    def member_name(self, address: str) -> tuple[str, str] | None:
+        """("target", tenant) or ("endpoint", id) of the member last known at address; None if none is."""
+        known = self._known
+        for t in known.targets:
+            if t.address == address:
+                return ("target", t.tenant) if t.tenant else None
+        for e in known.endpoints:
+            if e.address == address:
+                return ("endpoint", e.id)
+        return None
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             now = self.clock()

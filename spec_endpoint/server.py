@@ -20,6 +20,7 @@ from spec_endpoint.endpoint import Endpoint, EndpointConfig
 from spec_endpoint.messages import FieldError
 from spec_endpoint.registry import DrafterRegistry, DrafterSpec
 from specpool import serving
+from specpool.security import Security
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 
@@ -33,28 +34,40 @@ def _abort(context: grpc.ServicerContext, error: FieldError):
 
 
 class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
-    def __init__(self, endpoint: Endpoint):
+    """The tenant of every call is the caller's certificate name (a target's is its service id); the
+    requests' `tenant` fields count only on an --insecure endpoint. Sessions and tensor channels are
+    keyed by tenant, so one tenant's ids never reach another's sessions: they are just unknown."""
+
+    def __init__(self, endpoint: Endpoint, credentials: Security | None = None):
         self.endpoint = endpoint
+        self.credentials = credentials or Security.insecure()
+
+    def _tenant(self, context, claimed: str) -> str:
+        caller = self.credentials.caller(context)
+        return wire.tenant_from(claimed) if caller.anonymous else caller.name
 
     def OpenSessions(self, request, context):
         try:
-            opened = self.endpoint.open_sessions(wire.open_request_from(request, self.endpoint.config.max_len))
+            tenant = self._tenant(context, request.tenant)
+            opened = self.endpoint.open_sessions(wire.open_request_from(request, self.endpoint.config.max_len, tenant))
             return wire.open_response_to(opened)
         except FieldError as e:
             _abort(context, e)
 
     def CloseSessions(self, request, context):
         try:
-            tenant = wire.tenant_from(request.tenant)
+            tenant = self._tenant(context, request.tenant)
         except FieldError as e:
             _abort(context, e)
         return pb.CloseSessionsResponse(closed=self.endpoint.close_sessions(tenant, list(request.request_ids)))
 
     def Rounds(self, request_iterator, context) -> Iterator[pb.RoundResponse]:
+        caller = self.credentials.caller(context)
+        tenant = None if caller.anonymous else caller.name
         stream = self.endpoint.open_stream()
         context.add_callback(stream.cancel)
         reader = threading.Thread(
-            target=self._read_rounds, args=(request_iterator, stream), name="spec-rounds-reader", daemon=True
+            target=self._read_rounds, args=(request_iterator, stream, tenant), name="spec-rounds-reader", daemon=True
         )
         reader.start()
         try:
@@ -68,12 +81,13 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
         finally:
             self.endpoint.forget_stream(stream)
 
-    def _read_rounds(self, request_iterator, stream) -> None:
-        """Feeds the stream's rounds into the shared engine queue until the client half-closes."""
+    def _read_rounds(self, request_iterator, stream, tenant: str | None) -> None:
+        """Feeds the stream's rounds into the shared engine queue until the client half-closes.
+        tenant: the caller's (None: --insecure, each round names its own)."""
         try:
             for msg in request_iterator:
                 try:
-                    self.endpoint.submit(stream, wire.round_from(msg))
+                    self.endpoint.submit(stream, wire.round_from(msg, tenant))
                 except FieldError as e:
                     stream.fail(e)
                     break  # still ended below: the batcher forgets the stream (its round clock) there
@@ -87,17 +101,20 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
 
     def OpenTensorChannel(self, request, context):
         try:
-            return wire.channel_response_to(self.endpoint.offer_channel(wire.tenant_from(request.tenant)))
+            return wire.channel_response_to(self.endpoint.offer_channel(self._tenant(context, request.tenant)))
         except FieldError as e:
             _abort(context, e)
 
     def GetCapacity(self, request, context):
-        return wire.capacity_to(self.endpoint.capacity())
+        """A target sees its own tenant's figures; operators' tools and routers see every tenant's."""
+        caller = self.credentials.caller(context)
+        report = self.endpoint.capacity()
+        return wire.capacity_to(report, only=caller.name if caller.role == "target" else None)
 
 
-def add_to_server(server: grpc.Server, endpoint: Endpoint) -> serving.HealthState:
+def add_to_server(server: grpc.Server, endpoint: Endpoint, credentials: Security | None = None) -> serving.HealthState:
     """Registers the servicer, health (live, not yet ready) and reflection on a built server."""
-    pb_grpc.add_SpeculationServiceServicer_to_server(SpeculationServicer(endpoint), server)
+    pb_grpc.add_SpeculationServiceServicer_to_server(SpeculationServicer(endpoint, credentials), server)
     return serving.add_health_and_reflection(server, [SERVICE_NAME])
 
 
@@ -142,13 +159,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft models' weights (bf16: where the device computes it natively, else fp32)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     parser.add_argument("--channel-host", default="127.0.0.1",
-                        help="address targets reach this endpoint's tensor-channel store on")
+                        help="address targets reach this endpoint's tensor-channel store on (its store "
+                             "listens there only; 0.0.0.0 or :: for every interface)")
+    parser.add_argument("--channel-port", type=int, default=0,
+                        help="port of the tensor-channel store (default 0: an ephemeral one); a fixed port so "
+                             "a NetworkPolicy can name it")
     parser.add_argument("--endpoint-id", default="", help="name in the capacity API (default: host:port)")
     parser.add_argument("--batch-window-ms", type=float, default=50.0,
                         help="the longest a draft step waits for another busy tenant's expected round, to share "
                              "one forward (also at most half that tenant's round period; 0: never wait)")
-    parser.add_argument("--redis", default=None, metavar="URL",
-                        help="register in the cluster registry at this Redis (heartbeats; default: none)")
+    serving.add_security_arguments(parser)
     parser.add_argument("--advertise-host", default="127.0.0.1", help="host targets and routers reach this on")
     parser.add_argument("--log-level", default="INFO")
 
@@ -186,31 +206,39 @@ def main(args: argparse.Namespace) -> int:
 
     # Each attached target's Rounds stream holds a server thread for as long as it is attached.
     rounds = serving.method_names(pb.DESCRIPTOR.services_by_name["SpeculationService"], "Rounds")
-    server, port = serving.build_server(args.port, host=args.host,
+    credentials = serving.security_from(args, "endpoint", args.endpoint_id or "endpoint")
+    if credentials.enabled and args.endpoint_id and args.endpoint_id != credentials.identity.name:
+        raise SystemExit(f"--endpoint-id {args.endpoint_id!r} is not the name in this endpoint's certificate "
+                         f"({credentials.identity.name!r}); routers know it by its certificate")
+    server, port = serving.build_server(args.port, host=args.host, credentials=credentials,
                                         admission=serving.Admission(args.max_round_streams, rounds))
     config = EndpointConfig(
         max_sessions=args.max_sessions, max_sessions_per_tenant=args.max_sessions_per_tenant, max_len=args.max_len,
         lease_s=args.lease_s, max_lease_s=args.max_lease_s, tenant_labels=args.tenant_labels,
-        endpoint_id=args.endpoint_id or f"{socket.gethostname()}:{port}",
+        endpoint_id=args.endpoint_id or (credentials.identity.name if credentials.enabled
+                                         else f"{socket.gethostname()}:{port}"),
         batch_window_s=args.batch_window_ms / 1000,
     )
-    channels = ChannelHost(host=args.channel_host, device=device, max_joining=args.max_round_streams)
+    channels = ChannelHost(host=args.channel_host, port=args.channel_port, device=device,
+                           max_joining=args.max_round_streams)
     endpoint = Endpoint(registry, config, channel_host=channels)
-    health = add_to_server(server, endpoint)
+    health = add_to_server(server, endpoint, credentials)
+    # Over HTTP the per-tenant figures are for operators: those holding the metrics token.
     metrics = serving.MetricsHttpServer(
-        endpoint.metrics.registry, args.metrics_port, host=args.host,
-        json_routes={"/capacity": lambda: wire.capacity_json(endpoint.capacity())},
+        endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host, health=health,
+        json_routes={"/capacity": lambda operator: wire.capacity_json(endpoint.capacity(), only=None if operator else "")},
     )
     metrics.start()
     endpoint.start()
     server.start()
     heartbeat = None
-    if args.redis:
+    redis_url = serving.redis_url_from(args)
+    if redis_url:
         from spec_endpoint.registration import heartbeat_fields
         from specpool.registry import Heartbeat
 
         address = f"{args.advertise_host}:{port}"
-        heartbeat = Heartbeat(args.redis, "endpoint", config.endpoint_id,
+        heartbeat = Heartbeat(redis_url, "endpoint", config.endpoint_id,
                               lambda: heartbeat_fields(endpoint.capacity(), address)).start()
     log.info("serving SpeculationService on port %d, metrics on port %d", port, metrics.port)
     health.set_ready(True)

@@ -55,10 +55,9 @@ def sampling_from(path: str, msg: target_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def open_request_from(msg: pb.OpenSessionsRequest, max_len: int) -> OpenRequest:
+def open_request_from(msg: pb.OpenSessionsRequest, max_len: int, tenant: str) -> OpenRequest:
     """A session whose context exceeds max_len is refused here, per session, before its tokens
-    become Python ints: a 400k-token context then costs the engine nothing."""
-    tenant = tenant_from(msg.tenant)
+    become Python ints: a 400k-token context then costs the engine nothing. tenant: the caller's."""
     if not msg.target_model:
         raise FieldError("target_model", "empty; name the target model (its GGUF file name without .gguf)")
     if not math.isfinite(msg.lease_s) or msg.lease_s < 0:
@@ -99,10 +98,11 @@ def open_response_to(results: list[OpenResult]) -> pb.OpenSessionsResponse:
     ])
 
 
-def round_from(msg: pb.RoundRequest) -> Round:
-    """Per-sequence problems (unknown session, bad num_draft_tokens) are answered per sequence."""
+def round_from(msg: pb.RoundRequest, tenant: str | None = None) -> Round:
+    """Per-sequence problems (unknown session, bad num_draft_tokens) are answered per sequence.
+    tenant: the caller's; None (an --insecure endpoint) takes the message's own field."""
     return Round(
-        tenant=tenant_from(msg.tenant),
+        tenant=tenant if tenant is not None else tenant_from(msg.tenant),
         round_id=msg.round_id,
         sequences=tuple(
             SequenceRound(s.request_id, tuple(s.new_tokens), s.num_draft_tokens,
@@ -138,11 +138,12 @@ def channel_response_to(offer) -> pb.TensorChannelResponse:
     """engine.tensor_channel.ChannelOffer -> TensorChannelResponse."""
     return pb.TensorChannelResponse(
         store_host=offer.host, store_port=offer.port, prefix=offer.prefix, backend=offer.backend,
-        target_rank=offer.target_rank, timeout_s=offer.timeout_s,
+        target_rank=offer.target_rank, timeout_s=offer.timeout_s, secret=offer.secret,
     )
 
 
-def capacity_to(report: CapacityReport) -> pb.Capacity:
+def capacity_to(report: CapacityReport, only: str | None = None) -> pb.Capacity:
+    """only: list that tenant's figures alone ("": no tenant's); None: every tenant's."""
     models = []
     for m in report.models:
         out = pb.ModelDrafters(target_model=m.target_model, drafters=[_KIND_TO_PB[k] for k in m.drafters])
@@ -162,13 +163,13 @@ def capacity_to(report: CapacityReport) -> pb.Capacity:
         tenants=[
             pb.TenantStats(tenant=t.tenant, active_sessions=t.active_sessions,
                            drafted_tokens=t.drafted_tokens, accepted_tokens=t.accepted_tokens)
-            for t in report.tenants
+            for t in report.tenants if only is None or t.tenant == only
         ],
     )
 
 
-def capacity_json(report: CapacityReport) -> dict:
+def capacity_json(report: CapacityReport, only: str | None = None) -> dict:
     """The same report for the HTTP /capacity route."""
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(capacity_to(report), always_print_fields_with_no_presence=True)
+    return MessageToDict(capacity_to(report, only), always_print_fields_with_no_presence=True)

@@ -7,6 +7,7 @@ register their servicers, call `add_health_and_reflection`, start a `MetricsHttp
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -29,8 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from specpool import security
+
 log = logging.getLogger(__name__)
 
+REDIS_URL_ENV = "SPECPOOL_REDIS_URL"
+METRICS_TOKEN_ENV = "SPECPOOL_METRICS_TOKEN"
 # Set by cluster/processes.start_server: the pid of the process that launched this server.
 LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -62,17 +67,48 @@ def setup_logging(level: str = "INFO") -> None:
         root.addHandler(handler)
 
 
-def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None = None) -> tuple[grpc.Server, int]:
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every server takes for TLS, tokens and the registry's URL (specpool/security.py)."""
+    p.add_argument("--tls-dir", default=None, metavar="DIR",
+                   help=f"ca.crt, tls.crt, tls.key of this service (default: ${security.TLS_DIR_ENV}); a directory "
+                        f"with ca.key is a local CA that issues this process its certificate (specpool up)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext and no authentication: anyone who reaches a port is any tenant (logs a warning)")
+    p.add_argument("--metrics-host", default=None,
+                   help=f"address /metrics and /capacity listen on (default: --host); with "
+                        f"${METRICS_TOKEN_ENV} set they require 'Authorization: Bearer <token>'")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help=f"register in the cluster registry at this Redis (default: ${REDIS_URL_ENV}, else none; "
+                        f"prefer the variable: a password in an argument shows in `ps`)")
+
+
+def security_from(args: argparse.Namespace, role: str, name: str, tokens_file: str | None = None) -> security.Security:
+    """This server's credentials from its flags and environment; exits with what to pass if they are missing."""
+    try:
+        return security.Security.load(args.tls_dir, role, name, insecure=args.insecure, tokens_file=tokens_file)
+    except security.SecurityError as e:
+        raise SystemExit(str(e)) from e
+
+
+def redis_url_from(args: argparse.Namespace) -> str | None:
+    return args.redis or os.environ.get(REDIS_URL_ENV) or None
+
+
+def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None = None,
+                 credentials: security.Security | None = None,
+                 client_certificates: bool = True) -> tuple[grpc.Server, int]:
     """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port.
 
     A sync gRPC server runs each call on a pool thread until it ends. `admission` bounds the long calls
     (its methods); the pool has CONTROL_WORKERS threads more, so health checks, cancels and info calls
-    never wait behind generation.
+    never wait behind generation. With `credentials` every call is TLS and authenticated before a
+    servicer sees it; client_certificates=True also requires mutual TLS at the handshake.
     """
     admission = admission or Admission(64, methods=())
+    credentials = credentials or security.Security.insecure()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=admission.limit + CONTROL_WORKERS, thread_name_prefix="grpc"),
-        interceptors=[MalformedRequests(), admission],
+        interceptors=[credentials.interceptor(), MalformedRequests(), admission],
         options=[
             *MESSAGE_SIZE_OPTIONS,
             # Without this a second server on the same port binds silently and steals half the traffic.
@@ -81,7 +117,7 @@ def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None
     )
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound_port = server.add_insecure_port(address)
+        bound_port = credentials.add_port(server, address, client_certificates=client_certificates)
     except RuntimeError as e:
         raise RuntimeError(f"cannot bind gRPC server to {address}: {e}") from e
     if bound_port == 0:  # older grpcio reports a failed bind this way instead of raising
@@ -263,19 +299,30 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
 
 
 class MetricsHttpServer:
-    """HTTP side door: GET /metrics (Prometheus text), /healthz, and JSON routes such as a capacity API."""
+    """HTTP side door: GET /metrics (Prometheus text), JSON routes such as a capacity API, and the
+    probes /healthz, /livez, /readyz (kubelet's gRPC probes cannot speak TLS).
+
+    With a token (default: $SPECPOOL_METRICS_TOKEN) /metrics and the JSON routes require
+    "Authorization: Bearer <token>"; the probes stay open (they tell nothing).
+    A JSON route may take the caller's standing: route(authorized) gets True when a token is set and
+    was presented, so it can leave out what only operators may read.
+    """
 
     def __init__(
         self,
         registry: prometheus_client.CollectorRegistry,
         port: int,
         host: str = "127.0.0.1",
-        json_routes: dict[str, Callable[[], dict]] | None = None,
+        json_routes: dict[str, Callable[[bool], dict]] | None = None,
+        health: HealthState | None = None,
+        token: str | None = None,
     ):
         self.registry = registry
         self.host = host
         self.port = port
         self.json_routes = dict(json_routes or {})
+        self.health = health
+        self.token = token if token is not None else os.environ.get(METRICS_TOKEN_ENV) or None
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -304,24 +351,33 @@ class MetricsHttpServer:
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         registry = self.registry
         routes = self.json_routes
+        health = self.health
+        token = self.token
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
+                if path in ("/healthz", "/livez", "/readyz"):
+                    up = health is None or (health.ready if path == "/readyz" else health.live)
+                    self._reply(200 if up else 503, "text/plain; charset=utf-8", b"ok" if up else b"not ready")
+                    return
+                if path not in routes and path != "/metrics":
+                    self._reply(404, "application/json", json.dumps({"error": f"no route {path}"}).encode())
+                    return
+                if not security.check_metrics_token(self.headers.get("Authorization"), token):
+                    self._reply(401, "application/json",
+                                b'{"error": "send Authorization: Bearer <the metrics token>"}')
+                    return
                 if path == "/metrics":
                     body = prometheus_client.generate_latest(registry)
                     self._reply(200, prometheus_client.CONTENT_TYPE_LATEST, body)
-                elif path == "/healthz":
-                    self._reply(200, "text/plain; charset=utf-8", b"ok")
-                elif path in routes:
+                else:
                     try:
-                        body, code = json.dumps(routes[path]()), 200
+                        body, code = json.dumps(routes[path](token is not None)), 200
                     except Exception as e:
                         log.exception("JSON route %s failed", path)
                         body, code = json.dumps({"error": f"{type(e).__name__}: {e}"}), 500
                     self._reply(code, "application/json", body.encode())
-                else:
-                    self._reply(404, "application/json", json.dumps({"error": f"no route {path}"}).encode())
 
             def _reply(self, code: int, content_type: str, body: bytes) -> None:
                 self.send_response(code)

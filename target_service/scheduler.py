@@ -26,7 +26,7 @@ log = logging.getLogger("specpool.target.scheduler")
 
 @dataclass
 class Request:
-    request_id: str
+    request_id: str  # the caller's id, which its responses carry
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
@@ -44,9 +44,19 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     cancelled: bool = False
+    owner: str = ""  # who submitted it (target_service/server.py): ids are unique per owner only
+
+    @property
+    def key(self) -> str:
+        """The id within this service: another owner's request of the same id is another request."""
+        return request_key(self.owner, self.request_id)
 
     def seq_id(self, index: int) -> str:
-        return f"{self.request_id}/{index}"
+        return f"{self.key}/{index}"
+
+
+def request_key(owner: str, request_id: str) -> str:
+    return f"{len(owner)}:{owner}/{request_id}"
 
 
 class Scheduler:
@@ -78,16 +88,17 @@ class Scheduler:
             # Requests in the inbox that free slots will take at the next step are not waiting.
             if len(self._inbox) >= self.max_queue + max(0, self.decoder.free_slots):
                 raise OverflowError(f"queue full ({self.max_queue} requests waiting for a batch slot)")
-            if request.request_id in self._running or any(r.request_id == request.request_id for r in self._inbox):
+            if request.key in self._running or any(r.key == request.key for r in self._inbox):
                 raise KeyError(request.request_id)
             self._inbox.append(request)
             self._wake.notify()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, key: str) -> bool:
+        """key: Request.key (the owner's scope and its id)."""
         with self._wake:
-            known = request_id in self._running or any(r.request_id == request_id for r in self._inbox)
+            known = key in self._running or any(r.key == key for r in self._inbox)
             if known:
-                self._cancel.add(request_id)
+                self._cancel.add(key)
                 self._wake.notify()
             return known
 
@@ -147,7 +158,7 @@ class Scheduler:
     def _apply_cancels(self, request_ids: set[str]) -> None:
         for rid in request_ids:
             with self._wake:
-                queued = [r for r in self._inbox if r.request_id == rid]
+                queued = [r for r in self._inbox if r.key == rid]
                 for r in queued:
                     self._inbox.remove(r)
             for r in queued:
@@ -175,14 +186,14 @@ class Scheduler:
                 self._by_seq[seq_id] = (request, i)
             request.fallback_rounds = [0] * request.n
             request.cache_hits, request.cache_lookups = [0] * request.n, [0] * request.n
-            self._running[request.request_id] = request
+            self._running[request.key] = request
 
     def _deliver(self, moved: list[tuple[str, list[int]]]) -> None:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq_id, tokens in moved:
             request, index = self._by_seq[seq_id]
-            touched[request.request_id] = request
+            touched[request.key] = request
             if tokens:
                 if request.first_token_at is None:
                     request.first_token_at = now
@@ -201,7 +212,7 @@ class Scheduler:
                 self._finish(request)
 
     def _finish(self, request: Request) -> None:
-        if self._running.pop(request.request_id, None) is not None or request.finished_at is None:
+        if self._running.pop(request.key, None) is not None or request.finished_at is None:
             request.finished_at = time.monotonic()
             for i in range(request.n):
                 self._by_seq.pop(request.seq_id(i), None)
@@ -213,5 +224,5 @@ class Scheduler:
             for i in range(request.n):
                 self.decoder.cancel(request.seq_id(i))
             request.events.put(("error", None, "internal error in the target's decode step; see its log"))
-            self._running.pop(request.request_id, None)
+            self._running.pop(request.key, None)
         self._by_seq.clear()

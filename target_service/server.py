@@ -27,14 +27,18 @@ from engine.ngram import NgramDrafter, SuffixArrayDatastore
 from engine.sampling import SamplingParams
 from engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
 from engine.tokenizer import Tokenizer
+from specpool.security import TENANT_HEADER, Security
 from specpool.serving import (
     Admission,
     MetricsHttpServer,
     abort_invalid,
     abort_with_retry,
     add_health_and_reflection,
+    add_security_arguments,
     build_server,
     method_names,
+    redis_url_from,
+    security_from,
     serve_until_signal,
     setup_logging,
 )
@@ -42,7 +46,7 @@ from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from target_service.metrics import TargetMetrics
-from target_service.scheduler import Request, Scheduler
+from target_service.scheduler import Request, Scheduler, request_key
 from target_service.speculation_client import SpeculationClient
 
 log = logging.getLogger("specpool.target")
@@ -61,8 +65,13 @@ METHOD_NAMES = {-1: "none", None: "ngram_local", spec_pb.DRAFTER_KIND_DRAFT_MODE
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Request ids are scoped by their owner: the caller's identity, or for a router the tenant it
+    names (it authenticated that tenant's token). Another owner's id is simply not found."""
+
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
-                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient | None):
+                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient | None,
+                 credentials: Security | None = None):
+        self.credentials = credentials or Security.insecure()
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
@@ -98,7 +107,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self._result(req)
 
     def Cancel(self, request, context):
-        return pb.CancelResponse(cancelled=self.scheduler.cancel(request.request_id))
+        if not self.scheduler.cancel(request_key(self._owner(context), request.request_id)):
+            abort_invalid(context, "request_id", f"no running request {request.request_id!r} of yours",
+                          grpc.StatusCode.NOT_FOUND)
+        return pb.CancelResponse(cancelled=True)
 
     def GetInfo(self, request, context):
         running, queued = self.scheduler.load()
@@ -111,8 +123,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -- translation --------------------------------------------------------------------------------
 
+    def _owner(self, context) -> str:
+        caller = self.credentials.caller(context)
+        metadata = dict(context.invocation_metadata() or ())
+        if caller.anonymous or caller.role == "router":  # --insecure, or a router naming its tenant
+            return f"tenant/{metadata.get(TENANT_HEADER, '')}"
+        return f"{caller.role}/{caller.name}"
+
     def _submit(self, request: pb.GenerateRequest, context) -> Request:
         req = self._validate(request, context)
+        req.owner = self._owner(context)
         stops = req.stop_ids if req.stop_ids is not None else [self.eos_id]
         if req.resumed and req.resumed[-1] in stops:
             # The failed replica emitted a stop token but not its final message: nothing is left to do.
@@ -124,14 +144,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         try:
             self.scheduler.submit(req)
         except KeyError:
-            abort_invalid(context, "request_id", f"{req.request_id!r} is already running",
+            abort_invalid(context, "request_id", f"{req.request_id!r} is already running (one of yours)",
                           grpc.StatusCode.ALREADY_EXISTS)
         except OverflowError as e:
             abort_with_retry(context, f"request: {e}; retry in 1 s or on another replica", 1.0)
         except RuntimeError as e:
             abort_invalid(context, "request", str(e), grpc.StatusCode.UNAVAILABLE)
         # A client that goes away (or cancels) frees the slots; harmless once the request is done.
-        context.add_callback(lambda: self.scheduler.cancel(req.request_id))
+        context.add_callback(lambda: self.scheduler.cancel(req.key))
         return req
 
     def _validate(self, r: pb.GenerateRequest, context) -> Request:
@@ -301,7 +321,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--tenant", default=None, help="this service's id towards speculation endpoints")
+    p.add_argument("--tenant", default=None,
+                   help="this service's id towards speculation endpoints and routers (with TLS: the name in its "
+                        "certificate, target/<tenant>; default: that name, or target-<port> with --insecure)")
     p.add_argument("--spec-endpoint", default=None, help="HOST:PORT of a speculation endpoint")
     p.add_argument("--spec-deadline-ms", type=float, default=500.0,
                    help="per-step wait for the endpoint's drafts before drafting locally")
@@ -318,8 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="inject this delay into every speculation message, each way (tests, benchmarks)")
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
-    p.add_argument("--redis", default=None, metavar="URL",
-                   help="register in the cluster registry at this Redis (heartbeats; default: none)")
+    add_security_arguments(p)
     p.add_argument("--advertise-host", default="127.0.0.1", help="host routers reach this service on")
     p.add_argument("--log-level", default="INFO")
 
@@ -332,7 +353,11 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
     name = model_name(path)
-    tenant = args.tenant or f"target-{args.port}"
+    credentials = security_from(args, "target", args.tenant or "target")
+    tenant = credentials.identity.name if credentials.enabled else args.tenant or f"target-{args.port}"
+    if args.tenant and tenant != args.tenant:
+        raise SystemExit(f"--tenant {args.tenant!r} is not the name in this service's certificate ({tenant!r}); "
+                         "routers and endpoints know it by its certificate")
     metrics = TargetMetrics(name, tenant)
 
     def load():
@@ -367,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
     client = SpeculationClient(
         tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
         on_fallback=on_fallback, on_attach=on_attach, ssd_push=args.ssd_mode == "push",
-        delay_s=args.spec_delay_ms / 1000,
+        delay_s=args.spec_delay_ms / 1000, credentials=credentials,
         on_cache_stats=lambda seq_id, hits, lookups: scheduler_ref[0].record_cache_stats(seq_id, hits, lookups),
         on_round=lambda wait_s, draft_s: (metrics.spec_round_seconds.observe(wait_s),
                                           metrics.spec_wire_seconds.observe(max(0.0, wait_s - draft_s))),
@@ -382,18 +407,21 @@ def main(args: argparse.Namespace) -> int:
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
     admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate", "GenerateUnary"))
-    server, port = build_server(args.port, host=args.host, admission=admission)
-    servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client)
+    server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials)
+    servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
+                              credentials)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service.full_name])
-    metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.host)
+    metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
+                                       health=health)
     metrics_server.start()
     server.start()
     if args.spec_endpoint:
         client.wait_attached(5.0)
     health.set_ready(True)
     heartbeat = None
-    if args.redis:
+    redis_url = redis_url_from(args)
+    if redis_url:
         from specpool.registry import Heartbeat
         from target_service.registration import HeartbeatFields
 
@@ -401,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
         fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
                                  policies.free if policies else None,
                                  lambda: policies.draft_model if policies else None)
-        heartbeat = Heartbeat(args.redis, "target", address, fields.fields).start()
+        heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
 

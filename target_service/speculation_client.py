@@ -26,6 +26,7 @@ from engine.ngram import NgramDrafter
 from engine.sampling import SamplingParams
 from engine.speculation_policy import StepCosts
 from engine.tensor_channel import ChannelOffer, DistributedPairChannel
+from specpool.security import Security
 from specpool.serving import MESSAGE_SIZE_OPTIONS, SPARSE_Q_MAX_K
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2
@@ -167,14 +168,16 @@ class _Connection:
     """One attachment to an endpoint: the Rounds stream, its reader thread and the tensor channel."""
 
     def __init__(self, address: str, tenant: str, connect_timeout_s: float, delay_s: float = 0.0,
-                 on_reply: Callable[[float], None] = lambda round_trip_s: None):
+                 on_reply: Callable[[float], None] = lambda round_trip_s: None,
+                 credentials: Security | None = None):
         self.tenant = tenant
         self.delay_s = delay_s  # injected per message, each way (tests and benchmarks)
         self.on_reply = on_reply  # every round's reply, awaited or not: its round trip
         self._sent_at: dict[int, float] = {}
         self.tables: dict[str, pb.OutcomeTable] = {}  # SSD push: the latest table per sequence
         self.tables_changed = threading.Condition()
-        self.channel = grpc.insecure_channel(address, options=MESSAGE_SIZE_OPTIONS)
+        # Only a certificate that names an endpoint (endpoint.specpool) gets this target's contexts.
+        self.channel = (credentials or Security.insecure()).channel(address, "endpoint", options=MESSAGE_SIZE_OPTIONS)
         self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
         self.capacity = self.stub.GetCapacity(pb.CapacityRequest(), timeout=connect_timeout_s)
         self.broken = threading.Event()
@@ -191,12 +194,14 @@ class _Connection:
     def _connect_tensor(self, offer: pb.TensorChannelResponse) -> None:
         try:
             self.tensor = DistributedPairChannel.connect(
-                ChannelOffer(offer.store_host, offer.store_port, offer.prefix, offer.backend,
-                             offer.target_rank, offer.timeout_s),
+                ChannelOffer(host=offer.store_host, port=offer.store_port, prefix=offer.prefix,
+                             backend=offer.backend, target_rank=offer.target_rank, timeout_s=offer.timeout_s,
+                             secret=offer.secret),
                 rank=offer.target_rank,
             )
             self._tensor_ready.set()
-        except (RuntimeError, TimeoutError, OSError) as e:  # dense q then drafts locally; sparse is unaffected
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:  # ValueError: an offer with no secret
+            # dense q then drafts locally; sparse is unaffected
             log.warning("tensor channel to the endpoint failed: %s", e)
 
     @property
@@ -313,7 +318,9 @@ class SpeculationClient:
         delay_s: float = 0.0,
         on_cache_stats: Callable[[str, int, int], None] | None = None,
         on_round: Callable[[float, float], None] | None = None,
+        credentials: Security | None = None,
     ):
+        self.credentials = credentials or Security.insecure()
         self.on_round = on_round or (lambda wait_s, draft_s: None)  # a round trip: our wait, their drafting
         self.on_cache_stats = on_cache_stats or (lambda seq_id, hits, lookups: None)  # SSD, when a sequence ends
         self.ssd_push = ssd_push  # SSD: take drafts from pushed outcome tables (else pull each round)
@@ -363,7 +370,7 @@ class SpeculationClient:
             if not self.attached:
                 try:
                     conn = _Connection(self.address, self.tenant, connect_timeout_s=2.0, delay_s=self.delay_s,
-                                       on_reply=self.breaker.replied)
+                                       on_reply=self.breaker.replied, credentials=self.credentials)
                 except grpc.RpcError as e:
                     log.debug("endpoint %s not reachable: %s", self.address, e.code().name)
                 else:

@@ -8,6 +8,10 @@ import torch
 from engine.config import tiny_config
 from engine.model import Llama
 from engine.process_env import NO_NATIVE_BF16
+from tests.pki import CA
+
+# Servers the tests start run secure, as in production: they issue themselves certificates from CA.
+os.environ.update(CA.env)
 
 # Every process this test session starts, directly or not, inherits this tag in its environment:
 # it finds them again, orphans included, to check that no test leaves one running.

@@ -194,20 +194,22 @@ class TensorChannelRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ...) -> None: ...
 
 class TensorChannelResponse(_message.Message):
-    __slots__ = ("store_host", "store_port", "prefix", "backend", "target_rank", "timeout_s")
+    __slots__ = ("store_host", "store_port", "prefix", "backend", "target_rank", "timeout_s", "secret")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     prefix: str
     backend: str
     target_rank: int
     timeout_s: float
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ..., target_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., prefix: _Optional[str] = ..., backend: _Optional[str] = ..., target_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class CapacityRequest(_message.Message):
     __slots__ = ()

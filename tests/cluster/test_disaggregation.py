@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -28,6 +27,7 @@ from engine.model import Llama, random_weights
 from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.pki import channel
 from tests.stats import cells, check_tv, exact_joint, report
 from training.distill import DraftLM, export
 
@@ -36,7 +36,8 @@ ONE_THREAD = ["--threads", "1"]
 
 
 def stub_for(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
-    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(server.address))
+    """A client of a target (mutual TLS: a client certificate from the tests' CA)."""
+    return target_pb2_grpc.TargetServiceStub(channel(server.address, "target"))
 
 
 def tiny_files(root: Path, vocab: int, seed: int, norm_scale: float = 1.0,

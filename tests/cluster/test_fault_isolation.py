@@ -38,6 +38,7 @@ from engine.sampling import SamplingParams
 from specpool.registry import Registry
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.pki import channel
 
 MAX_BATCH, MAX_QUEUE = 8, 16
 CONFIG = replace(tiny_config(vocab_size=64), max_context=4096)
@@ -66,8 +67,13 @@ def cluster(tmp_path_factory):
         redis.close()
 
 
+def connect(server: ServerProcess) -> grpc.Channel:
+    """A client's channel: a bearer token towards the router, a client certificate towards a target."""
+    return channel(server.address, "router" if server.name == "router" else "target")
+
+
 def stub(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
-    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(server.address))
+    return target_pb2_grpc.TargetServiceStub(connect(server))
 
 
 def stream(stub_, request: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResult]:
@@ -139,16 +145,24 @@ def test_200_long_streams_leave_health_cancel_and_info_answering(cluster):
             assert len(refused) >= 200 - MAX_BATCH - MAX_QUEUE, f"other outcomes: {outcomes}"
         assert all(delay and delay > 0 for _, delay in refused), "a refusal without a retry hint"
         for server in (target, router):
-            channel = grpc.insecure_channel(server.address)
+            control = connect(server)
             start = time.monotonic()
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            health = health_pb2_grpc.HealthStub(control).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            info = target_pb2_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=1.0)
+            info = target_pb2_grpc.TargetServiceStub(control).GetInfo(pb.GetInfoRequest(), timeout=1.0)
             if server is target:  # the router's figures come from heartbeats, a moment behind
                 assert 1 <= info.active_sequences + info.queued_requests <= MAX_BATCH + MAX_QUEUE
-            target_pb2_grpc.TargetServiceStub(channel).Cancel(pb.CancelRequest(request_id="long-0"), timeout=1.0)
+            # long-0 was sent to the target, long-1 through the router: each may have been refused or
+            # have finished meanwhile (NOT_FOUND), but either way Cancel answers at once.
+            request_id = "long-0" if server is target else "long-1"
+            try:
+                cancelled = target_pb2_grpc.TargetServiceStub(control).Cancel(
+                    pb.CancelRequest(request_id=request_id), timeout=1.0).cancelled
+                assert cancelled
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND, e
             print(f"{server.name}: health, info and cancel in {(time.monotonic() - start) * 1e3:.0f} ms")
-            channel.close()
+            control.close()
     finally:
         for call in calls:
             call.cancel()
@@ -159,8 +173,8 @@ def test_200_long_streams_leave_health_cancel_and_info_answering(cluster):
 
 @pytest.mark.parametrize("via", ["target", "router"])
 def test_malformed_bytes_and_unknown_enums_are_invalid_argument(cluster, via):
-    channel = grpc.insecure_channel(cluster[via].address)
-    raw = channel.unary_unary("/specpool.v1.TargetService/GenerateUnary")
+    raw_channel = connect(cluster[via])
+    raw = raw_channel.unary_unary("/specpool.v1.TargetService/GenerateUnary")
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\xff\xff\xff\xff", timeout=10)  # a field tag with no valid wire type
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -175,7 +189,7 @@ def test_malformed_bytes_and_unknown_enums_are_invalid_argument(cluster, via):
     wide = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=4,
                               sampling=pb.SamplingParams(temperature=1.0, top_k=10**6))
     assert stub(cluster[via]).GenerateUnary(wide, timeout=30).completions[0].token_ids
-    channel.close()
+    raw_channel.close()
 
 
 def test_oversized_messages_are_refused_by_the_router_before_any_work(cluster):

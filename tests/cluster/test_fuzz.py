@@ -42,6 +42,7 @@ from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import start_endpoint, start_target, tiny_files
+from tests.pki import channel as secure_channel
 
 SEED = 13
 REQUESTS_PER_SERVICE = 10_000
@@ -63,9 +64,11 @@ SPEC_API = "/specpool.v1.SpeculationService/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 CLUSTER_CAPACITY = "/specpool.v1.ClusterState/GetClusterCapacity"
 DUPLICATE_IDS = [f"dup-{i}" for i in range(8)]  # request ids several calls share, at once or not
-# The fuzzer's endpoint tenants, not the targets' (t0, t1): tenants are not authenticated, so a caller
-# naming a target's tenant may close its sessions, which is not a bug in input handling.
+# The tenants the fuzzer's endpoint requests name in their `tenant` fields. The endpoint goes by the
+# caller's certificate (client/fz-a: FUZZER_TENANT) and ignores these fields, so they must be harmless;
+# the fuzzer's sessions are fz-a's whatever a request says, and never a target's (t0, t1).
 FUZZ_TENANTS = ["fz-a", "fz-b"]
+FUZZER_TENANT = "fz-a"
 SESSION_IDS = [f"s{i}" for i in range(12)]
 
 
@@ -187,7 +190,8 @@ def target_api_call(rng: random.Random, model: str, router: bool) -> Call:
             timeout = rng.choice([0.01, 0.05, 0.2, 0.5, 1.0])  # long requests end at their deadline
         metadata = ()
         if router and rng.random() < 0.2:
-            metadata = (("x-specpool-tenant", rng.choice(["alpha", "", " ", "t" * 200, "fz-a"])),)
+            # Self-asserted tenants: the router goes by the caller's bearer token and ignores these.
+            metadata = (("x-specpool-tenant", rng.choice(["alpha", "", " ", "t" * 200, "fz-a", "t0"])),)
         if r < 0.45:
             cancel = rng.choice([1, 2]) if rng.random() < 0.1 else None
             return Call(TARGET_API + "Generate", "stream", request, timeout, cancel, metadata)
@@ -348,9 +352,18 @@ def cluster(tmp_path_factory):
         redis.close()
 
 
+ROLES = {"spec": "endpoint", "router": "router"}  # server name -> role; the rest are targets
+
+
+def connect(server: ServerProcess) -> grpc.Channel:
+    """The fuzzer's channel to a server: client/fz-a's certificate, and fz-a's bearer token (the
+    router's tenant of every fuzzed call, whatever x-specpool-tenant it also sends)."""
+    return secure_channel(server.address, ROLES.get(server.name, "target"), tenant=FUZZER_TENANT)
+
+
 def idle(target: ServerProcess) -> bool:
     """Whether a target runs and queues nothing."""
-    with grpc.insecure_channel(target.address) as channel:
+    with connect(target) as channel:
         info = target_pb2_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
     return info.active_sequences == 0 and info.queued_requests == 0
 
@@ -369,9 +382,8 @@ def pool_size(server: ServerProcess) -> int:
 @pytest.mark.slow
 def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     model = model_name(cluster["gguf"])
-    address = {"target": cluster["targets"][0].address, "router": cluster["router"].address,
-               "endpoint": cluster["endpoint"].address}
-    channels = {s: grpc.insecure_channel(a) for s, a in address.items()}
+    server_of = {"target": cluster["targets"][0], "router": cluster["router"], "endpoint": cluster["endpoint"]}
+    channels = {s: connect(server) for s, server in server_of.items()}
     servers = [cluster["endpoint"], *cluster["targets"], cluster["router"]]
     before = {s.name: threads(s) for s in servers}
 
@@ -411,11 +423,13 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     assert not skipped, f"calls not sent within {FUZZ_BUDGET_S:.0f} s: {dict(skipped)}"
     for service in SERVICES:
         assert codes[service]["OK"] > REQUESTS_PER_SERVICE // 20, f"{service}: too few valid calls to mean much"
+        # The fuzzer's credentials are valid: no field or header it makes up may cost it its identity.
+        assert not codes[service]["UNAUTHENTICATED"], f"{service}: {codes[service]['UNAUTHENTICATED']} refused"
 
     # Alive, serving, and still right.
     for server in servers:
         assert server.alive(), f"{server.name} exited with {server.proc.returncode}:\n{server.logs()[-5000:]}"
-        with grpc.insecure_channel(server.address) as channel:
+        with connect(server) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING, server.name
     tracebacks = {s.name: s.logs().split("Traceback", 1)[1][:3000] for s in servers if "Traceback" in s.logs()}

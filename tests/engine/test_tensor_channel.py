@@ -1,7 +1,14 @@
 import dataclasses
+import datetime
+import logging
 import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +22,7 @@ from engine.tensor_channel import (
     LoopbackChannel,
     PairChannel,
 )
+from tests.serving.test_listen_addresses import listening
 
 CPU = torch.device("cpu")
 # (shape, dtype): a dense draft-distribution-sized payload among small and integer ones
@@ -84,7 +92,8 @@ def test_gloo_pair_in_one_process_orders_sends_and_breaks_cleanly():
     try:
         offer = host.offer("target-a")
         assert (offer.backend, offer.target_rank, offer.host) == ("gloo", 1, "127.0.0.1")
-        assert offer.prefix.startswith("pair/target-a/")
+        assert offer.prefix.startswith("pair/") and "target-a" not in offer.prefix
+        assert len(offer.secret) == 32 and offer.secret.hex() not in repr(offer)
         peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
         channel = host.get("target-a", timeout_s=10.0)
         assert isinstance(channel, DistributedPairChannel)
@@ -143,7 +152,8 @@ def test_offers_nobody_joins_neither_hold_up_another_pair_nor_pile_up():
 
 
 def test_connect_refuses_a_device_the_backend_cannot_carry():
-    offer = ChannelOffer(host="127.0.0.1", port=1, prefix="p", backend="nccl", target_rank=1, timeout_s=1.0)
+    offer = ChannelOffer(host="127.0.0.1", port=1, prefix="p", backend="nccl", target_rank=1, timeout_s=1.0,
+                         secret=bytes(32))
     with pytest.raises(ValueError, match="nccl"):
         DistributedPairChannel.connect(offer, 1, device=CPU)
 
@@ -181,5 +191,154 @@ def test_gloo_pair_across_processes_and_re_offer_replaces_the_channel():
             first.send(torch.ones(1))
         host.drop("target-c")
         assert host.get("target-c") is None
+    finally:
+        host.close()
+
+
+# --- issue 14: who can reach the store must not be able to take a tenant's pair -----------------------------
+
+# A process that reaches the store but holds no secret: it finds the waiting pair through the store alone
+# (list_keys: the endpoint's rank 0 has registered under the pair's prefix) and joins it as rank 1 with the
+# project's own client and a guessed secret. Prints "joined" if the endpoint took it as the peer.
+_ATTACKER = r"""
+import dataclasses, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from engine.tensor_channel import ChannelOffer, DistributedPairChannel
+
+host, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+deadline = time.monotonic() + 10
+while not (keys := [k for k in store.list_keys() if k.startswith("pair/")]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+prefix = keys[0].rsplit("/", 2)[0]  # "<prefix>/0/<rank>": Gloo's rendezvous keys
+fields = dict(host=host, port=port, prefix=prefix, backend="gloo", target_rank=1, timeout_s=5.0)
+if "secret" in {f.name for f in dataclasses.fields(ChannelOffer)}:
+    fields["secret"] = b"guessed" * 5
+channel = DistributedPairChannel.connect(ChannelOffer(**fields), 1, device=torch.device("cpu"))
+print("joined", flush=True)
+channel.send(torch.ones(3))  # what a hijacker would feed the tenant's target... or read from the endpoint
+channel.close()
+"""
+
+
+def _attack(host: ChannelHost) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-c", _ATTACKER, "127.0.0.1", str(host.port)], cwd=root, env=env,
+                          check=False, capture_output=True, text=True, timeout=60)
+
+
+def test_a_process_without_the_pairs_secret_is_refused_and_the_owner_still_pairs(caplog):
+    host = ChannelHost(timeout_s=5.0, device=CPU)
+    try:
+        host.offer("victim")
+        with caplog.at_level(logging.WARNING, logger="engine.tensor_channel"):
+            attacker = _attack(host)
+            taken = host.get("victim", timeout_s=10.0)
+        assert taken is None, "the endpoint handed the tenant's channel to a process without the secret"
+        assert "joined" not in attacker.stdout
+        assert attacker.returncode != 0, attacker.stdout + attacker.stderr
+        assert "(handshake" in attacker.stderr, attacker.stderr  # it was in the group, then refused
+        assert any("did not prove the pair's secret" in r.getMessage() for r in caplog.records), caplog.text
+
+        # The rightful target, with the secret from its (authenticated) call, pairs on a fresh offer.
+        offer = host.offer("victim")
+        peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
+        channel = host.get("victim", timeout_s=10.0)
+        assert channel is not None
+        echo = threading.Thread(target=_echo, args=(peer,))
+        echo.start()
+        _check_echoes(channel, seed=4)
+        echo.join(timeout=5)
+        peer.close()
+    finally:
+        host.close()
+
+
+def test_a_peer_with_the_wrong_secret_is_refused_on_both_sides():
+    host = ChannelHost(timeout_s=5.0, device=CPU)
+    try:
+        offer = host.offer("target-d")
+        wrong = dataclasses.replace(offer, secret=bytes(a ^ 1 for a in offer.secret))
+        with pytest.raises((ChannelError, RuntimeError, TimeoutError)):
+            DistributedPairChannel.connect(wrong, wrong.target_rank, device=CPU)
+        assert host.get("target-d", timeout_s=5.0) is None
+        with pytest.raises(ValueError, match="secret"):
+            DistributedPairChannel.connect(dataclasses.replace(offer, secret=b""), 1, device=CPU)
+    finally:
+        host.close()
+
+
+def _listening_on(port: int) -> set[str]:
+    """Addresses this process listens on at port."""
+    return {address for address, p in listening(os.getpid()) if p == port}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_the_store_listens_on_the_given_host_and_port_only():
+    port = _free_port()
+    host = ChannelHost(host="127.0.0.1", port=port, timeout_s=5.0, device=CPU)
+    try:
+        assert host.port == port
+        assert _listening_on(port) == {"127.0.0.1"}  # torch alone bound every interface
+    finally:
+        host.close()
+    anywhere = ChannelHost(host="0.0.0.0", timeout_s=5.0, device=CPU)  # every interface, on purpose
+    try:
+        assert _listening_on(anywhere.port) and _listening_on(anywhere.port) <= {"0.0.0.0", "::"}
+    finally:
+        anywhere.close()
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_store_listens_on_an_ipv6_host_and_pairs_there():
+    host = ChannelHost(host="::1", timeout_s=10.0, device=CPU)
+    try:
+        assert _listening_on(host.port) == {"::1"}
+        offer = host.offer("target-v6")
+        peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
+        channel = host.get("target-v6", timeout_s=10.0)
+        assert channel is not None
+        peer.send(torch.arange(5))
+        assert torch.equal(channel.recv((5,), torch.int64), torch.arange(5))
+        peer.close()
+    finally:
+        host.close()
+
+
+def test_the_store_names_no_peer_and_holds_no_secret():
+    host = ChannelHost(timeout_s=10.0, device=CPU)
+    try:
+        offers = [host.offer(peer) for peer in ("tenant-alpha", "tenant-beta")]
+        for peer, offer in zip(("tenant-alpha", "tenant-beta"), offers):
+            assert peer not in offer.prefix and offer.prefix.startswith("pair/")
+        assert offers[0].secret != offers[1].secret and len(offers[0].secret) == 32
+        peer = DistributedPairChannel.connect(offers[0], 1, device=CPU)
+        assert host.get("tenant-alpha", timeout_s=10.0) is not None
+        store = torch.distributed.TCPStore("127.0.0.1", host.port, is_master=False,
+                                           timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+        keys = store.list_keys()
+        assert keys
+        for key in keys:
+            assert "tenant" not in key, key
+            value = store.get(key)
+            assert not any(offer.secret in value or offer.secret.hex().encode() in value for offer in offers)
+        peer.close()
     finally:
         host.close()

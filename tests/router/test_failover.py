@@ -33,6 +33,7 @@ from engine.sampling import SamplingParams
 from router.server import _Stream
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.pki import channel as secure_channel
 
 MAX_CONTEXT = 2048
 CONFIG = replace(tiny_config(vocab_size=64), max_context=MAX_CONTEXT)
@@ -117,7 +118,7 @@ def test_streams_of_a_killed_target_continue_on_the_other_and_equal_ar(pool, tin
     max_tokens = 1000
     model, _ = Llama.from_gguf(tiny_gguf, dtype="fp32", device="cpu")
     expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), max_tokens, stop_ids=[])]
-    channel = grpc.insecure_channel(router.address)
+    channel = secure_channel(router.address, "router")
     stub = target_pb2_grpc.TargetServiceStub(channel)
     received: list[list[int]] = [[] for _ in prompts]
 
@@ -164,7 +165,7 @@ def test_while_redis_is_down_the_router_serves_the_replicas_it_knew(pool):
     outage_s = float(os.environ.get("SPECPOOL_TEST_REDIS_OUTAGE_S", "120"))
     assert outage_s >= 35, "the outage must outlast the old 30 s limit"
     router, targets, redis_server = pool["router"], pool["targets"], pool["redis"]
-    channel = grpc.insecure_channel(router.address)
+    channel = secure_channel(router.address, "router")
     stub = target_pb2_grpc.TargetServiceStub(channel)
     succeeded, failures = [], []
     stop = threading.Event()

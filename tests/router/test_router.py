@@ -4,7 +4,8 @@ plans, real tiny serve-target/serve-spec processes for leases and a Redis restar
 - the router declines to speculate when no method is predicted to beat plain decoding;
 - placement follows the load the replicas report; two router replicas place sessions the same way;
 - a tenant's share of draft slots holds through the router while a greedy tenant asks for more;
-- /capacity (JSON) carries what ClusterState does;
+- /capacity (JSON) carries what ClusterState does; per-tenant leases only for operators (the metrics
+  token), and ClusterState shows a tenant its own alone;
 - after 200 requests that complete, are cancelled or are abandoned by their client, no slot is held;
 - a Redis restart loses no in-flight request, and the registry rebuilds from heartbeats.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +27,12 @@ from cluster.redis_server import start_redis
 from engine.gguf_loader import model_name
 from router.capacity import capacity_json
 from specpool.registry import Heartbeat, Registry
-from specpool.serving import build_server
+from specpool.security import Security
+from specpool.serving import METRICS_TOKEN_ENV, build_server
 from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
+from tests.pki import CA, channel
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +43,8 @@ DRAFT, NGRAM, NONE, AUTO = (pb.SPECULATION_METHOD_DRAFT_MODEL, pb.SPECULATION_ME
 
 class FakeTarget(target_pb2_grpc.TargetServiceServicer):
     """A TargetService without a model: records what the router sent, answers with one token, and
-    holds each request until `gate` is set. Registers itself like serve-target does."""
+    holds each request until `gate` is set. Registers itself like serve-target does, its member id as
+    its tenant, and serves with mutual TLS as target/<member id> (routers dial it by that name)."""
 
     def __init__(self, member_id: str, model: str, redis_url: str, draft: float, ngram: float,
                  spec_endpoint: str = ""):
@@ -51,13 +56,14 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.gate.set()
         self._in_flight = 0
         self._lock = threading.Lock()
-        self.server, self.port = build_server(0, host="127.0.0.1")
+        self.server, self.port = build_server(0, host="127.0.0.1",
+                                              credentials=Security.load(CA.dir, "target", member_id))
         target_pb2_grpc.add_TargetServiceServicer_to_server(self, self.server)
         self.server.start()
         self.heartbeat = Heartbeat(redis_url, "target", member_id, self.fields, ttl_s=1.0, interval_s=0.1).start()
 
     def fields(self) -> dict:
-        return {"address": f"127.0.0.1:{self.port}", "model": self.model, "max_batch": 16,
+        return {"address": f"127.0.0.1:{self.port}", "model": self.model, "tenant": self.member_id, "max_batch": 16,
                 "running": self._in_flight + self.busy, "queued": 0, "spec_endpoint": self.spec_endpoint,
                 "predicted_speedup_draft": self.draft, "predicted_speedup_ngram": self.ngram,
                 "methods": ["draft_model", "ngram"]}
@@ -123,9 +129,9 @@ def redis_server():
     server.close()
 
 
-def start_router(name: str, redis_url: str) -> ServerProcess:
+def start_router(name: str, redis_url: str, env: dict[str, str] | None = None) -> ServerProcess:
     return start_server(name, ["serve-router", "--port", "0", "--metrics-port", "0", "--redis", redis_url,
-                               "--tenant-weights", "alpha=1,beta=1"])
+                               "--tenant-weights", "alpha=1,beta=1", "--name", name], env=env)
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +178,16 @@ def fakes(redis_server, cluster):
     endpoint.stop()
 
 
-def stub(server: ServerProcess) -> target_pb2_grpc.TargetServiceStub:
-    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(server.address))
+_channels: dict[tuple[str, str], grpc.Channel] = {}
 
 
-def tenant(name: str) -> list[tuple[str, str]]:
-    return [("x-specpool-tenant", name)]
+def stub(server: ServerProcess, tenant: str = "tester") -> target_pb2_grpc.TargetServiceStub:
+    """A tenant's client of a router (its bearer token names the tenant), or of a target."""
+    key = (server.address, tenant)
+    if key not in _channels:
+        _channels[key] = channel(server.address, "router" if server.name.startswith("router") else "target",
+                                 tenant=tenant)
+    return target_pb2_grpc.TargetServiceStub(_channels[key])
 
 
 def request(model: str, request_id: str = "", method: int = AUTO, max_tokens: int = 4, session_id: str = ""):
@@ -282,7 +292,6 @@ def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes)
     router = cluster["routers"][1]
     registry = cluster["registry"]
     wait_for_model(router, "fake-model")
-    s = stub(router)
     no_slot_before = router.metric_total("specpool_router_decisions_total", model="fake-model", plan="ngram",
                             reason="no_slot")
     for f in fakes:
@@ -290,7 +299,7 @@ def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes)
     calls = []
     try:
         def send(who: str, i: int):
-            call = s.Generate(request("fake-model", f"{who}-{i}", method=DRAFT), metadata=tenant(who))
+            call = stub(router, who).Generate(request("fake-model", f"{who}-{i}", method=DRAFT))
             next(call)
             calls.append(call)
 
@@ -316,28 +325,69 @@ def test_a_tenants_share_of_draft_slots_holds_through_the_router(cluster, fakes)
     wait_for(lambda: registry.held("fake-ep") == {}, timeout_s=5)
 
 
-def test_capacity_json_carries_what_cluster_state_does(cluster, fakes):
+def capacity(router: ServerProcess, token: str | None = None) -> dict:
+    """The router's /capacity; with the operators' metrics token when given."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(f"http://127.0.0.1:{router.metrics_port}/capacity", headers=headers)
+    with urllib.request.urlopen(req, timeout=5) as reply:
+        return json.load(reply)
+
+
+def cluster_capacity(router: ServerProcess, tenant: str) -> dict:
+    """ClusterState as the tenant's bearer token sees it."""
+    with channel(router.address, "router", tenant=tenant) as ch:
+        return capacity_json(cluster_pb2_grpc.ClusterStateStub(ch).GetClusterCapacity(
+            cluster_pb2.ClusterCapacityRequest(), timeout=10))
+
+
+def leases(data: dict, endpoint_id: str) -> dict[str, int]:
+    """tenant -> guaranteed slots in one endpoint's per-tenant lease entries."""
+    ep = next(e for e in data["endpoints"] if e["id"] == endpoint_id)
+    return {t["tenant"]: t["guaranteed"] for t in ep.get("tenants", [])}
+
+
+def test_capacity_json_carries_what_cluster_state_does(cluster, fakes, redis_server):
+    """The same pools, endpoints and decisions over HTTP and gRPC. Per-tenant lease entries: all of them
+    for an operator holding the metrics token (a router started with one), none over HTTP without it
+    (and then its /capacity refuses a caller without the token), and over gRPC a tenant's own alone."""
     router = cluster["routers"][0]
     wait_for_model(router, "fake-model")
-    message = cluster_pb2_grpc.ClusterStateStub(grpc.insecure_channel(router.address)).GetClusterCapacity(
-        cluster_pb2.ClusterCapacityRequest())
-    data = json.load(urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity"))
+    as_dict = cluster_capacity(router, "alpha")
+    data = capacity(router)
 
     def summary(pools, endpoints, decisions):
         return ({p["model"]: sorted(t["id"] for t in p["targets"]) for p in pools},
                 sorted(e["id"] for e in endpoints), sorted((d["model"], d["plan"], d["reason"]) for d in decisions))
 
-    as_dict = capacity_json(message)
     assert summary(data["pools"], data["endpoints"], data["decisions"]) == summary(
         as_dict["pools"], as_dict["endpoints"], as_dict["decisions"])
     pool = next(p for p in data["pools"] if p["model"] == "fake-model")
     assert pool["capacity"] == 32 and pool["predicted_speedup_draft"] == pytest.approx(1.5)
     ep = next(e for e in data["endpoints"] if e["id"] == "fake-ep")
     assert ep["max_sessions"] == 4
-    assert {t["tenant"]: t["guaranteed"] for t in ep["tenants"]} == {"alpha": 2, "beta": 2}
     real = next(e for e in data["endpoints"] if e["id"] == "spec-1")
     assert real["models"] == [cluster["model"]] and real["max_sessions"] == 16
     assert data["registry_reachable"] is True
+
+    # Who shares the pool, and how much of it, is for operators and for each tenant about itself.
+    assert leases(data, "fake-ep") == {} and leases(data, "spec-1") == {}, "no metrics token: no tenant's leases"
+    assert leases(as_dict, "fake-ep") == {"alpha": 2}
+    assert leases(cluster_capacity(router, "beta"), "fake-ep") == {"beta": 2}
+    assert leases(cluster_capacity(router, "tester"), "fake-ep") == {}, "an unweighted tenant sees nobody's"
+    operators = start_router("router-ops", redis_server.url, env={METRICS_TOKEN_ENV: "operators-metrics-token"})
+    try:
+        full = wait_for(lambda: (c := capacity(operators, "operators-metrics-token"))["endpoints"]
+                        and any(p["model"] == "fake-model" for p in c["pools"]) and c)
+        assert leases(full, "fake-ep") == {"alpha": 2, "beta": 2}
+        assert summary(full["pools"], full["endpoints"], [])[:2] == summary(data["pools"], data["endpoints"], [])[:2]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            capacity(operators)
+        assert refused.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            capacity(operators, "a-wrong-token")
+        assert refused.value.code == 401
+    finally:
+        operators.stop()
 
 
 # -- leases and a Redis restart, against real tiny targets ----------------------------------------------
@@ -346,31 +396,37 @@ def test_capacity_json_carries_what_cluster_state_does(cluster, fakes):
 def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(cluster):
     model, registry = cluster["model"], cluster["registry"]
     routers = cluster["routers"]
-    stubs = [stub(r) for r in routers]
     for r in routers:
         wait_for_model(r, model)
     before = [t.metric_total("specpool_target_requests_total") for t in cluster["targets"]]
 
     def run(i: int) -> str:
-        s, who = stubs[i % 2], tenant("alpha" if i % 3 else "beta")
+        who = "alpha" if i % 3 else "beta"
+        s = stub(routers[i % 2], who)
         kind = ("unary", "stream", "stream", "cancel", "disconnect")[i % 5]
         rid = f"leak-{i}"
         if kind == "unary":
-            result = s.GenerateUnary(request(model, rid, DRAFT, max_tokens=6), metadata=who, timeout=60)
+            result = s.GenerateUnary(request(model, rid, DRAFT, max_tokens=6), timeout=60)
             assert len(result.completions[0].token_ids) == 6
             return kind
-        call = s.Generate(request(model, rid, DRAFT, max_tokens=6 if kind == "stream" else 100), metadata=who,
-                          timeout=60)
+        call = s.Generate(request(model, rid, DRAFT, max_tokens=6 if kind == "stream" else 100), timeout=60)
         if kind == "stream":
             tokens = [t for m in call if m.HasField("delta") for t in m.delta.token_ids]
             assert len(tokens) == 6
             return kind
         next(call)  # running on a replica
         if kind == "cancel":
-            stubs[(i + 1) % 2].Cancel(pb.CancelRequest(request_id=rid), timeout=10)  # through the other router
+            try:  # through the other router, as the same tenant (request ids are the tenant's own)
+                stub(routers[(i + 1) % 2], who).Cancel(pb.CancelRequest(request_id=rid), timeout=10)
+                found = True
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND, e
+                found = False  # it finished first
             finals = [m.final for m in call if m.HasField("final")]
             assert len(finals) == 1
-            return finals[0].completions[0].finish_reason
+            reason = finals[0].completions[0].finish_reason
+            assert found or reason == "length", (rid, reason)
+            return reason
         call.cancel()  # the client goes away mid-stream
         return kind
 
@@ -395,7 +451,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
     restarted = threading.Event()
 
     def stream(i: int) -> list[int]:
-        call = s.Generate(request(model, f"restart-{i}", DRAFT, max_tokens=100), metadata=tenant("alpha"), timeout=60)
+        call = stub(router, "alpha").Generate(request(model, f"restart-{i}", DRAFT, max_tokens=100), timeout=60)
         tokens = []
         for m in call:
             if m.HasField("delta"):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ipaddress
 import os
 
-import pytest
-
 from cluster.processes import start_server
 from cluster.redis_server import start_redis
 from tests.cluster.test_disaggregation import tiny_files
@@ -72,8 +70,6 @@ def test_servers_listen_on_loopback_unless_told_otherwise(tmp_path):
         redis.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14, open: torch's TCPStore binds every interface; hand it a socket "
-                                       "bound to --host through master_listen_fd")
 def test_the_endpoints_tensor_store_listens_on_loopback_only(tmp_path):
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
     spec = start_server("spec", ["serve-spec", "--port", "0", "--metrics-port", "0", "--threads", "1",

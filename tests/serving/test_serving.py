@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from grpc_status import rpc_status
 
 from specpool.serving import (
+    METRICS_TOKEN_ENV,
     Admission,
     MetricsHttpServer,
     abort_invalid,
@@ -160,22 +161,26 @@ def test_bytes_that_are_not_the_request_message_are_invalid_argument():
         server.stop(0).wait()
 
 
-def _get(url: str) -> tuple[int, str, bytes]:
+def _get(url: str, authorization: str | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": authorization} if authorization else {})
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(request, timeout=5) as r:
             return r.status, r.headers["Content-Type"], r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read()
 
 
-def test_metrics_http_server_routes():
+def test_metrics_http_server_routes(monkeypatch):
+    """A JSON route hears whether its caller is an operator (presented the metrics token); without
+    a token configured nobody is, and every route is open."""
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.Counter("specpool_test_requests", "test counter", registry=registry).inc(3)
 
-    def broken() -> dict:
+    def broken(operator: bool) -> dict:
         raise ValueError("no capacity data yet")
 
-    routes = {"/capacity": lambda: {"slots": 4}, "/broken": broken}
+    routes = {"/capacity": lambda operator: {"slots": 4, "operator": operator}, "/broken": broken}
+    monkeypatch.delenv(METRICS_TOKEN_ENV, raising=False)
     http = MetricsHttpServer(registry, 0, host="127.0.0.1", json_routes=routes)
     http.start()
     try:
@@ -183,14 +188,46 @@ def test_metrics_http_server_routes():
         code, ctype, body = _get(base + "/metrics")
         assert code == 200 and ctype.startswith("text/plain")
         assert "specpool_test_requests_total 3.0" in body.decode()
-        assert _get(base + "/healthz")[::2] == (200, b"ok")
+        for probe in ("/healthz", "/livez", "/readyz"):
+            assert _get(base + probe)[::2] == (200, b"ok"), probe
         code, ctype, body = _get(base + "/capacity?tenant=a")
-        assert (code, ctype, json.loads(body)) == (200, "application/json", {"slots": 4})
+        assert (code, ctype, json.loads(body)) == (200, "application/json", {"slots": 4, "operator": False})
         code, _, body = _get(base + "/broken")
         assert code == 500 and "no capacity data yet" in json.loads(body)["error"]
         assert _get(base + "/nope")[0] == 404
     finally:
         http.stop()
+
+
+def test_metrics_token_guards_metrics_and_json_routes_but_not_the_probes():
+    """With a metrics token, /metrics and the JSON routes want "Authorization: Bearer <token>" (and
+    a route then knows its caller is an operator); /livez and /readyz stay open and follow health."""
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter("specpool_test_requests", "test counter", registry=registry).inc(3)
+    server, _ = build_server(0, host="127.0.0.1")
+    health = add_health_and_reflection(server, [])
+    routes = {"/capacity": lambda operator: {"operator": operator}}
+    http = MetricsHttpServer(registry, 0, host="127.0.0.1", json_routes=routes, health=health, token="op-secret")
+    http.start()
+    try:
+        base = f"http://127.0.0.1:{http.port}"
+        for path in ("/metrics", "/capacity"):
+            assert _get(base + path)[0] == 401, path
+            assert _get(base + path, "Bearer wrong")[0] == 401, path
+        code, _, body = _get(base + "/metrics", "Bearer op-secret")
+        assert code == 200 and "specpool_test_requests_total 3.0" in body.decode()
+        code, _, body = _get(base + "/capacity", "Bearer op-secret")
+        assert (code, json.loads(body)) == (200, {"operator": True})
+        assert _get(base + "/livez")[0] == 200
+        assert _get(base + "/readyz")[0] == 503, "not ready until set_ready"
+        health.set_ready(True)
+        assert _get(base + "/readyz")[::2] == (200, b"ok")
+        health.set_live(False)
+        assert _get(base + "/livez")[0] == 503
+        assert _get(base + "/nope")[0] == 404
+    finally:
+        http.stop()
+        server.stop(0)
 
 
 DRAIN_SCRIPT = textwrap.dedent(

@@ -4,6 +4,9 @@
 - a tenant holds at most --max-sessions-per-tenant sessions; no lease outlives --max-lease-s;
 - invented tenant names add no metric series beyond --tenant-labels (the rest count as "_other");
 - meanwhile another tenant's round latency p99 stays within 20% of its own, measured side by side.
+
+The endpoint knows a caller's tenant by its client certificate (client/<tenant> from the tests' CA),
+not by the requests' `tenant` fields: each tenant here calls on a connection of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from engine.gguf_loader import save_gguf
 from engine.model import random_weights
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
+from tests.pki import CA
 
 MODEL = "tiny"
 V = 64
@@ -41,12 +45,34 @@ def endpoint(tmp_path_factory):
         "--threads", "1", "--batch-window-ms", "0", "--max-sessions", "64", "--max-len", str(MAX_LEN),
         "--max-sessions-per-tenant", str(PER_TENANT), "--lease-s", str(MAX_LEASE_S), "--max-lease-s",
         str(MAX_LEASE_S), "--tenant-labels", str(TENANT_LABELS)])
-    channel = grpc.insecure_channel(server.address)
+    tenants = Tenants(server)
     try:
-        yield server, pb_grpc.SpeculationServiceStub(channel), channel
+        yield server, tenants
     finally:
-        channel.close()
+        tenants.close()
         ServerProcess.stop(server)
+
+
+def connect(server: ServerProcess, tenant: str, options=None) -> grpc.Channel:
+    """A channel whose client certificate names client/<tenant>: the tenant of every call on it."""
+    return CA.client(tenant).channel(server.address, "endpoint", options=options)
+
+
+class Tenants:
+    """tenant -> its stub, on a channel of its own (kept, and closed at the end)."""
+
+    def __init__(self, server: ServerProcess):
+        self.server = server
+        self.channels: dict[str, grpc.Channel] = {}
+
+    def __call__(self, tenant: str) -> pb_grpc.SpeculationServiceStub:
+        if tenant not in self.channels:
+            self.channels[tenant] = connect(self.server, tenant)
+        return pb_grpc.SpeculationServiceStub(self.channels[tenant])
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
 
 
 def open_request(tenant: str, ids: list[str], context: list[int], lease_s: float = 0.0) -> pb.OpenSessionsRequest:
@@ -87,7 +113,8 @@ def metrics_text(server: ServerProcess) -> str:
 
 
 def test_an_over_long_context_is_refused_per_session_and_a_session_that_outgrows_it_is_closed(endpoint):
-    _, stub, _ = endpoint
+    _, tenants = endpoint
+    stub = tenants("long")
     start = time.perf_counter()
     reply = stub.OpenSessions(pb.OpenSessionsRequest(tenant="long", target_model=MODEL, sessions=[
         pb.SessionSpec(request_id="huge", context=context(HUGE), drafter=NGRAM),
@@ -110,21 +137,32 @@ def test_an_over_long_context_is_refused_per_session_and_a_session_that_outgrows
 
 
 def test_a_tenant_holds_at_most_its_cap_of_sessions(endpoint):
-    _, stub, _ = endpoint
-    reply = stub.OpenSessions(open_request("greedy", [f"g{i}" for i in range(12)], context(32)), timeout=10)
+    _, tenants = endpoint
+    greedy, victim = tenants("greedy"), tenants("victim")
+    reply = greedy.OpenSessions(open_request("greedy", [f"g{i}" for i in range(12)], context(32)), timeout=10)
     assert [s.ok for s in reply.sessions] == [True] * PER_TENANT + [False] * 4
     assert reply.sessions[-1].error == (
         f"capacity: tenant 'greedy' holds its maximum of {PER_TENANT} sessions on this endpoint "
         "(--max-sessions-per-tenant); close finished ones or draft locally")
-    victim = stub.OpenSessions(open_request("victim", ["v0", "v1"], context(32)), timeout=10)
-    assert all(s.ok for s in victim.sessions), "the other tenant still opens sessions"
-    stub.CloseSessions(pb.CloseSessionsRequest(tenant="greedy", request_ids=[f"g{i}" for i in range(12)]), timeout=10)
-    stub.CloseSessions(pb.CloseSessionsRequest(tenant="victim", request_ids=["v0", "v1"]), timeout=10)
+    # Naming another tenant in the request changes nothing: the cap is the caller's.
+    renamed = greedy.OpenSessions(open_request("victim", ["g-renamed"], context(32)), timeout=10)
+    assert not renamed.sessions[0].ok and renamed.sessions[0].error.startswith("capacity: tenant 'greedy'")
+    opened = victim.OpenSessions(open_request("victim", ["v0", "v1"], context(32)), timeout=10)
+    assert all(s.ok for s in opened.sessions), "the other tenant still opens sessions"
+    # Nor can a caller close another tenant's sessions by naming it.
+    assert greedy.CloseSessions(pb.CloseSessionsRequest(tenant="victim", request_ids=["v0", "v1"]),
+                                timeout=10).closed == 0
+    assert active(victim, "victim") == 2
+    assert greedy.CloseSessions(pb.CloseSessionsRequest(tenant="greedy", request_ids=[f"g{i}" for i in range(12)]),
+                                timeout=10).closed == PER_TENANT
+    assert victim.CloseSessions(pb.CloseSessionsRequest(tenant="victim", request_ids=["v0", "v1"]),
+                                timeout=10).closed == 2
 
 
 def test_no_lease_outlives_the_maximum(endpoint):
     """The issue's victim got 27 of 28 rounds as fallback while lease_s=1e9 sessions held the slots."""
-    _, stub, _ = endpoint
+    _, tenants = endpoint
+    stub = tenants("greedy")
     reply = stub.OpenSessions(open_request("greedy", ["forever"], context(32), lease_s=1e9), timeout=10)
     opened = time.monotonic()
     assert reply.sessions[0].ok, "longer leases are clamped, not refused"
@@ -141,17 +179,22 @@ def tenant_labels(text: str) -> set[str]:
 
 
 def test_invented_tenant_names_add_no_metric_series_beyond_the_named_ones(endpoint):
-    server, stub, _ = endpoint
+    """500 tenants, each with a certificate of its own (one the CA issued: a tenant name is no longer
+    something a caller makes up, but an operator may still hand out many)."""
+    server, _ = endpoint
     before = len(metrics_text(server))
-    rounds = Rounds(stub)
-    try:
-        for i in range(500):
-            name = f"sybil-{i}"
-            stub.OpenSessions(open_request(name, ["s"], context(16)), timeout=10)
-            rounds.ask(name, ("s", [], 2))
-            stub.CloseSessions(pb.CloseSessionsRequest(tenant=name, request_ids=["s"]), timeout=10)
-    finally:
-        rounds.close()
+    for i in range(500):
+        name = f"sybil-{i}"
+        with connect(server, name) as channel:
+            stub = pb_grpc.SpeculationServiceStub(channel)
+            assert stub.OpenSessions(open_request(name, ["s"], context(16)), timeout=10).sessions[0].ok
+            rounds = Rounds(stub)
+            try:
+                [drafted] = rounds.ask(name, ("s", [], 2)).sequences
+                assert not drafted.error, drafted.error
+            finally:
+                rounds.close()
+            assert stub.CloseSessions(pb.CloseSessionsRequest(tenant=name, request_ids=["s"]), timeout=10).closed == 1
     text = metrics_text(server)
     labels = tenant_labels(text)
     assert len(labels) <= TENANT_LABELS + 1 and "_other" in labels, sorted(labels)
@@ -178,10 +221,18 @@ def test_abuse_leaves_another_tenants_round_latency_p99_unchanged(endpoint):
 
     Other work on this machine shifts a p99 by more than 20% now and then, so a measurement that
     misses is repeated, up to ATTEMPTS in all; a stall like the issue's fails every one."""
-    server, stub, _ = endpoint
+    server, tenants = endpoint
+    stub = tenants("steady")
     # Its own connection: sharing the steady tenant's would queue its rounds behind 400 KB of frames.
-    channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    local_pool = [("grpc.use_local_subchannel_pool", 1)]
+    channel = connect(server, "abuser", options=local_pool)
     abuser = pb_grpc.SpeculationServiceStub(channel)
+    # A new tenant name in each attempt's first abused window (n: refusals so far), its certificate
+    # issued and its connection made here: neither may cost this process's GIL while it measures.
+    invented = {n: connect(server, f"invented-{n}", options=local_pool)
+                for n in range(0, ATTEMPTS * WINDOWS // 2, WINDOWS // 2)}
+    for ready in [channel, *invented.values()]:
+        grpc.channel_ready_future(ready).result(timeout=30)
     open_raw = channel.unary_unary("/specpool.v1.SpeculationService/OpenSessions",
                                    response_deserializer=pb.OpenSessionsResponse.FromString)
     # Serialized once here: building them must not cost this process's GIL while it measures.
@@ -196,7 +247,8 @@ def test_abuse_leaves_another_tenants_round_latency_p99_unchanged(endpoint):
         if first:
             abuser.OpenSessions(open_request("abuser", [f"a{i}" for i in range(12)], context(32), lease_s=1e9),
                                 timeout=30)
-            abuser.OpenSessions(open_request(f"invented-{n}", ["x"], context(16), lease_s=1e9), timeout=30)
+            pb_grpc.SpeculationServiceStub(invented[n]).OpenSessions(
+                open_request(f"invented-{n}", ["x"], context(16), lease_s=1e9), timeout=30)
 
     ids = [f"r{i}" for i in range(4)]
     assert all(s.ok for s in stub.OpenSessions(open_request("steady", ids, context(200)), timeout=10).sessions)
@@ -234,6 +286,8 @@ def test_abuse_leaves_another_tenants_round_latency_p99_unchanged(endpoint):
     finally:
         rounds.close()
         channel.close()
+        for other in invented.values():
+            other.close()
     print("round latency p99 per attempt:", "; ".join(figures))
     assert len(refused) == len(figures) * WINDOWS // 2
     assert all(re.match(rf"sessions\[0\]\.context: ({HUGE}|{LONG}) tokens exceed", e) for e in refused), refused

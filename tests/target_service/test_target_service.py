@@ -1,6 +1,8 @@
 """The target service as a separate process, on a tiny model written to a real GGUF file.
 
 Without an endpoint it drafts with its local n-gram index; greedy outputs must equal in-process AR.
+It serves mutual TLS as target/t1; the tests call it with client certificates from the tests' CA
+(client/tester, and client/other where a second caller is needed).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.model import Llama, random_weights
 from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.pki import channel
 
 # Room for long streams: a cancelled one must still be running seconds after its first delta.
 MAX_CONTEXT = 4096
@@ -43,9 +46,15 @@ def target(tiny_gguf):
 
 @pytest.fixture(scope="module")
 def stub(target):
-    channel = grpc.insecure_channel(target.address)
-    yield target_pb2_grpc.TargetServiceStub(channel)
-    channel.close()
+    with channel(target.address, "target", "t1") as ch:
+        yield target_pb2_grpc.TargetServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def other(target):
+    """Another caller (client/other): its request ids are its own."""
+    with channel(target.address, "target", "t1", tenant="other") as ch:
+        yield target_pb2_grpc.TargetServiceStub(ch)
 
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
@@ -84,15 +93,23 @@ def test_unary_and_n_completions(stub):
     assert result.usage.completion_tokens == sum(len(c.token_ids) for c in result.completions)
 
 
-def test_cancel_stops_a_running_stream(stub):
+def _not_found(cancel) -> bool:
+    with pytest.raises(grpc.RpcError) as err:
+        cancel()
+    return err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cancel_stops_a_running_stream(stub, other):
     # No stop token, EOS ignored: uncancelled, the stream runs to its 4000 tokens, about 3 s on this model
     # (measured with Cancel made a no-op), while Cancel lands within milliseconds of the first delta.
-    # A stream that is not stopped ends with "length"; one already done makes Cancel report False.
+    # A stream that is not stopped ends with "length"; Cancel of an id that is not running (done, or
+    # another caller's) is NOT_FOUND.
     max_tokens = 4000  # fits: MAX_CONTEXT less the prompt and the 33 positions kept for drafts
     stream = stub.Generate(_request(PROMPTS[1], max_tokens=max_tokens, stop=(), ignore_eos=True,
                                     request_id="to-cancel"))
     first = next(stream)
     assert first.HasField("delta")
+    assert _not_found(lambda: other.Cancel(pb.CancelRequest(request_id="to-cancel"))), "not the other caller's"
     assert stub.Cancel(pb.CancelRequest(request_id="to-cancel")).cancelled
     received, final = list(first.delta.token_ids), None
     for msg in stream:
@@ -102,6 +119,33 @@ def test_cancel_stops_a_running_stream(stub):
             final = msg.final
     assert final is not None and final.completions[0].finish_reason == "cancelled"
     assert list(final.completions[0].token_ids) == received and len(received) < max_tokens
+    assert _not_found(lambda: stub.Cancel(pb.CancelRequest(request_id="to-cancel"))), "done: nothing to cancel"
+
+
+def test_request_ids_are_each_callers_own(stub, other):
+    """A running id is ALREADY_EXISTS for its own caller only; another caller's request of the same id
+    is another request, which Cancel by the first caller leaves running."""
+    long = _request(PROMPTS[0], max_tokens=4000, stop=(), ignore_eos=True, request_id="shared-id")
+    mine = stub.Generate(long)
+    try:
+        assert next(mine).HasField("delta")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(long, timeout=30)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        theirs = other.Generate(long)
+        try:
+            assert next(theirs).HasField("delta"), "the same id, another caller: served"
+            assert stub.Cancel(pb.CancelRequest(request_id="shared-id")).cancelled
+            finals = [m.final for m in mine if m.HasField("final")]
+            assert [f.completions[0].finish_reason for f in finals] == ["cancelled"]
+            assert next(theirs).HasField("delta"), "the other caller's request still runs"
+            assert other.Cancel(pb.CancelRequest(request_id="shared-id")).cancelled
+            finals = [m.final for m in theirs if m.HasField("final")]
+            assert [f.completions[0].finish_reason for f in finals] == ["cancelled"]
+        finally:
+            theirs.cancel()
+    finally:
+        mine.cancel()
 
 
 @pytest.mark.parametrize(("request_", "code", "field"), [
@@ -132,10 +176,14 @@ def test_oversized_message_is_refused(stub):
 def test_health_and_metrics(target, stub):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target.address))
-    for service in ("", "liveness", "readiness"):
-        status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
-        assert status == health_pb2.HealthCheckResponse.SERVING
+    with channel(target.address, "target", "t1") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "liveness", "readiness"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+    for probe in ("livez", "readyz", "healthz"):  # plain HTTP on the metrics port, for kubelets
+        with urllib.request.urlopen(f"http://127.0.0.1:{target.metrics_port}/{probe}", timeout=5) as reply:
+            assert (reply.status, reply.read()) == (200, b"ok"), probe
     text = urllib.request.urlopen(f"http://127.0.0.1:{target.metrics_port}/metrics").read().decode()
     assert "specpool_target_generated_tokens_total" in text
     assert "specpool_target_time_to_first_token_seconds_bucket" in text

@@ -12,6 +12,7 @@ from engine.gguf_loader import default_model_path, load_gguf, save_gguf
 from engine.model import random_weights
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
+from tests.pki import channel
 
 
 def test_a_crafted_chat_template_runs_nothing_in_serve_target(tmp_path):
@@ -25,8 +26,8 @@ def test_a_crafted_chat_template_runs_nothing_in_serve_target(tmp_path):
     target = start_server("target", ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
                                      "--threads", "1", "--datastore", ""])
     try:
-        with grpc.insecure_channel(target.address) as channel:
-            stub = target_pb2_grpc.TargetServiceStub(channel)
+        with channel(target.address, "target") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
             chat = pb.GenerateRequest(max_tokens=2, messages=pb.ChatMessages(
                 messages=[pb.ChatMessage(role="user", content="hi")]))
             with pytest.raises(grpc.RpcError) as err:
