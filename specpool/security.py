@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 TLS_DIR_ENV = "SPECPOOL_TLS_DIR"
 TOKENS_FILE_ENV = "SPECPOOL_TOKENS_FILE"
-TOKEN_ENV = "SPECPOOL_TOKEN"  # a client's bearer token (an environment variable: `ps` shows arguments)
 CA_CERT, CERT, KEY, CA_KEY, TOKENS = "ca.crt", "tls.crt", "tls.key", "ca.key", "tokens.yaml"
 TENANT_HEADER = "x-specpool-tenant"  # honoured only from a router (see module docstring)
 ROLES = ("router", "target", "endpoint", "client")
@@ -265,7 +264,7 @@ class Security:
         self.ca, self.cert, self.key = ca, cert, key
         self.identity = identity
         self.tokens = tokens
-        self.token = token  # sent as a bearer token on this process's calls (a tenant's client)
+        self.token = token  # sent as a bearer token on this process's calls (a tenant's client; never a server's)
 
     @property
     def enabled(self) -> bool:
@@ -306,7 +305,7 @@ class Security:
             tokens_file = directory / TOKENS
         return cls(ca=ca_pem, cert=cert, key=key, identity=identity,
                    tokens=TokenTable(Path(tokens_file)) if tokens_file else None,
-                   token=token if token is not None else os.environ.get(TOKEN_ENV))
+                   token=token)
 
     # -- server side --
 
@@ -320,16 +319,18 @@ class Security:
         return server.add_secure_port(address, credentials)
 
     def caller(self, context: grpc.ServicerContext) -> Identity | None:
-        """The authenticated caller: a bearer token's tenant, else the client certificate's identity;
-        None when the call proves nobody (or presents a token nobody issued). ANONYMOUS when insecure."""
+        """The authenticated caller: the client certificate's identity (the mutual-TLS ports), else a
+        bearer token's tenant (the router's port); None when the call proves nobody, or presents a
+        token nobody issued. ANONYMOUS when insecure. A token never outranks a certificate: a
+        service is who its certificate says, whatever token it carries."""
         if not self.enabled:
             return ANONYMOUS
-        token = _bearer(context.invocation_metadata() or ())
-        if token is not None:
-            tenant = self.tokens.tenant_of(token) if self.tokens is not None and token else None
-            return Identity("tenant", tenant) if tenant else None
         pems = context.auth_context().get("x509_pem_cert") or []
-        return identity_of_certificate(pems[0]) if pems else None
+        if pems:
+            return identity_of_certificate(pems[0])
+        token = _bearer(context.invocation_metadata() or ())
+        tenant = self.tokens.tenant_of(token) if token and self.tokens is not None else None
+        return Identity("tenant", tenant) if tenant else None
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return _Authenticate(self)

@@ -322,7 +322,7 @@ class MetricsHttpServer:
         self.port = port
         self.json_routes = dict(json_routes or {})
         self.health = health
-        self.token = token if token is not None else os.environ.get(METRICS_TOKEN_ENV) or None
+        self.token = (token if token is not None else os.environ.get(METRICS_TOKEN_ENV)) or None
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -159,3 +159,25 @@ def test_local_ca_tokens_are_random_stable_and_private(ca):
     assert oct(os.stat(ca.dir / "tokens.yaml").st_mode & 0o777) == "0o600"
     assert oct(os.stat(ca.dir / "ca.key").st_mode & 0o777) == "0o600"
     assert oct(os.stat(ca.dir).st_mode & 0o777) == "0o700"
+
+
+def test_on_a_mutual_tls_port_the_certificate_decides_and_a_token_cannot_outrank_it(ca):
+    """A target's certificate plus another tenant's token is still that target (found by review:
+    the token used to win, so one tenant's token let a certificate holder act as that tenant)."""
+    server_side = Security.load(ca.dir, "endpoint", "e")
+    server, port = build_server(0, credentials=server_side)
+
+    def who(request, context):
+        caller = server_side.caller(context)
+        return f"{caller.role}/{caller.name}".encode()
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "test.Who", {"Call": grpc.unary_unary_rpc_method_handler(who)})])
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        target_a = Security.load(ca.dir, "target", "a", token=ca.token("b"))
+        call = target_a.channel(address, "endpoint").unary_unary("/test.Who/Call")
+        assert call(b"", timeout=5) == b"target/a"
+    finally:
+        server.stop(0)
