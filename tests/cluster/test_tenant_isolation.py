@@ -9,16 +9,19 @@ rightful owner's flow must still work.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import redis
+import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.processes import ServerProcess, start_server, wait_for
 from cluster.redis_server import start_redis
 from engine.gguf_loader import model_name
+from engine.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.registry import Heartbeat, Registry
 from specpool.security import LocalCA, Security
 from specpool.serving import build_server
@@ -71,21 +74,28 @@ class Tenant:
         self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
         self._round = 0
 
-    def open(self, request_id: str, context: list[int], as_tenant: str | None = None) -> spb.OpenedSession:
+    def open(self, request_id: str, context: list[int], as_tenant: str | None = None,
+             dense: bool = False) -> spb.OpenedSession:
+        """dense: sampled drafts whose q rows go over the tenant's tensor channel."""
+        spec = spb.SessionSpec(request_id=request_id, context=context, drafter=spb.DRAFTER_KIND_DRAFT_MODEL)
+        if dense:
+            spec.sampling.temperature = 1.0
+            spec.transport = spb.DISTRIBUTION_TRANSPORT_DENSE
         reply = self.stub.OpenSessions(spb.OpenSessionsRequest(
-            tenant=as_tenant or self.name, target_model=self.model,
-            sessions=[spb.SessionSpec(request_id=request_id, context=context,
-                                      drafter=spb.DRAFTER_KIND_DRAFT_MODEL)]), timeout=30)
+            tenant=as_tenant or self.name, target_model=self.model, sessions=[spec]), timeout=30)
         return reply.sessions[0]
 
-    def draft(self, request_id: str, as_tenant: str | None = None, k: int = 3,
-              new_tokens: tuple[int, ...] = ()) -> spb.SequenceDrafts:
+    def round(self, request_id: str, as_tenant: str | None = None, k: int = 3,
+              new_tokens: tuple[int, ...] = ()) -> spb.RoundResponse:
         """new_tokens: what the target emitted since the session's previous round (none before the first)."""
         self._round += 1
         request = spb.RoundRequest(tenant=as_tenant or self.name, round_id=self._round, sequences=[
             spb.SequenceRound(request_id=request_id, num_draft_tokens=k, new_tokens=new_tokens)])
         [reply] = list(self.stub.Rounds(iter([request]), timeout=30))
-        return reply.sequences[0]
+        return reply
+
+    def draft(self, request_id: str, **kwargs) -> spb.SequenceDrafts:
+        return self.round(request_id, **kwargs).sequences[0]
 
     def close(self, request_ids: list[str], as_tenant: str | None = None) -> int:
         return self.stub.CloseSessions(spb.CloseSessionsRequest(tenant=as_tenant or self.name,
@@ -127,6 +137,30 @@ def test_a_tenant_cannot_close_or_replace_anothers_session(endpoint):
     # Secure, mallory opened and closed a doc-1 of her own; alice's is untouched: the same greedy drafts.
     assert after_replace == before
     assert list(after_close.tokens) and not after_close.error and alice.close(["doc-1"]) == 1
+
+
+def test_a_tenant_cannot_take_over_anothers_tensor_channel(endpoint):
+    """Mallory asks for a tensor channel in alice's name and joins it; alice then drafts with dense q."""
+    mode, alice, mallory = tenants(endpoint)
+    offer = mallory.stub.OpenTensorChannel(spb.TensorChannelRequest(tenant="alice"), timeout=10)
+    taken = DistributedPairChannel.connect(ChannelOffer(
+        host=offer.store_host, port=offer.store_port, prefix=offer.prefix, backend=offer.backend,
+        target_rank=offer.target_rank, timeout_s=offer.timeout_s, secret=offer.secret), offer.target_rank)
+    try:
+        time.sleep(0.5)  # the endpoint's side of the pair is filed just after the handshake
+        assert alice.open("dense-1", [5, 6, 7, 8], dense=True).ok
+        reply = alice.round("dense-1")
+        [drafts] = reply.sequences
+        if mode == "insecure":  # alice's draft distributions arrive at mallory's end
+            assert drafts.dense_on_channel
+            q = taken.recv((reply.dense_rows, reply.vocab_size), torch.float32)
+            assert torch.allclose(q.sum(-1), torch.ones(reply.dense_rows), atol=1e-4)
+            return
+        # Secure, mallory's pair is her own: alice has none yet, and is told so (her target opens one).
+        assert not drafts.dense_on_channel and not reply.dense_rows and "channel" in drafts.error
+    finally:
+        taken.close()
+        alice.close(["dense-1"])
 
 
 def test_a_target_sees_only_its_own_tenant_in_the_endpoint_capacity(endpoint):
@@ -318,9 +352,8 @@ def test_a_target_that_only_wrote_a_heartbeat_gets_no_prompts(pool, tmp_path):
         stub, metadata = router_stub(mode, p["router"], "alpha")
 
         def one(i: int) -> pb.GenerateResult:
-            return stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2, i]), max_tokens=2,
-                                                         ignore_eos=True),
-                                      metadata=metadata, timeout=60)
+            request = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2, i]), max_tokens=2, ignore_eos=True)
+            return stub.GenerateUnary(request, metadata=metadata, timeout=60)
 
         with ThreadPoolExecutor(4) as workers:
             results = list(workers.map(one, range(20)))
