@@ -298,8 +298,8 @@ class Security:
             raise SecurityError(f"TLS directory {directory}: {e}") from e
         identity = identity_of_certificate(cert)
         if identity is None:
-            raise SecurityError(f"{directory / CERT} names no specpool identity (a URI SAN "
-                                f"{SPIFFE_PREFIX}<role>/<name>)")
+            raise SecurityError(f"{directory / CERT} names no specpool identity: a URI SAN "
+                                f"{SPIFFE_PREFIX}<role>/<name> or a DNS SAN <name>.<role>.specpool, role one of {ROLES}")
         tokens_file = tokens_file or os.environ.get(TOKENS_FILE_ENV)
         if not tokens_file and (directory / TOKENS).exists():
             tokens_file = directory / TOKENS
