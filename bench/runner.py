@@ -14,6 +14,7 @@ routed-ar itself with in-process ar.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -259,6 +260,8 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "outputs_match_ar": None,
                 "near_ties": None,
                 "fallback_rounds": t.fallback_rounds,
+                # Two runs (say, before and after a refactor) made the same tokens iff these match.
+                "outputs_sha256": hashlib.sha256(json.dumps(t.outputs).encode()).hexdigest(),
             }
             if ref is not None and cfg.temperature == 0:
                 near, bad = 0, 0
