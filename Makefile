@@ -30,7 +30,7 @@ test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
 bench: setup
-	$(BIN)/python -m bench.ar_speed --json bench/results/ar_speed.json
+	$(BIN)/python -m specpool.bench.ar_speed --json bench/results/ar_speed.json
 	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
 		--modes ar,sd,ngram,ngram:8,hf-ar,hf-prompt-lookup,hf-assisted --json bench/results/humaneval_greedy.json
 

@@ -5,7 +5,7 @@ ignored), in interleaved repetitions, so machine noise hits all of them alike; m
 The bandwidth floor is the bytes of weights one decode step must read divided by the measured
 streaming-read bandwidth of this machine.
 
-    python -m bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
+    python -m specpool.bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-
-from bench.machine import machine_info, memory_read_gbps
-from engine.decoding import generate
-from engine.device import DTYPES, native_bf16
-from engine.gguf_loader import default_model_path
-from engine.model import Llama
-from engine.sampling import SamplingParams
+from specpool.bench.machine import machine_info, memory_read_gbps
+from specpool.engine.decoding import generate
+from specpool.engine.device import DTYPES, native_bf16
+from specpool.engine.gguf_loader import default_model_path
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
 
 PROMPT = "Write a Python function that returns the factorial of n."
 

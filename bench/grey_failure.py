@@ -2,7 +2,7 @@
 (SIGSTOP) or whose link turns slow (300 ms each way, a real TCP proxy), for 8 s, under a drafted
 stream and a co-batched plain one on one target.
 
-    python -m bench.grey_failure --json bench/results/grey_failure.json
+    python -m specpool.bench.grey_failure --json bench/results/grey_failure.json
 
 Figures, per fault, all from one run (this machine is shared and noisy):
 - plain_solo: the plain stream's tokens/s alone (its prompt decoded plainly, so also the AR rate);
@@ -32,15 +32,15 @@ from pathlib import Path
 
 import grpc
 import torch
+from specpool.bench.machine import machine_info, machine_line
+from specpool.cluster.delay_proxy import DelayProxy
+from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import default_model_path, model_name
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
 
-from bench.machine import machine_info, machine_line
-from cluster.delay_proxy import DelayProxy
-from cluster.processes import ServerProcess, start_server, wait_for
-from engine.decoding import generate
-from engine.gguf_loader import default_model_path, model_name
-from engine.model import Llama
-from engine.sampling import SamplingParams
-from specpool.security import LocalCA
+from specpool.common.security import LocalCA
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
@@ -258,7 +258,7 @@ def main() -> int:
         r["plain_within_1_2x_of_its_forward"] = r["plain_ratio"] <= 1.2 * costs["joint_over_solo"]
     passed = all(r["plain_within_1_2x_of_its_forward"] and r["drafted_ratio"] <= 1.3 and r["resumed_s"] < 2.0
                  and r["equal_ar"] and r["resumed_drafting"] for r in results)
-    report = {"command": "python -m bench.grey_failure " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+    report = {"command": "python -m specpool.bench.grey_failure " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                    vars(args).items() if k != "json"),
               "machine": machine_info(), "cpus": {"endpoint": cpus[0], "target": cpus[1]} if cpus else None,
               "step_costs": costs, "results": results, "passed": passed}

@@ -7,9 +7,8 @@ import platform
 import time
 
 import torch
-
-from engine.device import cpu_class
-from engine.process_env import NO_NATIVE_BF16
+from specpool.engine.device import cpu_class
+from specpool.engine.process_env import NO_NATIVE_BF16
 
 
 def machine_info() -> dict:

@@ -17,11 +17,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.processes import ServerProcess, start_server
-from cluster.up import Cluster, ClusterConfig
-from engine.gguf_loader import default_model_path, model_name
-from engine.sampling import SamplingParams
-from specpool.security import LocalCA, Security
+from specpool.cluster.processes import ServerProcess, start_server
+from specpool.cluster.up import Cluster, ClusterConfig
+from specpool.engine.gguf_loader import default_model_path, model_name
+from specpool.engine.sampling import SamplingParams
+
+from specpool.common.security import LocalCA, Security
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 

@@ -21,17 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpool.bench.machine import machine_info
+from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
+from specpool.engine.decoding import generate
+from specpool.engine.device import resolve_dtype
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
 from tqdm import tqdm
-
-from bench.machine import machine_info
-from bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
-from engine.decoding import generate
-from engine.device import resolve_dtype
-from engine.drafter import ModelDrafter
-from engine.model import Llama
-from engine.ngram import NgramDrafter, SuffixArrayDatastore
-from engine.sampling import SamplingParams
-from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
 
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
 
@@ -149,7 +148,7 @@ _HF_CACHE: dict[str, object] = {}
 
 
 def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
-    from bench import peers
+    from specpool.bench import peers
 
     if "target" not in _HF_CACHE:
         _HF_CACHE["target"] = peers.load_hf_target(cfg.model_path)
@@ -181,20 +180,20 @@ def first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: l
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from bench.workloads import load_workload
+    from specpool.bench.workloads import load_workload
 
     model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
     remote = None
     if any(m.partition(":")[0] in REMOTE_MODES for m in cfg.modes):
-        from bench.remote import RemoteCluster
+        from specpool.bench.remote import RemoteCluster
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
                                delay_ms=cfg.spec_delay_ms, threads=cfg.threads,
                                endpoint_args=("--dtype", cfg.draft_dtype, *cfg.endpoint_args))
     routed = None
     if any(m in ROUTED_METHODS for m in cfg.modes):
-        from bench.remote import RoutedCluster
+        from specpool.bench.remote import RoutedCluster
 
         routed = RoutedCluster(cfg.model_path, cfg.cluster_config)
     try:

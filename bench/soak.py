@@ -1,7 +1,7 @@
 """A bounded soak of the default local cluster (issue 13): mixed traffic for N minutes through the
 router, with cancels, deadlines, bad requests, one endpoint restart and one target restart.
 
-    python -m bench.soak --minutes 30 --json bench/results/soak.json
+    python -m specpool.bench.soak --minutes 30 --json bench/results/soak.json
 
 The cluster is `make run`'s (cluster/default.yaml: Redis, a router, two targets of the real
 SmolLM2-135M, one endpoint with its draft model), on free ports. Client threads send requests
@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from specpool.bench.machine import machine_info, machine_line
+from specpool.bench.runner import NEAR_TIE, first_divergence_gap
+from specpool.bench.workloads import load_workload
+from specpool.cluster.processes import ServerProcess
+from specpool.cluster.up import Cluster, ClusterConfig
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import default_model_path
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
 
-from bench.machine import machine_info, machine_line
-from bench.runner import NEAR_TIE, first_divergence_gap
-from bench.workloads import load_workload
-from cluster.processes import ServerProcess
-from cluster.up import Cluster, ClusterConfig
-from engine.decoding import generate
-from engine.gguf_loader import default_model_path
-from engine.model import Llama
-from engine.sampling import SamplingParams
-from specpool.registry import Registry
+from specpool.common.registry import Registry
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
@@ -245,7 +245,7 @@ def main() -> int:
     growth = soak.rss_growth()
     t = soak.tally
     report = {
-        "command": f"python -m bench.soak --minutes {args.minutes:g} --clients {args.clients} --seed {args.seed}",
+        "command": f"python -m specpool.bench.soak --minutes {args.minutes:g} --clients {args.clients} --seed {args.seed}",
         "machine": machine_info(),
         "seconds": soak.seconds,
         "requests": sum(t.outcomes.values()),

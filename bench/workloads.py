@@ -11,7 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from engine.tokenizer import Tokenizer
+from specpool.engine.tokenizer import Tokenizer
 
 
 def humaneval_path() -> Path:

@@ -20,7 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.up import Cluster, ClusterConfig, format_members
+from specpool.cluster.up import Cluster, ClusterConfig, format_members
+
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
@@ -80,7 +81,7 @@ class DemoReport:
 def load_prompts(workload: str, limit: int) -> list[tuple[str, str]]:
     """(name, prompt text) of the first `limit` prompts: HumanEval, or a jsonl with "prompt" fields."""
     if workload == "humaneval":
-        from bench.workloads import humaneval_path
+        from specpool.bench.workloads import humaneval_path
 
         path = humaneval_path()
     else:
@@ -228,7 +229,7 @@ def main(args) -> int:
     config = ClusterConfig.load(args.config).with_free_ports()
     if config.routers.count < 1:
         raise ValueError("the demo sends its requests through a router: the config needs routers.count >= 1")
-    from bench.machine import machine_line
+    from specpool.bench.machine import machine_line
 
     started = time.monotonic()
     print("specpool demo: starting the cluster (first run: the targets measure their step costs once, cached)",

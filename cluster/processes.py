@@ -17,7 +17,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from specpool.serving import LAUNCHER_PID
+from specpool.common.serving import LAUNCHER_PID
 
 READY = re.compile(r"serving (\w+) on port (\d+), metrics on port (\d+)")
 

@@ -40,11 +40,11 @@ from typing import Self
 
 import grpc
 import yaml
+from specpool.cluster.processes import ServerProcess, start_server
 
-from cluster.processes import ServerProcess, start_server
-from specpool.registry import redacted
-from specpool.security import LocalCA, Security
-from specpool.serving import REDIS_URL_ENV
+from specpool.common.registry import redacted
+from specpool.common.security import LocalCA, Security
+from specpool.common.serving import REDIS_URL_ENV
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 
@@ -259,7 +259,7 @@ class Cluster:
     def _start(self, echo: bool, timeout_s: float, say) -> None:
         allowed = _allowed_cpus()
         if not self.config.redis.url:
-            from cluster.redis_server import start_redis
+            from specpool.cluster.redis_server import start_redis
 
             say("redis: starting")
             data_dir = Path(self.config.redis.data_dir) if self.config.redis.data_dir else None

@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.drafter import Drafter, DraftRequest, Drafts, propose_all
-from engine.model import Llama
-from engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
-from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
-from engine.verification import (
+from specpool.engine.drafter import Drafter, DraftRequest, Drafts, propose_all
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
+from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
+from specpool.engine.verification import (
     VerifyResult,
     verify_dense,
     verify_greedy,

@@ -22,8 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
-
-from engine.process_env import NO_NATIVE_BF16, bf16_override
+from specpool.engine.process_env import NO_NATIVE_BF16, bf16_override
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A drafter keeps its own per-sequence state and sees only deltas: the context once, then the
 tokens each round appended. The n-gram drafter, the draft model and the remote speculation
-endpoint all plug into `engine.decoding.generate` through this interface.
+endpoint all plug into `specpool.engine.decoding.generate` through this interface.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from engine.model import Llama
-from engine.sampling import SamplingParams, logits_to_probs, sample
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True, slots=True)

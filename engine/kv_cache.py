@@ -8,8 +8,7 @@ never attended to and are overwritten by the next step.
 from __future__ import annotations
 
 import torch
-
-from engine.config import ModelConfig
+from specpool.engine.config import ModelConfig
 
 
 class KVCache:

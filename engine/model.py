@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from engine.config import ModelConfig
-from engine.device import default_device, resolve_dtype
-from engine.kv_cache import KVCache
-from engine.linear import Linear
+from specpool.engine.config import ModelConfig
+from specpool.engine.device import default_device, resolve_dtype
+from specpool.engine.kv_cache import KVCache
+from specpool.engine.linear import Linear
 
 
 def rope_angles(config: ModelConfig) -> torch.Tensor:
@@ -89,8 +88,8 @@ class Llama:
     def from_gguf(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
         """Returns (model, tokenizer) for a Llama-architecture GGUF; tokenizer is None when the file
         has no vocabulary (tiny test models, which are fed token ids)."""
-        from engine.gguf_loader import load_gguf
-        from engine.tokenizer import Tokenizer
+        from specpool.engine.gguf_loader import load_gguf
+        from specpool.engine.tokenizer import Tokenizer
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)

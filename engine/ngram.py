@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from engine.drafter import Drafts
+from specpool.engine.drafter import Drafts
 
 SEPARATOR = -1  # between datastore documents: no match or continuation crosses it
 

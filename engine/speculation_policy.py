@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from engine.device import cpu_class
-from engine.model import Llama
+from specpool.engine.device import cpu_class
+from specpool.engine.model import Llama
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.drafter import Drafts
-from engine.model import Llama
-from engine.ngram import NgramDrafter
-from engine.sampling import SamplingParams, logits_to_probs, sample
+from specpool.engine.drafter import Drafts
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter
+from specpool.engine.sampling import SamplingParams, logits_to_probs, sample
 
 Outcome = tuple[int, int]  # (accepted drafts k, bonus token b)
 

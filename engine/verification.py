@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from specpool.engine.sampling import sample
 from torch import Tensor
-
-from engine.sampling import sample
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from google.protobuf.json_format import MessageToDict
+from specpool.router.view import Snapshot
 
-from router.view import Snapshot
-from specpool.registry import EndpointRegistration, TargetRegistration, guarantees
+from specpool.common.registry import EndpointRegistration, TargetRegistration, guarantees
 from specpool.v1 import cluster_pb2 as pb
 
 

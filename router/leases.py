@@ -1,6 +1,6 @@
 """Draft slots this router replica holds for its in-flight requests.
 
-The authoritative lease is in Redis (specpool.registry); this only remembers which to renew and
+The authoritative lease is in Redis (specpool.common.registry); this only remembers which to renew and
 release. The TTL is short and the keeper thread renews every lease it holds every renew_s (a third
 of the TTL), so a request may run as long as it likes, while a router that dies (SIGKILL, a lost
 node) stops renewing and its slots free within one TTL: with 600 s a surviving router answered
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import redis
 
-from specpool.registry import Registry
+from specpool.common.registry import Registry
 
 log = logging.getLogger(__name__)
 

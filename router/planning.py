@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specpool.registry import EndpointRegistration, TargetRegistration
+from specpool.common.registry import EndpointRegistration, TargetRegistration
 from specpool.v1 import target_pb2 as pb
 
 # Plans, as labelled in metrics and the capacity API, and what the target is asked for.

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import grpc
 import redis
+from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
+from specpool.router.metrics import RouterMetrics
+from specpool.router.placement import PlacementRequest, place
+from specpool.router.planning import Decision, LeaseUnavailable, decide, draft_endpoint
+from specpool.router.view import ClusterView, Snapshot
 
-from router.leases import LEASE_TTL_S, Lease, LeaseKeeper
-from router.metrics import RouterMetrics
-from router.placement import PlacementRequest, place
-from router.planning import Decision, LeaseUnavailable, decide, draft_endpoint
-from router.view import ClusterView, Snapshot
-from specpool.registry import EndpointRegistration, TargetRegistration
+from specpool.common.registry import EndpointRegistration, TargetRegistration
 from specpool.v1 import target_pb2 as pb
 
 log = logging.getLogger(__name__)

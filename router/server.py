@@ -24,15 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specpool.router.capacity import capacity_json, cluster_capacity, visible_to
+from specpool.router.leases import LEASE_TTL_S, LeaseKeeper
+from specpool.router.metrics import RouterMetrics
+from specpool.router.routing import Route, Router, RouterConfig, RoutingError, tenant_of
+from specpool.router.view import ClusterView, DirectChecks
 
-from router.capacity import capacity_json, cluster_capacity, visible_to
-from router.leases import LEASE_TTL_S, LeaseKeeper
-from router.metrics import RouterMetrics
-from router.routing import Route, Router, RouterConfig, RoutingError, tenant_of
-from router.view import ClusterView, DirectChecks
-from specpool.registry import Registry, redacted
-from specpool.security import TENANT_HEADER, Security
-from specpool.serving import (
+from specpool.common.registry import Registry, redacted
+from specpool.common.security import TENANT_HEADER, Security
+from specpool.common.serving import (
     MESSAGE_SIZE_OPTIONS,
     Admission,
     MetricsHttpServer,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from specpool.registry import EndpointRegistration, Registry, TargetRegistration
+from specpool.common.registry import EndpointRegistration, Registry, TargetRegistration
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from engine.sampling import SamplingParams
-from engine.tensor_channel import ChannelError
-from spec_endpoint.channels import TenantChannels
-from spec_endpoint.messages import (
+from specpool.engine.sampling import SamplingParams
+from specpool.spec_endpoint.channels import TenantChannels
+from specpool.spec_endpoint.messages import (
     MAX_DRAFT_TOKENS,
     RESOLUTIONS,
     DrafterKind,
@@ -35,9 +33,11 @@ from spec_endpoint.messages import (
     SequenceDrafts,
     SequenceRound,
 )
-from spec_endpoint.metrics import EndpointMetrics
-from spec_endpoint.registry import DrafterRegistry
-from spec_endpoint.sessions import Session, SessionKey, SessionTable
+from specpool.spec_endpoint.metrics import EndpointMetrics
+from specpool.spec_endpoint.registry import DrafterRegistry
+from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable
+
+from specpool.common.tensor_channel import ChannelError
 
 log = logging.getLogger(__name__)
 

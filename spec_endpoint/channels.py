@@ -6,11 +6,12 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from engine.tensor_channel import ChannelBusy, ChannelError
-from spec_endpoint.messages import FieldError, StatusCode
+from specpool.spec_endpoint.messages import FieldError, StatusCode
+
+from specpool.common.tensor_channel import ChannelBusy, ChannelError
 
 if TYPE_CHECKING:
-    from engine.tensor_channel import ChannelHost, ChannelOffer, PairChannel
+    from specpool.common.tensor_channel import ChannelHost, ChannelOffer, PairChannel
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spec_endpoint.batcher import Batcher, RoundStream
-from spec_endpoint.channels import TenantChannels
-from spec_endpoint.messages import (
+from specpool.spec_endpoint.batcher import Batcher, RoundStream
+from specpool.spec_endpoint.channels import TenantChannels
+from specpool.spec_endpoint.messages import (
     CapacityReport,
     DrafterKind,
     FieldError,
@@ -29,13 +29,14 @@ from spec_endpoint.messages import (
     TenantReport,
     context_too_long,
 )
-from spec_endpoint.metrics import EndpointMetrics
-from spec_endpoint.registry import DrafterRegistry, ModelDrafters
-from spec_endpoint.sessions import Session, SessionKey, SessionTable, sampled_dense
+from specpool.spec_endpoint.metrics import EndpointMetrics
+from specpool.spec_endpoint.registry import DrafterRegistry, ModelDrafters
+from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable, sampled_dense
 
 if TYPE_CHECKING:
-    from engine.ngram import NgramIndex
-    from engine.tensor_channel import ChannelHost, ChannelOffer
+    from specpool.engine.ngram import NgramIndex
+
+    from specpool.common.tensor_channel import ChannelHost, ChannelOffer
 
 log = logging.getLogger(__name__)
 

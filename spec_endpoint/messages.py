@@ -10,8 +10,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
-    from engine.speculation_policy import StepCosts
+    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.speculation_policy import StepCosts
 
 MAX_DRAFT_TOKENS = 32  # per sequence and round
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec_endpoint.messages import CapacityReport
+from specpool.spec_endpoint.messages import CapacityReport
 
 
 def heartbeat_fields(report: CapacityReport, address: str) -> dict:

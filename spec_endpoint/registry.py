@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from engine.drafter import ModelDrafter
-from engine.gguf_loader import default_model_path, load_gguf, model_name
-from engine.model import Llama
-from engine.ngram import NgramDrafter, SuffixArrayDatastore
-from engine.sampling import make_generator
-from engine.speculation_policy import StepCosts, cached_step_costs
-from engine.ssd import SsdDrafter
-from spec_endpoint.messages import MAX_DRAFT_TOKENS, DrafterKind
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.gguf_loader import default_model_path, load_gguf, model_name
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import make_generator
+from specpool.engine.speculation_policy import StepCosts, cached_step_costs
+from specpool.engine.ssd import SsdDrafter
+from specpool.spec_endpoint.messages import MAX_DRAFT_TOKENS, DrafterKind
 
 log = logging.getLogger(__name__)
 

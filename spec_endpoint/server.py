@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+from specpool.spec_endpoint import wire
+from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
+from specpool.spec_endpoint.messages import FieldError
+from specpool.spec_endpoint.registry import DrafterRegistry, DrafterSpec
 
-from spec_endpoint import wire
-from spec_endpoint.endpoint import Endpoint, EndpointConfig
-from spec_endpoint.messages import FieldError
-from spec_endpoint.registry import DrafterRegistry, DrafterSpec
-from specpool import serving
-from specpool.security import Security
+from specpool.common import serving
+from specpool.common.security import Security
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 
@@ -175,9 +175,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
+    from specpool.engine.device import default_device, off_main_thread
 
-    from engine.device import default_device, off_main_thread
-    from engine.tensor_channel import ChannelHost
+    from specpool.common.tensor_channel import ChannelHost
 
     serving.setup_logging(args.log_level)
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),
@@ -234,8 +234,9 @@ def main(args: argparse.Namespace) -> int:
     heartbeat = None
     redis_url = serving.redis_url_from(args)
     if redis_url:
-        from spec_endpoint.registration import heartbeat_fields
-        from specpool.registry import Heartbeat
+        from specpool.spec_endpoint.registration import heartbeat_fields
+
+        from specpool.common.registry import Heartbeat
 
         address = f"{args.advertise_host}:{port}"
         heartbeat = Heartbeat(redis_url, "endpoint", config.endpoint_id,

@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spec_endpoint.messages import DrafterKind, Transport
-from specpool.serving import SPARSE_Q_MAX_K
+from specpool.spec_endpoint.messages import DrafterKind, Transport
+
+from specpool.common.serving import SPARSE_Q_MAX_K
 
 if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
+    from specpool.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from engine.sampling import SamplingParams
-from spec_endpoint.messages import (
+from specpool.engine.sampling import SamplingParams
+from specpool.spec_endpoint.messages import (
     CapacityReport,
     DrafterKind,
     FieldError,
@@ -22,6 +22,7 @@ from spec_endpoint.messages import (
     Transport,
     context_too_long,
 )
+
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import target_pb2
 
@@ -135,7 +136,7 @@ def round_response_to(result: RoundResult) -> pb.RoundResponse:
 
 
 def channel_response_to(offer) -> pb.TensorChannelResponse:
-    """engine.tensor_channel.ChannelOffer -> TensorChannelResponse."""
+    """specpool.common.tensor_channel.ChannelOffer -> TensorChannelResponse."""
     return pb.TensorChannelResponse(
         store_host=offer.host, store_port=offer.port, prefix=offer.prefix, backend=offer.backend,
         target_rank=offer.target_rank, timeout_s=offer.timeout_s, secret=offer.secret,

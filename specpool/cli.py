@@ -20,8 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    from engine.gguf_loader import default_model_path
-    from engine.model import Llama
+    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.model import Llama
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -29,8 +29,8 @@ def load_model(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.decoding import generate
-    from engine.sampling import SamplingParams
+    from specpool.engine.decoding import generate
+    from specpool.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     params.validate()
@@ -60,8 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engine.gguf_loader import default_model_path
-    from training.train_draft import TrainDraftConfig, run
+    from specpool.engine.gguf_loader import default_model_path
+    from specpool.training.train_draft import TrainDraftConfig, run
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,8 +81,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bench.runner import BenchConfig, print_table, run_bench, write_report
-    from engine.gguf_loader import default_model_path
+    from specpool.bench.runner import BenchConfig, print_table, run_bench, write_report
+    from specpool.engine.gguf_loader import default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,8 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_build_datastore(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engine.ngram import SuffixArrayDatastore
-    from training.draft_data import Corpus
+    from specpool.engine.ngram import SuffixArrayDatastore
+    from specpool.training.draft_data import Corpus
 
     corpus = Corpus.load(Path(args.corpus))
     # Only what the model wrote: the answers, not the prompts they answered.
@@ -186,12 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Servers and cluster tools: each module brings its own flags and main().
     for name, module, help_text in (
-        ("serve-target", "target_service.server", "serve one target model over gRPC (Target API)"),
-        ("serve-spec", "spec_endpoint.server", "serve the pooled speculation endpoint over gRPC"),
-        ("serve-router", "router.server", "route Target API requests to target replicas and draft slots"),
-        ("plan", "cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
-        ("up", "cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
-        ("demo", "cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
+        ("serve-target", "specpool.target_service.server", "serve one target model over gRPC (Target API)"),
+        ("serve-spec", "specpool.spec_endpoint.server", "serve the pooled speculation endpoint over gRPC"),
+        ("serve-router", "specpool.router.server", "route Target API requests to target replicas and draft slots"),
+        ("plan", "specpool.cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
+        ("up", "specpool.cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
+        ("demo", "specpool.cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
     ):
         tool = _server(module)
         cmd = sub.add_parser(name, help=help_text)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.decoding import Decoder
-from engine.speculation_policy import Expected, SpeculationPolicy
-from target_service.metrics import TargetMetrics
-from target_service.scheduler import Scheduler
-from target_service.speculation_client import SpeculationClient
+from specpool.engine.decoding import Decoder
+from specpool.engine.speculation_policy import Expected, SpeculationPolicy
+from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.scheduler import Scheduler
+from specpool.target_service.speculation_client import SpeculationClient
 
 
 def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: Expected | float) -> float:

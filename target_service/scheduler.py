@@ -15,11 +15,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.decoding import Decoder, GenerationResult
-from engine.sampling import SamplingParams
-from engine.speculation_policy import SpeculationPolicy
-from target_service.metrics import TargetMetrics
-from target_service.speculation_client import SpeculationClient
+from specpool.engine.decoding import Decoder, GenerationResult
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import SpeculationPolicy
+from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.speculation_client import SpeculationClient
 
 log = logging.getLogger("specpool.target.scheduler")
 

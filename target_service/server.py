@@ -18,17 +18,20 @@ from pathlib import Path
 import grpc
 import jinja2
 import torch
+from specpool.engine.decoding import Decoder, GenerationResult
+from specpool.engine.device import off_main_thread
+from specpool.engine.gguf_loader import default_model_path, model_name
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
+from specpool.engine.tokenizer import Tokenizer
+from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.scheduler import Request, Scheduler, request_key
+from specpool.target_service.speculation_client import SpeculationClient
 
-from engine.decoding import Decoder, GenerationResult
-from engine.device import off_main_thread
-from engine.gguf_loader import default_model_path, model_name
-from engine.model import Llama
-from engine.ngram import NgramDrafter, SuffixArrayDatastore
-from engine.sampling import SamplingParams
-from engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
-from engine.tokenizer import Tokenizer
-from specpool.security import TENANT_HEADER, Security
-from specpool.serving import (
+from specpool.common.security import TENANT_HEADER, Security
+from specpool.common.serving import (
     Admission,
     MetricsHttpServer,
     abort_invalid,
@@ -45,9 +48,6 @@ from specpool.serving import (
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
-from target_service.metrics import TargetMetrics
-from target_service.scheduler import Request, Scheduler, request_key
-from target_service.speculation_client import SpeculationClient
 
 log = logging.getLogger("specpool.target")
 
@@ -422,8 +422,9 @@ def main(args: argparse.Namespace) -> int:
     heartbeat = None
     redis_url = redis_url_from(args)
     if redis_url:
-        from specpool.registry import Heartbeat
-        from target_service.registration import HeartbeatFields
+        from specpool.target_service.registration import HeartbeatFields
+
+        from specpool.common.registry import Heartbeat
 
         address = f"{args.advertise_host}:{port}"
         fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from specpool.engine.drafter import DraftRequest, Drafts
+from specpool.engine.ngram import NgramDrafter
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import StepCosts
 
-from engine.drafter import DraftRequest, Drafts
-from engine.ngram import NgramDrafter
-from engine.sampling import SamplingParams
-from engine.speculation_policy import StepCosts
-from engine.tensor_channel import ChannelOffer, DistributedPairChannel
-from specpool.security import Security
-from specpool.serving import MESSAGE_SIZE_OPTIONS, SPARSE_Q_MAX_K
+from specpool.common.security import Security
+from specpool.common.serving import MESSAGE_SIZE_OPTIONS, SPARSE_Q_MAX_K
+from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2
 

@@ -4,10 +4,10 @@ import uuid
 
 import pytest
 import torch
+from specpool.engine.config import tiny_config
+from specpool.engine.model import Llama
+from specpool.engine.process_env import NO_NATIVE_BF16
 
-from engine.config import tiny_config
-from engine.model import Llama
-from engine.process_env import NO_NATIVE_BF16
 from tests.pki import CA
 
 # Servers the tests start run secure, as in production: they issue themselves certificates from CA.
@@ -83,7 +83,7 @@ def tiny_model() -> Llama:
 @pytest.fixture(scope="session")
 def real_model():
     """The default target (SmolLM2-135M, fp32) and its tokenizer: loaded once per test session."""
-    from engine.gguf_loader import default_model_path
+    from specpool.engine.gguf_loader import default_model_path
 
     torch.manual_seed(0)
     return Llama.from_gguf(default_model_path(), dtype="fp32", device="cpu")
@@ -93,8 +93,7 @@ def real_model():
 def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM reading the same GGUF (tests only)."""
     import transformers  # the declared test dependency (pyproject's "test" extra): missing is an error
-
-    from engine.gguf_loader import default_model_path
+    from specpool.engine.gguf_loader import default_model_path
 
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(

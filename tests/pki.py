@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from specpool.security import LocalCA
+from specpool.common.security import LocalCA
 
 CA = LocalCA.temporary()
 

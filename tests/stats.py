@@ -143,7 +143,7 @@ def report(check: TvCheck, twin: bool = False, at_n: int | None = None, **shares
 def exact_joint(model, prompt: list[int], params, first: int, last: int) -> Tensor:
     """p(t_first .. t_last | prompt) over generated tokens t_0, t_1, .. (0 is the prefill's), the
     earlier ones marginalised, enumerated from the model: [V ** (last - first + 1)], row-major."""
-    from engine.sampling import logits_to_probs
+    from specpool.engine.sampling import logits_to_probs
 
     v, length = model.config.vocab_size, last + 1
     cache = model.new_cache(v ** (length - 1) + 1, len(prompt) + length)

@@ -18,12 +18,11 @@ from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
+from specpool.engine import decoding
+from specpool.engine import verification as ver
+from specpool.engine.drafter import Drafts, ModelDrafter
+from specpool.engine.ssd import SsdDrafter
 from torch import Tensor
-
-from engine import decoding
-from engine import verification as ver
-from engine.drafter import Drafts, ModelDrafter
-from engine.ssd import SsdDrafter
 
 KINDS = ("misreported-q", "misreported-cache-q", "leaky-residual")
 

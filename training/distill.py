@@ -4,7 +4,7 @@ The draft shares the target's tokenizer and input embeddings (read from the targ
 time, so the checkpoint does not carry them), starts from a few of the target's layers, and
 scores a reduced vocabulary: the tokens the target actually produces, mapped back to full ids.
 Its math is the runtime's (engine/model.py), including RoPE on adjacent pairs, so the exported
-weights load into `engine.model.Llama` unchanged.
+weights load into `specpool.engine.model.Llama` unchanged.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from specpool.engine.config import ModelConfig
+from specpool.engine.model import rope_angles
+from specpool.training.draft_data import Corpus
 from torch import nn
 from tqdm import tqdm
-
-from engine.config import ModelConfig
-from engine.model import rope_angles
-from training.draft_data import Corpus
 
 
 def reduced_vocab(corpus: Corpus, size: int, always: list[int]) -> torch.Tensor:

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from specpool.engine.decoding import generate
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.tokenizer import Tokenizer
 from tqdm import tqdm
-
-from engine.decoding import generate
-from engine.model import Llama
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-from engine.decoding import generate
-from engine.drafter import ModelDrafter
-from engine.gguf_loader import load_gguf
-from engine.model import Llama
-from engine.sampling import SamplingParams
-from training.distill import Batches, DraftLM, distill_loss, export, reduced_vocab, train
-from training.draft_data import Corpus, build_prompts, generate_answers, stdlib_functions, teacher_topk
+from specpool.engine.decoding import generate
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.gguf_loader import load_gguf
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
+from specpool.training.distill import Batches, DraftLM, distill_loss, export, reduced_vocab, train
+from specpool.training.draft_data import (
+    Corpus,
+    build_prompts,
+    generate_answers,
+    stdlib_functions,
+    teacher_topk,
+)
 
 HELD_OUT = 48  # prompts never trained on, for the card's acceptance figures
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from bench.peers import gguf_to_hf_rope_layout, hf_assisted, hf_generate, hf_prompt_lookup
+from specpool.bench.peers import gguf_to_hf_rope_layout, hf_assisted, hf_generate, hf_prompt_lookup
 
 QUESTIONS = [
     "Write a Python function that returns the factorial of n.",
@@ -51,9 +50,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target():
     """(gguf weights, our fp32 runtime, tokenizer, chat prompts): one GGUF read serves all three."""
-    from engine.gguf_loader import default_model_path, load_gguf
-    from engine.model import Llama
-    from engine.tokenizer import Tokenizer
+    from specpool.engine.gguf_loader import default_model_path, load_gguf
+    from specpool.engine.model import Llama
+    from specpool.engine.tokenizer import Tokenizer
 
     gguf = load_gguf(default_model_path())
     model = Llama(gguf.config, gguf.weights, torch.float32, "cpu")
@@ -65,8 +64,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def hf_target():
-    from bench.peers import load_hf_target
-    from engine.gguf_loader import default_model_path
+    from specpool.bench.peers import load_hf_target
+    from specpool.engine.gguf_loader import default_model_path
 
     return load_hf_target(default_model_path())
 
@@ -75,7 +74,7 @@ def hf_target():
 def draft_dir(target, tmp_path_factory):
     """A 2-layer draft cut from the target (layers 0 and 1) over a reduced vocabulary, exported
     exactly as `specpool train-draft` exports one."""
-    from training.distill import DraftLM, export
+    from specpool.training.distill import DraftLM, export
 
     gguf, _, _, prompts = target
     output_ids = torch.unique(torch.cat([torch.arange(0, 3000), *map(torch.tensor, prompts)]))
@@ -87,8 +86,8 @@ def draft_dir(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_draft(draft_dir):
-    from bench.peers import load_hf_draft
-    from engine.gguf_loader import default_model_path
+    from specpool.bench.peers import load_hf_draft
+    from specpool.engine.gguf_loader import default_model_path
 
     return load_hf_draft(draft_dir, default_model_path())
 
@@ -101,7 +100,7 @@ def hf_greedy(hf_target, target):
 
 @pytest.mark.slow
 def test_hf_draft_logits_match_runtime_draft(target, draft_dir, hf_draft):
-    from engine.model import Llama
+    from specpool.engine.model import Llama
 
     gguf, _, _, prompts = target
     ours = Llama.from_draft_checkpoint(draft_dir, gguf.weights["embed"], dtype="fp32", device="cpu")
@@ -121,8 +120,8 @@ def test_hf_draft_logits_match_runtime_draft(target, draft_dir, hf_draft):
 
 @pytest.mark.slow
 def test_hf_generate_greedy_matches_engine_and_batching(target, hf_target, hf_greedy):
-    from engine.decoding import generate
-    from engine.sampling import SamplingParams
+    from specpool.engine.decoding import generate
+    from specpool.engine.sampling import SamplingParams
 
     _, model, _, prompts = target
     ours = [generate(model, [p], SamplingParams(), NEW_TOKENS)[0].token_ids for p in prompts]

@@ -17,19 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from specpool.cluster.processes import ServerProcess, start_server
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.device import native_bf16
+from specpool.engine.gguf_loader import default_model_path, model_name, save_gguf
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.sampling import SamplingParams
+from specpool.training.distill import DraftLM, export
 
-from cluster.processes import ServerProcess, start_server
-from engine.config import tiny_config
-from engine.decoding import generate
-from engine.device import native_bf16
-from engine.gguf_loader import default_model_path, model_name, save_gguf
-from engine.model import Llama, random_weights
-from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel
 from tests.stats import cells, check_tv, exact_joint, report
-from training.distill import DraftLM, export
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_THREAD = ["--threads", "1"]

@@ -30,14 +30,14 @@ import grpc
 import pytest
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.cluster.redis_server import start_redis
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import model_name
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams
 
-from cluster.processes import ServerProcess, start_server, wait_for
-from cluster.redis_server import start_redis
-from engine.decoding import generate
-from engine.gguf_loader import model_name
-from engine.model import Llama
-from engine.sampling import SamplingParams
-from specpool.registry import Registry
+from specpool.common.registry import Registry
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
@@ -369,8 +369,8 @@ def idle(target: ServerProcess) -> bool:
 
 
 def pool_size(server: ServerProcess) -> int:
-    """The most threads its gRPC server pool may grow to (specpool.serving.build_server)."""
-    from specpool.serving import CONTROL_WORKERS
+    """The most threads its gRPC server pool may grow to (specpool.common.serving.build_server)."""
+    from specpool.common.serving import CONTROL_WORKERS
 
     admitted = {"spec": 16, "router": 32}.get(server.name, MAX_BATCH + MAX_QUEUE)
     return admitted + CONTROL_WORKERS

@@ -6,8 +6,8 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from specpool.cluster.plan import load_demand, make_plan, stats_from_bench, write_svg
 
-from cluster.plan import load_demand, make_plan, stats_from_bench, write_svg
 from specpool.cli import main
 
 # One model, 2 req/s x 200 output tokens = 400 tokens/s of demand, utilization 1, no prompts.

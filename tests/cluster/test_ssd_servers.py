@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import save_gguf
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.sampling import SamplingParams
+from specpool.training.distill import DraftLM, export
 
-from engine.config import tiny_config
-from engine.decoding import generate
-from engine.gguf_loader import save_gguf
-from engine.model import Llama, random_weights
-from engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
     PER_REQUEST,
@@ -26,7 +27,6 @@ from tests.cluster.test_disaggregation import (
     stub_for,
 )
 from tests.stats import cells, check_tv, exact_joint, report
-from training.distill import DraftLM, export
 
 SSD = pb.SpeculationPreference(method=pb.SPECULATION_METHOD_SSD)
 

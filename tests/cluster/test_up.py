@@ -6,8 +6,7 @@ import io
 from pathlib import Path
 
 import pytest
-
-from cluster.up import DEFAULT_CONFIG, ClusterConfig, ConfigError
+from specpool.cluster.up import DEFAULT_CONFIG, ClusterConfig, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,13 +49,14 @@ def test_bad_files_name_the_key(raw, message):
 
 @pytest.mark.slow
 def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_kind):
-    from cluster.demo import AUTO, NONE, run_demo
-    from cluster.up import Cluster
-    from engine.decoding import generate
-    from engine.device import native_bf16
-    from engine.gguf_loader import model_name
-    from engine.model import Llama
-    from engine.sampling import SamplingParams
+    from specpool.cluster.demo import AUTO, NONE, run_demo
+    from specpool.cluster.up import Cluster
+    from specpool.engine.decoding import generate
+    from specpool.engine.device import native_bf16
+    from specpool.engine.gguf_loader import model_name
+    from specpool.engine.model import Llama
+    from specpool.engine.sampling import SamplingParams
+
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
@@ -107,8 +107,9 @@ def _alive(pid: int) -> bool:
 def test_a_cluster_whose_member_cannot_start_stops_what_it_started(tmp_path):
     """The router (the last tier) cannot start: the targets, the endpoint and Redis, all up by then,
     are stopped again, and the error names the member and shows its log."""
-    from cluster.up import Cluster
-    from engine.gguf_loader import model_name
+    from specpool.cluster.up import Cluster
+    from specpool.engine.gguf_loader import model_name
+
     from tests.cluster.test_disaggregation import tiny_files
     from tests.conftest import tagged_processes
 
@@ -131,7 +132,7 @@ def test_a_cluster_whose_member_cannot_start_stops_what_it_started(tmp_path):
 
 LAUNCHER = """
 import sys, time
-from cluster.processes import start_server
+from specpool.cluster.processes import start_server
 server = start_server("spec", sys.argv[1:])
 print(server.proc.pid, flush=True)
 time.sleep(600)
@@ -147,7 +148,8 @@ def test_servers_stop_when_their_launcher_dies(tmp_path):
     import sys
     import time
 
-    from engine.gguf_loader import model_name
+    from specpool.engine.gguf_loader import model_name
+
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, _ = tiny_files(tmp_path, vocab=64, seed=3)

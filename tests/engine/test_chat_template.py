@@ -3,9 +3,8 @@
 import jinja2
 import pytest
 from jinja2.exceptions import SecurityError
-
-from engine.gguf_loader import default_model_path, load_gguf
-from engine.tokenizer import Tokenizer
+from specpool.engine.gguf_loader import default_model_path, load_gguf
+from specpool.engine.tokenizer import Tokenizer
 
 
 def test_a_crafted_chat_template_cannot_run_commands(tmp_path):

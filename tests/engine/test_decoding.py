@@ -1,6 +1,6 @@
 """The speculative loop end to end on tiny models: greedy equals AR; sampling is lossless.
 
-The statistical tests run N sequences through `engine.decoding.generate` in one batch, K = 2 drafts
+The statistical tests run N sequences through `specpool.engine.decoding.generate` in one batch, K = 2 drafts
 in the first round, and compare the joint distribution of generated tokens 2-4 with the exact one
 enumerated from the target: token 2 is slot 1 (accepted or its residual), token 3 slot 2 or the
 residual after slot 1, token 4 the bonus after K = 2 (or a later round). Each test checks that the
@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import Decoder, generate
+from specpool.engine.drafter import Drafts, ModelDrafter
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
 
-from engine.config import tiny_config
-from engine.decoding import Decoder, generate
-from engine.drafter import Drafts, ModelDrafter
-from engine.model import Llama
-from engine.sampling import SamplingParams, logits_to_probs, make_generator
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

@@ -1,10 +1,9 @@
 """The forward over the slot-indexed cache: ragged batches, joins/leaves, cheap rollback."""
 
 import torch
-
-from engine.config import tiny_config
-from engine.device import native_bf16
-from engine.model import Llama
+from specpool.engine.config import tiny_config
+from specpool.engine.device import native_bf16
+from specpool.engine.model import Llama
 
 
 def _prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:

@@ -4,12 +4,18 @@ import time
 
 import numpy as np
 import pytest
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.model import Llama
+from specpool.engine.ngram import (
+    NgramDrafter,
+    NgramIndex,
+    SuffixArrayDatastore,
+    merge_candidates,
+    suffix_array,
+)
+from specpool.engine.sampling import SamplingParams
 
-from engine.config import tiny_config
-from engine.decoding import generate
-from engine.model import Llama
-from engine.ngram import NgramDrafter, NgramIndex, SuffixArrayDatastore, merge_candidates, suffix_array
-from engine.sampling import SamplingParams
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from engine.decoding import generate
-from engine.sampling import SamplingParams
+from specpool.engine.decoding import generate
+from specpool.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +43,7 @@ def test_logits_match_transformers(real_model, hf_model):
 
 
 def test_tokenizer_and_chat_template_match_transformers(real_model):
-    from engine.gguf_loader import default_model_path
+    from specpool.engine.gguf_loader import default_model_path
 
     _, tokenizer = real_model
     path = default_model_path()

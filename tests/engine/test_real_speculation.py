@@ -3,12 +3,11 @@
 from pathlib import Path
 
 import pytest
-
-from engine.decoding import generate
-from engine.drafter import ModelDrafter
-from engine.model import Llama
-from engine.ngram import NgramDrafter, SuffixArrayDatastore
-from engine.sampling import SamplingParams
+from specpool.engine.decoding import generate
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

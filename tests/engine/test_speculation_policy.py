@@ -3,11 +3,10 @@
 import json
 
 import pytest
-
-from engine.decoding import generate
-from engine.ngram import NgramDrafter
-from engine.sampling import SamplingParams
-from engine.speculation_policy import (
+from specpool.engine.decoding import generate
+from specpool.engine.ngram import NgramDrafter
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
     SpeculationPolicy,
     StepCosts,
@@ -65,7 +64,7 @@ def test_draft_model_starts_only_when_its_catch_up_pays_back():
 
 
 def test_measured_rows_are_made_non_decreasing():
-    from engine.speculation_policy import _non_decreasing
+    from specpool.engine.speculation_policy import _non_decreasing
 
     # A noisy dip (s=2 measured cheaper than s=1) is pooled with its neighbour, by hand: (5+3)/2 = 4.
     assert _non_decreasing([1.0, 5.0, 3.0, 6.0]) == [1.0, 4.0, 4.0, 6.0]

@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
+from specpool.engine.ssd import SsdDrafter, geometric_fanout
 
-from engine.config import tiny_config
-from engine.decoding import generate
-from engine.model import Llama, random_weights
-from engine.sampling import SamplingParams, logits_to_probs, make_generator
-from engine.ssd import SsdDrafter, geometric_fanout
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

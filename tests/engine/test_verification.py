@@ -14,11 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import Tensor
-
-from engine import verification as ver
-from engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from engine.verification import (
+from specpool.engine import verification as ver
+from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specpool.engine.verification import (
     VerifyResult,
     verify_candidates,
     verify_dense,
@@ -26,6 +24,8 @@ from engine.verification import (
     verify_point_mass,
     verify_sparse,
 )
+from torch import Tensor
+
 from tests.stats import TvCheck, check_tv, report, tv, tv_threshold
 from tests.twins import temper
 

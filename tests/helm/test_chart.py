@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from router.metrics import RouterMetrics
-from spec_endpoint.metrics import EndpointMetrics
-from target_service.metrics import TargetMetrics
+from specpool.router.metrics import RouterMetrics
+from specpool.spec_endpoint.metrics import EndpointMetrics
+from specpool.target_service.metrics import TargetMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specpool"
@@ -236,8 +235,8 @@ def test_values_extra_args_flags_exist(values, server_parsers):
 
 def test_server_parsers_take_the_default_values(values, server_parsers):
     """The values the templates pass by default parse (choices and types included)."""
-    from router.server import parse_tenant_weights
-    from spec_endpoint.registry import DrafterSpec
+    from specpool.router.server import parse_tenant_weights
+    from specpool.spec_endpoint.registry import DrafterSpec
 
     r, e, t = values["router"], values["specEndpoint"], values["targetDefaults"]
     weights = ",".join(f"{k}={v}" for k, v in r["tenantWeights"].items())
@@ -337,7 +336,7 @@ def test_condition_tracking_reads_nesting():
 
 
 def test_every_server_gets_tls_unless_insecure():
-    from specpool.security import TLS_DIR_ENV, TOKENS_FILE_ENV
+    from specpool.common.security import TLS_DIR_ENV, TOKENS_FILE_ENV
 
     for command, name in SERVER_TEMPLATES.items():
         text = template_text(name)
@@ -399,7 +398,7 @@ def command_lines(text: str) -> list[str]:
 
 
 def test_no_redis_url_or_password_on_command_lines():
-    from specpool.serving import REDIS_URL_ENV
+    from specpool.common.serving import REDIS_URL_ENV
 
     for command, name in SERVER_TEMPLATES.items():  # the extraction finds the servers' arguments
         lines = command_lines(template_text(name))
@@ -475,7 +474,7 @@ def test_probes_are_http_on_the_metrics_port():
 
 
 def test_tls_certificates_name_what_callers_check():
-    from specpool.security import CA_CERT, CERT, KEY, SPIFFE_PREFIX, server_name
+    from specpool.common.security import CA_CERT, CERT, KEY, SPIFFE_PREFIX, server_name
 
     text = template_text("tls.yaml")
     for fn in ("genCA", "genSignedCert", "buildCustomCert", 'lookup "v1" "Secret"'):
@@ -485,7 +484,7 @@ def test_tls_certificates_name_what_callers_check():
     assert "type: kubernetes.io/tls" in text and "kind: Certificate" in text
     assert "server auth" in text and "client auth" in text
     assert SPIFFE_PREFIX == "spiffe://specpool/" and 'printf "spiffe://specpool/%s/%s" $c.role $c.name' in text
-    # <name>.<role>.specpool and <role>.specpool, for each role, as specpool.security names them.
+    # <name>.<role>.specpool and <role>.specpool, for each role, as specpool.common.security names them.
     for role in ("router", "endpoint", "target"):
         assert server_name(role) == f"{role}.specpool" and f'"{role}.specpool"' in text, role
         assert server_name(role, "x") == f"x.{role}.specpool" and f'"%s.{role}.specpool"' in text, role
@@ -495,7 +494,7 @@ def test_tls_certificates_name_what_callers_check():
 
 
 def test_tokens_and_metrics_token():
-    from specpool.serving import METRICS_TOKEN_ENV
+    from specpool.common.serving import METRICS_TOKEN_ENV
 
     text = template_text("secrets.yaml")
     assert 'dict "default" ""' in text and "randAlphaNum 32" in text and 'lookup "v1" "Secret"' in text

@@ -22,15 +22,15 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.cluster.redis_server import start_redis
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import save_gguf
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.sampling import SamplingParams
+from specpool.router.server import _Stream
 
-from cluster.processes import ServerProcess, start_server, wait_for
-from cluster.redis_server import start_redis
-from engine.config import tiny_config
-from engine.decoding import generate
-from engine.gguf_loader import save_gguf
-from engine.model import Llama, random_weights
-from engine.sampling import SamplingParams
-from router.server import _Stream
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel as secure_channel

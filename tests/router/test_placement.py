@@ -5,9 +5,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
-from router.placement import SCORE_FLOOR, PlacementRequest, free_capacity, place, rendezvous, session_home
-from router.planning import (
+from specpool.router.placement import (
+    SCORE_FLOOR,
+    PlacementRequest,
+    free_capacity,
+    place,
+    rendezvous,
+    session_home,
+)
+from specpool.router.planning import (
     DRAFT_MODEL,
     ENDPOINT_BUSY,
     NGRAM,
@@ -24,7 +30,8 @@ from router.planning import (
     decide,
     draft_endpoint,
 )
-from specpool.registry import EndpointRegistration, TargetRegistration
+
+from specpool.common.registry import EndpointRegistration, TargetRegistration
 from specpool.v1 import target_pb2 as pb
 
 

@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from specpool.cluster.processes import start_server, wait_for
+from specpool.cluster.redis_server import start_redis
+from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
+from specpool.spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
+from specpool.spec_endpoint.registration import heartbeat_fields
+from specpool.target_service.registration import predicted_speedup
 
-from cluster.processes import start_server, wait_for
-from cluster.redis_server import start_redis
-from engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
-from spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
-from spec_endpoint.registration import heartbeat_fields
-from specpool.registry import (
+from specpool.common.registry import (
     EndpointRegistration,
     Heartbeat,
     Registry,
@@ -32,7 +33,6 @@ from specpool.registry import (
     guarantees,
     redacted,
 )
-from target_service.registration import predicted_speedup
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +245,8 @@ def test_endpoint_heartbeat_fields_flatten_its_capacity_report():
 def test_target_heartbeat_fields_read_the_live_process():
     from types import SimpleNamespace
 
-    from target_service.metrics import TargetMetrics
-    from target_service.registration import HeartbeatFields
+    from specpool.target_service.metrics import TargetMetrics
+    from specpool.target_service.registration import HeartbeatFields
 
     metrics = TargetMetrics("m", "t1")
     metrics.accept_length.observe(2.0)

@@ -21,14 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.cluster.redis_server import start_redis
+from specpool.engine.gguf_loader import model_name
+from specpool.router.capacity import capacity_json
 
-from cluster.processes import ServerProcess, start_server, wait_for
-from cluster.redis_server import start_redis
-from engine.gguf_loader import model_name
-from router.capacity import capacity_json
-from specpool.registry import Heartbeat, Registry
-from specpool.security import Security
-from specpool.serving import METRICS_TOKEN_ENV, build_server
+from specpool.common.registry import Heartbeat, Registry
+from specpool.common.security import Security
+from specpool.common.serving import METRICS_TOKEN_ENV, build_server
 from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files

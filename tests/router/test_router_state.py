@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from specpool.cluster.redis_server import start_redis
+from specpool.router.leases import LeaseKeeper
+from specpool.router.view import ClusterView, DirectChecks
 
-from cluster.redis_server import start_redis
-from router.leases import LeaseKeeper
-from router.view import ClusterView, DirectChecks
-from specpool.registry import Heartbeat, Registry
+from specpool.common.registry import Heartbeat, Registry
 
 
 @pytest.fixture
@@ -125,7 +125,8 @@ def test_leases_are_renewed_retaken_after_a_restart_and_released_once(redis_serv
 
 
 def test_flags():
-    from router.server import parse_tenant_weights
+    from specpool.router.server import parse_tenant_weights
+
     from specpool.cli import build_parser
 
     assert parse_tenant_weights("alpha=1, beta=2.5") == {"alpha": 1.0, "beta": 2.5}
@@ -142,8 +143,9 @@ def test_flags():
 
 
 def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
-    from router.metrics import RouterMetrics
-    from router.routing import Router, RouterConfig, tenant_of
+    from specpool.router.metrics import RouterMetrics
+    from specpool.router.routing import Router, RouterConfig, tenant_of
+
     from specpool.v1 import target_pb2 as pb
 
     url = redis_server.url

@@ -7,8 +7,9 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from cluster.processes import start_server
-from cluster.redis_server import start_redis
+from specpool.cluster.processes import start_server
+from specpool.cluster.redis_server import start_redis
+
 from tests.cluster.test_disaggregation import tiny_files
 
 

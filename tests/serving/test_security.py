@@ -16,8 +16,15 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specpool.security import Identity, LocalCA, Security, SecurityError, TokenTable, identity_of_certificate
-from specpool.serving import HealthState, MetricsHttpServer, add_health_and_reflection, build_server
+from specpool.common.security import (
+    Identity,
+    LocalCA,
+    Security,
+    SecurityError,
+    TokenTable,
+    identity_of_certificate,
+)
+from specpool.common.serving import HealthState, MetricsHttpServer, add_health_and_reflection, build_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
-from specpool.serving import (
+from specpool.common.serving import (
     METRICS_TOKEN_ENV,
     Admission,
     MetricsHttpServer,
@@ -234,7 +234,7 @@ DRAIN_SCRIPT = textwrap.dedent(
     """
     import sys, time
     import grpc, prometheus_client
-    from specpool.serving import *
+    from specpool.common.serving import *
 
     def slow(request, context):
         print("in-flight", flush=True)

@@ -11,16 +11,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from engine.config import tiny_config
-from engine.drafter import ModelDrafter
-from engine.gguf_loader import load_gguf, save_gguf
-from engine.model import Llama, random_weights
-from engine.sampling import SamplingParams
-from engine.tensor_channel import LoopbackChannel
-from spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
-from spec_endpoint.endpoint import Endpoint, EndpointConfig
-from spec_endpoint.messages import (
+from specpool.engine.config import tiny_config
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.gguf_loader import load_gguf, save_gguf
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.sampling import SamplingParams
+from specpool.spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
+from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
+from specpool.spec_endpoint.messages import (
     DrafterKind,
     OpenRequest,
     Round,
@@ -29,13 +27,15 @@ from spec_endpoint.messages import (
     SessionSpec,
     Transport,
 )
-from spec_endpoint.registry import DrafterRegistry, DrafterSpec
-from spec_endpoint.server import add_arguments, add_to_server
-from specpool import serving
+from specpool.spec_endpoint.registry import DrafterRegistry, DrafterSpec
+from specpool.spec_endpoint.server import add_arguments, add_to_server
+from specpool.training.distill import DraftLM, export
+
+from specpool.common import serving
+from specpool.common.tensor_channel import LoopbackChannel
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 from specpool.v1 import target_pb2
-from training.distill import DraftLM, export
 
 V = 64
 MODEL = "tiny"

@@ -1,10 +1,9 @@
 """The trainable draft computes what the runtime computes, and its export loads unchanged."""
 
 import torch
-
-from engine.config import tiny_config
-from engine.model import Llama
-from training.distill import DraftLM, distill_loss, export
+from specpool.engine.config import tiny_config
+from specpool.engine.model import Llama
+from specpool.training.distill import DraftLM, distill_loss, export
 
 
 def _tiny_target_weights(seed=0):

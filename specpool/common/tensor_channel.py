@@ -39,7 +39,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from engine.device import default_device, distributed_backend
+from specpool.engine.device import default_device, distributed_backend
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tensor_channel import (
+from specpool.common.tensor_channel import (
     ChannelBusy,
     ChannelError,
     ChannelHost,
@@ -204,7 +204,7 @@ _ATTACKER = r"""
 import dataclasses, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from engine.tensor_channel import ChannelOffer, DistributedPairChannel
+from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 
 host, port = sys.argv[1], int(sys.argv[2])
 store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
@@ -234,7 +234,7 @@ def test_a_process_without_the_pairs_secret_is_refused_and_the_owner_still_pairs
     host = ChannelHost(timeout_s=5.0, device=CPU)
     try:
         host.offer("victim")
-        with caplog.at_level(logging.WARNING, logger="engine.tensor_channel"):
+        with caplog.at_level(logging.WARNING, logger="specpool.common.tensor_channel"):
             attacker = _attack(host)
             taken = host.get("victim", timeout_s=10.0)
         assert taken is None, "the endpoint handed the tenant's channel to a process without the secret"

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from specpool import security
+from specpool.common import security
 
 log = logging.getLogger(__name__)
 
