@@ -79,6 +79,17 @@ class DraftRequest:
     generator: torch.Generator | None
 
 
+def accepted_prefix(drafts: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many of the drafts the target accepted, given the tokens it emitted after them: the length
+    of their common prefix (the token after it is the target's own)."""
+    n = 0
+    for draft, token in zip(drafts, emitted, strict=False):
+        if draft != token:
+            break
+        n += 1
+    return n
+
+
 def propose_all(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Drafts]:
     """Drafts for several sampling-parameter groups of one step. A drafter that can serve them all
     at once (the remote endpoint: one message per step) defines `propose_groups`."""

@@ -42,6 +42,7 @@ from specpool.common.serving import (
     build_server,
     method_names,
     redis_url_from,
+    report_ready,
     security_from,
     serve_until_signal,
     setup_logging,
@@ -538,6 +539,7 @@ def main(args: argparse.Namespace) -> int:
     health.set_ready(True)
     log.info("serving Router on port %d, metrics on port %d (registry %s, tenant weights %s)",
              port, metrics_server.port, redacted(config.redis_url), config.tenant_weights or "none")
+    report_ready("Router", port, metrics_server.port)
     serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
     keeper.stop()
     checks.close()

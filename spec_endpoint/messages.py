@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from specpool.common.errors import FieldError, StatusCode  # noqa: F401  (re-exported for now)
+
 if TYPE_CHECKING:
     from specpool.engine.sampling import SamplingParams
     from specpool.engine.speculation_policy import StepCosts
@@ -28,26 +30,6 @@ class Transport(StrEnum):
     AUTO = "auto"  # sparse when the sampler is top-k, else dense
     SPARSE = "sparse"
     DENSE = "dense"
-
-
-class StatusCode(StrEnum):
-    """The gRPC status a FieldError maps to (names of grpc.StatusCode)."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-class FieldError(ValueError):
-    """Bad input, named by its field path (e.g. `sessions[3].context`): the message starts with it."""
-
-    def __init__(self, field: str, message: str, code: StatusCode = StatusCode.INVALID_ARGUMENT):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.code = code
 
 
 @dataclass(frozen=True, slots=True)

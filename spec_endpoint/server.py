@@ -242,6 +242,7 @@ def main(args: argparse.Namespace) -> int:
         heartbeat = Heartbeat(redis_url, "endpoint", config.endpoint_id,
                               lambda: heartbeat_fields(endpoint.capacity(), address)).start()
     log.info("serving SpeculationService on port %d, metrics on port %d", port, metrics.port)
+    serving.report_ready("SpeculationService", port, metrics.port)
     health.set_ready(True)
 
     def drain() -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from specpool.spec_endpoint.messages import DrafterKind, Transport
 
-from specpool.common.serving import SPARSE_Q_MAX_K
+from specpool.common.speculation import SPARSE_Q_MAX_K
 
 if TYPE_CHECKING:
     from specpool.engine.sampling import SamplingParams

@@ -41,6 +41,7 @@ from specpool.common.serving import (
     build_server,
     method_names,
     redis_url_from,
+    report_ready,
     security_from,
     serve_until_signal,
     setup_logging,
@@ -433,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
+    report_ready("TargetService", port, metrics_server.port)
 
     def drain() -> None:
         scheduler.accepting = False

@@ -26,7 +26,8 @@ from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import StepCosts
 
 from specpool.common.security import Security
-from specpool.common.serving import MESSAGE_SIZE_OPTIONS, SPARSE_Q_MAX_K
+from specpool.common.serving import MESSAGE_SIZE_OPTIONS
+from specpool.common.speculation import SPARSE_Q_MAX_K
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2

@@ -39,6 +39,8 @@ METRICS_TOKEN_ENV = "SPECPOOL_METRICS_TOKEN"
 # Set by cluster/processes.start_server: the pid of the process that launched this server.
 LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Set by a launcher (cluster/processes.py): where a server writes its ports once it serves.
+READY_FILE = "SPECPOOL_READY_FILE"
 LIVENESS = "liveness"
 READINESS = "readiness"
 # The largest message any specpool server or client sends or takes. A prompt fits in a few hundred KB
@@ -47,9 +49,6 @@ READINESS = "readiness"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MESSAGE_SIZE_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-# Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
-# row: 8 drafts x 256 x 8 bytes is 16 KB a sequence. A wider support goes dense on the tensor channel.
-SPARSE_Q_MAX_K = 256
 # Threads kept for short calls (health, cancel, info, capacity) beyond those admitted streams hold.
 CONTROL_WORKERS = 16
 
@@ -390,6 +389,18 @@ class MetricsHttpServer:
                 log.debug("%s " + format, self.address_string(), *args)
 
         return Handler
+
+
+def report_ready(service: str, port: int, metrics_port: int) -> None:
+    """Tell the launcher, if one asked (READY_FILE in the environment), which ports this server took:
+    a JSON file written whole, then renamed, so a reader never sees half of it."""
+    path = os.environ.get(READY_FILE)
+    if not path:
+        return
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump({"service": service, "port": port, "metrics_port": metrics_port, "pid": os.getpid()}, f)
+    os.replace(partial, path)
 
 
 def serve_until_signal(

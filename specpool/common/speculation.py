@@ -1,0 +1,129 @@
+"""The speculation vocabulary both ends share, and the only place it is spelled: which drafter, the
+limits of a round, and the protobuf forms of sampling params and of q.
+
+The Target API (target.proto, SpeculationMethod) and the Speculation API (speculation.proto,
+DrafterKind) name drafters with enums of their own; in Python there is one `Method`, and a request
+that names none (AUTO, UNSPECIFIED) carries `None`: the server's default.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+import torch
+
+from specpool.common.errors import FieldError
+from specpool.engine.sampling import SamplingParams
+from specpool.v1 import speculation_pb2 as spec_pb
+from specpool.v1 import target_pb2
+
+MAX_DRAFT_TOKENS = 32  # per sequence and round
+# Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
+# row: 8 drafts x 256 x 8 bytes is 16 KB a sequence. A wider support goes dense on the tensor channel.
+SPARSE_Q_MAX_K = 256
+
+
+class Method(StrEnum):
+    """How a request speculates. The values label metrics, plans and registrations."""
+
+    NONE = "none"  # plain decoding
+    DRAFT_MODEL = "draft_model"  # the endpoint's trained draft model
+    NGRAM = "ngram"  # n-gram drafting (SSSD), on the endpoint or the target's own
+    SSD = "ssd"  # the draft model, pre-speculating the likely outcomes while the target verifies
+
+    @property
+    def drafts_with_model(self) -> bool:
+        return self in (Method.DRAFT_MODEL, Method.SSD)
+
+
+_METHOD_PB = {
+    Method.NONE: target_pb2.SPECULATION_METHOD_NONE,
+    Method.DRAFT_MODEL: target_pb2.SPECULATION_METHOD_DRAFT_MODEL,
+    Method.NGRAM: target_pb2.SPECULATION_METHOD_NGRAM,
+    Method.SSD: target_pb2.SPECULATION_METHOD_SSD,
+}
+_DRAFTER_PB = {
+    Method.DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
+    Method.NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
+    Method.SSD: spec_pb.DRAFTER_KIND_SSD,
+}
+
+
+def method_from_pb(value: int, field: str = "speculation.method") -> Method | None:
+    """Target API enum -> Method; None for AUTO. proto3 enums take any number, so unknown ones raise."""
+    if value == target_pb2.SPECULATION_METHOD_AUTO:
+        return None
+    for method, number in _METHOD_PB.items():
+        if number == value:
+            return method
+    raise FieldError(field, f"unknown method {value}; one of " + ", ".join(target_pb2.SpeculationMethod.keys()))
+
+
+def method_to_pb(method: Method | None) -> int:
+    return target_pb2.SPECULATION_METHOD_AUTO if method is None else _METHOD_PB[method]
+
+
+def drafter_from_pb(value: int, field: str = "drafter") -> Method | None:
+    """Speculation API enum -> Method; None for UNSPECIFIED (the endpoint's best for the model)."""
+    if value == spec_pb.DRAFTER_KIND_UNSPECIFIED:
+        return None
+    for method, number in _DRAFTER_PB.items():
+        if number == value:
+            return method
+    raise FieldError(field, f"unknown drafter kind {value}; one of " + ", ".join(spec_pb.DrafterKind.keys()))
+
+
+def drafter_to_pb(method: Method | None) -> int:
+    """Method.NONE has no drafter: asking for one is a bug of the caller's."""
+    if method is None:
+        return spec_pb.DRAFTER_KIND_UNSPECIFIED
+    if method not in _DRAFTER_PB:
+        raise ValueError(f"{method} is not a drafter the endpoint runs")
+    return _DRAFTER_PB[method]
+
+
+def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """Checked where it enters a process: a bad value raises FieldError naming it."""
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise FieldError(f"{field}.temperature", f"must be a finite number >= 0 (0: greedy), got {msg.temperature}")
+    if not 0.0 <= msg.top_p <= 1.0:  # NaN fails too
+        raise FieldError(f"{field}.top_p", f"must be in [0, 1] (0 or 1: no nucleus truncation), got {msg.top_p}")
+    if msg.top_k < 0:
+        raise FieldError(f"{field}.top_k", f"must be >= 0 (0: no top-k truncation), got {msg.top_k}")
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> target_pb2.SamplingParams:
+    msg = target_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def q_travels_dense(params: SamplingParams, method: Method, dense_asked: bool = False) -> bool:
+    """Whether a session's q crosses on the tensor channel: sampled draft-model drafts, unless top-k bounds
+    the support to SPARSE_Q_MAX_K tokens (inline then) and the caller did not ask for dense rows. Greedy
+    and n-gram drafts (point masses) carry no q; SSD's q is always sparse."""
+    if params.greedy or method is not Method.DRAFT_MODEL:
+        return False
+    return dense_asked or not 0 < params.top_k <= SPARSE_Q_MAX_K
+
+
+def sparse_q_to_pb(ids: list[int], probs: list[float], k: int) -> spec_pb.SparseDistribution:
+    """Row-major [rows, k] ids and probabilities."""
+    return spec_pb.SparseDistribution(k=k, ids=ids, probs=probs)
+
+
+def sparse_q_from_pb(msg: spec_pb.SparseDistribution, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids [rows, k], probs [rows, k]), or None when the message's sizes do not say that."""
+    k = msg.k
+    if k < 1 or len(msg.ids) != rows * k or len(msg.probs) != rows * k:
+        return None
+    return (torch.tensor(msg.ids, dtype=torch.long).view(rows, k),
+            torch.tensor(msg.probs, dtype=torch.float32).view(rows, k))
