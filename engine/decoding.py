@@ -208,7 +208,7 @@ class Decoder:
         if started:
             self.cache.release(seq.slot)
             if self.drafter is not None:
-                self.drafter.remove_sequence(seq.seq_id)
+                self.drafter.release(seq.seq_id)
 
     def _prefill(self) -> list[tuple[str, list[int]]]:
         start = time.perf_counter()
@@ -234,7 +234,7 @@ class Decoder:
                 continue
             self.running.append(seq)
             if self.drafter is not None:
-                self.drafter.add_sequence(seq.seq_id, seq.prompt + seq.result.token_ids)
+                self.drafter.start(seq.seq_id, seq.prompt + seq.result.token_ids)
                 seq.unseen = len(seq.prompt) + 1
         return moved
 
@@ -329,7 +329,7 @@ class Decoder:
                 taken = self._emit(seq, proposed[:accepted] + [next_token])
                 moved.append((seq.seq_id, taken))
                 if self.drafter is not None and not res.finish_reason:
-                    self.drafter.extend(seq.seq_id, taken)
+                    self.drafter.observe(seq.seq_id, taken)
                     # Accepted drafts are already in the drafter's cache; the rest is new to it.
                     seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(accepted, len(taken))
         end = time.perf_counter()

@@ -52,7 +52,15 @@ class Drafts:
 
 
 class Drafter(Protocol):
-    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None: ...
+    """The role every drafter plays, local or remote, model or n-gram or SSD: it is told a sequence's
+    context once (`start`), proposes drafts for it (`propose`), observes what the target emitted after
+    verifying them (`observe`), and forgets it (`release`)."""
+
+    # Inputs beyond token ids this drafter wants from the target with each round (say "hidden_states"
+    # for a drafter fed by the target's features). The caller sends what a drafter declares here.
+    inputs: frozenset[str] = frozenset()
+
+    def start(self, seq_id: str, context: Sequence[int]) -> None: ...
 
     def propose(
         self,
@@ -62,11 +70,12 @@ class Drafter(Protocol):
         generator: torch.Generator | None,
     ) -> Drafts: ...
 
-    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
-        """Tokens the target emitted for this sequence in the round just verified."""
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """The tokens the target emitted for this sequence in the round just verified: the accepted
+        prefix of the last drafts (see accepted_prefix), then the target's own token."""
         ...
 
-    def remove_sequence(self, seq_id: str) -> None: ...
+    def release(self, seq_id: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,15 +128,15 @@ class ModelDrafter:
         self.sparse_top_k = sparse_top_k
         self._seqs: dict[str, _DraftSeq] = {}
 
-    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+    def start(self, seq_id: str, context: Sequence[int]) -> None:
         self._seqs[seq_id] = _DraftSeq(slot=self.cache.allocate(), pending=list(context))
 
-    def remove_sequence(self, seq_id: str) -> None:
+    def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.cache.release(seq.slot)
 
-    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
         seq = self._seqs[seq_id]
         # Drafts d_1..d_j that the target accepted are already cached; keep them, drop the rest.
         # The last token is always fed again, as the next forward's input, even when it equals a fed

@@ -167,7 +167,7 @@ class NgramDrafter:
         self.max_matches = max_matches
         self._index: dict[str, NgramIndex] = {}
 
-    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+    def start(self, seq_id: str, context: Sequence[int]) -> None:
         self.add_index(seq_id, self.index(context))
 
     def index(self, context: Sequence[int]) -> NgramIndex:
@@ -179,10 +179,10 @@ class NgramDrafter:
     def add_index(self, seq_id: str, index: NgramIndex) -> None:
         self._index[seq_id] = index
 
-    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
         self._index[seq_id].extend(tokens)
 
-    def remove_sequence(self, seq_id: str) -> None:
+    def release(self, seq_id: str) -> None:
         self._index.pop(seq_id, None)
 
     def draft(self, seq_id: str, length: int) -> list[int]:

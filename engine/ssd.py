@@ -151,22 +151,22 @@ class SsdDrafter:
 
     # -- Drafter protocol -----------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+    def start(self, seq_id: str, context: Sequence[int]) -> None:
         self._seqs[seq_id] = _Seq(slot=self.cache.allocate(), pending=list(context))
-        self.ngram.add_sequence(seq_id, context)
+        self.ngram.start(seq_id, context)
 
-    def remove_sequence(self, seq_id: str) -> None:
+    def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
-        self.ngram.remove_sequence(seq_id)
+        self.ngram.release(seq_id)
         if seq is not None:
             self._drop_forks(seq)
             self.cache.release(seq.slot)
 
-    def extend(self, seq_id: str, tokens: Sequence[int], arrived_at: float | None = None) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int], arrived_at: float | None = None) -> None:
         """The verification outcome of the outstanding drafts (and anything emitted since), which
         arrived at `arrived_at` (time.monotonic(); default: now)."""
         seq = self._seqs[seq_id]
-        self.ngram.extend(seq_id, tokens)
+        self.ngram.observe(seq_id, tokens)
         if seq.ready is not None:  # a hit nobody drafted from
             self._unready(seq)
         drafts = seq.drafts

@@ -307,7 +307,7 @@ class Batcher:
             return None
         accepted = session.record_outcome(seq.new_tokens)
         if session.kind is not DrafterKind.SSD:
-            drafters.drafter(session.kind).extend(session.key.drafter_id, seq.new_tokens)
+            drafters.drafter(session.kind).observe(session.key.drafter_id, seq.new_tokens)
         else:
             if seq.resolution == "local_drafts":  # pre-speculation feeds them, with every SSD session's forks
                 error = _local_drafts_error(seq, drafters.vocab_size)
@@ -316,7 +316,7 @@ class Batcher:
                     out.error = f"sequences[{i}].{error}; session closed"
                     return None
             # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
-            drafters.ssd.extend(session.key.drafter_id, seq.new_tokens, arrived_at=work.arrived)
+            drafters.ssd.observe(session.key.drafter_id, seq.new_tokens, arrived_at=work.arrived)
             session.stream = work.stream
             if seq.resolution == "local_drafts":
                 # Push mode, a miss the target drafted itself: pre-speculate after its drafts.

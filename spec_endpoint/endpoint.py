@@ -162,7 +162,7 @@ class Endpoint:
         if index is not None:
             drafters.ngram.add_index(key.drafter_id, index)
         else:
-            drafters.drafter(kind).add_sequence(key.drafter_id, spec.context)
+            drafters.drafter(kind).start(key.drafter_id, spec.context)
         self.metrics.tenants.admit(tenant)
         now = self.clock()
         self.sessions.add(Session(
@@ -203,7 +203,7 @@ class Endpoint:
         self._update_active(session.key.tenant)
 
     def _remove_from_drafter(self, session: Session) -> None:
-        self.registry.get(session.model).drafter(session.kind).remove_sequence(session.key.drafter_id)
+        self.registry.get(session.model).drafter(session.kind).release(session.key.drafter_id)
 
     def _update_active(self, tenant: str) -> None:
         label = self.metrics.tenants.of(tenant)

@@ -400,23 +400,23 @@ class SpeculationClient:
     # -- Drafter protocol ---------------------------------------------------------------------
 
     def configure(self, seq_id: str, kind: int | None, params: SamplingParams, max_draft: int = 0) -> None:
-        """Before add_sequence: which endpoint drafter (None: local n-gram, -1: none), sampler, cap."""
+        """Before start: which endpoint drafter (None: local n-gram, -1: none), sampler, cap."""
         self._configured[seq_id] = (kind, params, max_draft)
 
-    def add_sequence(self, seq_id: str, context: Sequence[int]) -> None:
+    def start(self, seq_id: str, context: Sequence[int]) -> None:
         kind, params, max_draft = self._configured.pop(seq_id, (None, SamplingParams(), 0))
         self._seqs[seq_id] = _Seq(list(context), params, kind, max_draft)
-        self.local.add_sequence(seq_id, context)
+        self.local.start(seq_id, context)
 
-    def extend(self, seq_id: str, tokens: Sequence[int]) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
         seq = self._seqs[seq_id]
         seq.context.extend(tokens)
         seq.pending.extend(tokens)
-        self.local.extend(seq_id, tokens)
+        self.local.observe(seq_id, tokens)
 
-    def remove_sequence(self, seq_id: str) -> None:
+    def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
-        self.local.remove_sequence(seq_id)
+        self.local.release(seq_id)
         if seq is not None and seq.cache_lookups:
             self.on_cache_stats(seq_id, seq.cache_hits, seq.cache_lookups)
         if seq is not None and (seq.opened or seq.opening):

@@ -86,9 +86,9 @@ def test_a_re_emitted_rejected_draft_is_fed_again(tiny_model):
     """A residual that falls back to p can emit the very draft it rejected: the drafter must still
     have that token to feed, though its cache already holds it as a draft."""
     drafter = ModelDrafter(tiny_model, 1, 32)
-    drafter.add_sequence("s", [5, 6, 7])
+    drafter.start("s", [5, 6, 7])
     [drafts] = drafter.propose(["s"], [3], SamplingParams(), None).tokens
-    drafter.extend("s", drafts[:1])  # slot 1 "rejected", then its own token re-emitted
+    drafter.observe("s", drafts[:1])  # slot 1 "rejected", then its own token re-emitted
     [again] = drafter.propose(["s"], [2], SamplingParams(), None).tokens
     assert again == drafts[1:3]
 

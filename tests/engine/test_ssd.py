@@ -29,14 +29,14 @@ class Inline:
         self.ssd = ssd
         self.sources: dict[str, list[str]] = defaultdict(list)
 
-    def add_sequence(self, seq_id, context):
-        self.ssd.add_sequence(seq_id, context)
+    def start(self, seq_id, context):
+        self.ssd.start(seq_id, context)
 
-    def extend(self, seq_id, tokens):
-        self.ssd.extend(seq_id, tokens)
+    def observe(self, seq_id, tokens):
+        self.ssd.observe(seq_id, tokens)
 
-    def remove_sequence(self, seq_id):
-        self.ssd.remove_sequence(seq_id)
+    def release(self, seq_id):
+        self.ssd.release(seq_id)
 
     def propose(self, seq_ids, num_tokens, params, generator):
         drafts = self.ssd.propose(seq_ids, num_tokens, params, generator)
@@ -106,13 +106,13 @@ def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tin
     checked = {"cache": 0, "neural": 0}
 
     class Checked(Inline):
-        def add_sequence(self, seq_id, tokens):
+        def start(self, seq_id, tokens):
             context[seq_id] = list(tokens)
-            super().add_sequence(seq_id, tokens)
+            super().start(seq_id, tokens)
 
-        def extend(self, seq_id, tokens):
+        def observe(self, seq_id, tokens):
             context[seq_id] += list(tokens)
-            super().extend(seq_id, tokens)
+            super().observe(seq_id, tokens)
 
         def propose(self, seq_ids, num_tokens, params, generator):
             drafts = super().propose(seq_ids, num_tokens, params, generator)
@@ -140,7 +140,7 @@ def test_outcomes_a_target_rarely_sends_leave_the_cache_equal_to_the_context():
     draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=5)
     ssd = SsdDrafter(draft, 1, 96, fork_slots=16, fork_budget=4, backup="neural")
     context = [5, 6, 7, 8, 5, 6]
-    ssd.add_sequence("s", context)
+    ssd.start("s", context)
 
     def drafts() -> list[int]:
         got = ssd.propose(["s"], [3], SamplingParams(), None).tokens[0]
@@ -155,7 +155,7 @@ def test_outcomes_a_target_rarely_sends_leave_the_cache_equal_to_the_context():
 
     def outcome(tokens: list[int]) -> None:
         context.extend(tokens)
-        ssd.extend("s", tokens)
+        ssd.observe("s", tokens)
 
     def a_hit(d: list[int]) -> list[int]:
         k, bonus = next(iter(ssd.outcome_table("s")))
@@ -181,12 +181,12 @@ def test_a_sequence_at_the_end_of_the_cache_is_drafted_on_demand_not_pre_specula
     ssd = SsdDrafter(draft, 1, 64, fork_slots=16, fork_budget=4, backup="neural")
     assert ssd.cache.max_len == 24
     context = list(range(1, 23))
-    ssd.add_sequence("s", context)
+    ssd.start("s", context)
     drafts = ssd.propose(["s"], [3], SamplingParams(), None).tokens[0]
     assert ssd.cache.lengths[ssd._seqs["s"].slot] == 24
     ssd.prespeculate(["s"])
     assert ssd.outcome_table("s") == {}, "no room for forks: nothing pre-speculated"
-    ssd.extend("s", drafts[:1] + [7])
+    ssd.observe("s", drafts[:1] + [7])
     assert ssd.propose(["s"], [1], SamplingParams(), None).tokens[0] and ssd._seqs["s"].source == "neural"
 
 

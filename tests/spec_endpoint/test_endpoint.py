@@ -113,7 +113,7 @@ def test_greedy_drafts_equal_model_drafter_in_process_and_acceptance_is_counted(
     )
     for tenant, ctx in zip(("a", "b"), CONTEXTS, strict=True):
         open_one(endpoint, tenant, "x", ctx)
-        reference.add_sequence(tenant, ctx)
+        reference.start(tenant, ctx)
     streams = {"a": endpoint.open_stream(), "b": endpoint.open_stream()}
 
     new = {"a": [], "b": []}
@@ -124,7 +124,7 @@ def test_greedy_drafts_equal_model_drafter_in_process_and_acceptance_is_counted(
         got = {t: s.outbound.get_nowait().sequences[0].tokens for t, s in streams.items()}
         for t in streams:
             if new[t]:
-                reference.extend(t, new[t])
+                reference.observe(t, new[t])
         want = reference.propose(["a", "b"], [4, 4], GREEDY, None).tokens
         assert [got["a"], got["b"]] == want
         # The target accepts two drafts of a, none of b, and emits one token of its own each.
