@@ -50,14 +50,18 @@ _DRAFTER_PB = {
 }
 
 
+def _method_from(table: dict[Method, int], value: int, field: str, names) -> Method:
+    for method, number in table.items():
+        if number == value:
+            return method
+    raise FieldError(field, f"unknown value {value}; one of " + ", ".join(names.keys()))
+
+
 def method_from_pb(value: int, field: str = "speculation.method") -> Method | None:
     """Target API enum -> Method; None for AUTO. proto3 enums take any number, so unknown ones raise."""
     if value == target_pb2.SPECULATION_METHOD_AUTO:
         return None
-    for method, number in _METHOD_PB.items():
-        if number == value:
-            return method
-    raise FieldError(field, f"unknown method {value}; one of " + ", ".join(target_pb2.SpeculationMethod.keys()))
+    return _method_from(_METHOD_PB, value, field, target_pb2.SpeculationMethod)
 
 
 def method_to_pb(method: Method | None) -> int:
@@ -68,10 +72,7 @@ def drafter_from_pb(value: int, field: str = "drafter") -> Method | None:
     """Speculation API enum -> Method; None for UNSPECIFIED (the endpoint's best for the model)."""
     if value == spec_pb.DRAFTER_KIND_UNSPECIFIED:
         return None
-    for method, number in _DRAFTER_PB.items():
-        if number == value:
-            return method
-    raise FieldError(field, f"unknown drafter kind {value}; one of " + ", ".join(spec_pb.DrafterKind.keys()))
+    return _method_from(_DRAFTER_PB, value, field, spec_pb.DrafterKind)
 
 
 def drafter_to_pb(method: Method | None) -> int:

@@ -1,3 +1,4 @@
+# Over 400 lines: the generators for every field of three services, and the checks run after them.
 """Generated requests against a router, a target and a speculation endpoint (issue 13), real processes: a
 Redis registry, a tiny serve-spec with a draft model, two tiny serve-targets attached to it and registered,
 and a serve-router. REQUESTS_PER_SERVICE calls go to each of the three, concurrently, with short deadlines:

@@ -1,3 +1,4 @@
+# Over 400 lines: one exact statistical check per verification rule, sharing one Markov-chain fixture.
 """Verification must be lossless: emitted tokens are distributed exactly as plain target sampling.
 
 Statistical tests use a small vocabulary and two *different* Markov chains over it: the target

@@ -1,3 +1,4 @@
+# Over 400 lines: one test per chart promise, all reading the same rendered templates.
 """The Helm chart (helm/specpool) against the code it deploys, without helm: its values parse, every
 metric the Grafana dashboard queries is one the services define, every flag the templates pass to
 a `specpool serve-*` command is one that command accepts, and the chart is secure by default (TLS for
