@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from specpool.bench.machine import machine_info, memory_read_gbps
+
+from specpool.common.machine import machine_info, memory_read_gbps
 from specpool.engine.decoding import generate
 from specpool.engine.device import DTYPES, native_bf16
 from specpool.engine.gguf_loader import default_model_path

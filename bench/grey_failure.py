@@ -32,15 +32,18 @@ from pathlib import Path
 
 import grpc
 import torch
-from specpool.bench.machine import machine_info, machine_line
+
+from specpool.cluster.config import EndpointSpec, TargetSpec
 from specpool.cluster.delay_proxy import DelayProxy
+from specpool.cluster.launcher import endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.common.machine import machine_info, machine_line
+from specpool.common.security import LocalCA
+from specpool.common.speculation import Method, method_to_pb
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-
-from specpool.common.security import LocalCA
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
@@ -89,8 +92,7 @@ class SlowLink:
 FAULTS = {"sigstop": Hang, "slow_link": SlowLink}
 
 
-
-class Stream:
+class RecordedStream:
     """One Generate call in a thread: (arrival time, tokens) per delta, then its final."""
 
     def __init__(self, stub, request: pb.GenerateRequest):
@@ -163,27 +165,28 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     [want] = generate(model, [prompt], SamplingParams(), drafted_tokens, stop_ids=[])
     ca = LocalCA.temporary()
-    spec = start_server("spec", ["serve-spec", "--port", "0", "--metrics-port", "0",
-                                 "--drafter", f"{model_name(gguf)}={gguf},draft={draft}", *endpoint_args],
-                        cpus=cpus[0] if cpus else None, env=ca.env)
+    # None: the servers' own defaults, so target_args and endpoint_args decide as given.
+    endpoint = EndpointSpec(name="", drafters=(f"{model_name(gguf)}={gguf},draft={draft}",), max_sessions=None,
+                            threads=None, args=tuple(endpoint_args))
+    spec = start_server("spec", endpoint_command(endpoint), cpus=cpus[0] if cpus else None, env=ca.env)
     grey = FAULTS[fault](spec)
     target = None
     try:
-        target = start_server("target", ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
-                                         "--spec-endpoint", grey.address, "--tenant", "grey",
-                                         "--spec-deadline-ms", "500", *target_args],
-                              cpus=cpus[1] if cpus else None, env=ca.env)
+        served = TargetSpec(tenant="grey", model=str(gguf), max_batch=None, max_context=None, threads=None,
+                            args=("--spec-deadline-ms", "500", *target_args))
+        target = start_server("target", target_command(served, grey.address), cpus=cpus[1] if cpus else None,
+                              env=ca.env)
         stub = target_pb2_grpc.TargetServiceStub(ca.client("bench").channel(target.address, "target", "grey"))
 
-        def request(method: int, max_tokens: int) -> pb.GenerateRequest:
+        def request(method: Method, max_tokens: int) -> pb.GenerateRequest:
             return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
-                                      speculation=pb.SpeculationPreference(method=method))
+                                      speculation=pb.SpeculationPreference(method=method_to_pb(method)))
 
-        plain = Stream(stub, request(pb.SPECULATION_METHOD_NONE, plain_tokens))
+        plain = RecordedStream(stub, request(Method.NONE, plain_tokens))
         wait_for(lambda: plain.count() >= 20, timeout_s=120)
         time.sleep(window_s)
         solo = plain.rate(time.monotonic() - window_s, time.monotonic())
-        drafted = Stream(stub, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens))
+        drafted = RecordedStream(stub, request(Method.DRAFT_MODEL, drafted_tokens))
         wait_for(lambda: drafted.count() >= 20, timeout_s=120)
         time.sleep(window_s)
         began = time.monotonic()
@@ -198,12 +201,12 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
         recovered = time.monotonic()
         plain_during, drafted_during = plain.rate(tripped, recovered), drafted.rate(tripped, recovered)
         # Probes ride on rounds: a drafted request keeps them going, whether or not the first one ended.
-        prober = Stream(stub, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens))
+        prober = RecordedStream(stub, request(Method.DRAFT_MODEL, drafted_tokens))
         resumed = wait_for(lambda: target.metric_total(BREAKER) == 0 and time.monotonic() - recovered, timeout_s=30)
         plain.cancel()
         prober.cancel()
         drafted.join(600)
-        after = stub.GenerateUnary(request(pb.SPECULATION_METHOD_DRAFT_MODEL, 32), timeout=120).completions[0]
+        after = stub.GenerateUnary(request(Method.DRAFT_MODEL, 32), timeout=120).completions[0]
         done = drafted.final.completions[0] if drafted.final else None
         fallbacks = {reason: target.metric_total("specpool_target_spec_fallback_rounds_total", reason=reason)
                      for reason in FALLBACK_REASONS}

@@ -43,8 +43,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specpool.engine.config import ModelConfig
 from torch import nn
+
+from specpool.engine.config import ModelConfig
 
 EOS_ID = 2  # SmolLM2's eos token, which is also its padding_token_id
 
@@ -110,6 +111,7 @@ def load_hf_draft(draft_dir: str | Path, target_path: str | Path, dtype: torch.d
     `ReducedVocabHead` (full-vocab logits, -inf outside `output_ids`)."""
     import transformers
     from safetensors.torch import load_file
+
     from specpool.engine.gguf_loader import load_gguf
 
     draft_dir = Path(draft_dir)

@@ -17,12 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specpool.cluster.config import ClusterConfig, EndpointSpec, TargetSpec
+from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
-from specpool.cluster.up import Cluster, ClusterConfig
+from specpool.common.security import LocalCA, Security
+from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.sampling import SamplingParams
-
-from specpool.common.security import LocalCA, Security
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
@@ -30,15 +31,15 @@ log = logging.getLogger(__name__)
 
 PLAINTEXT = "-plaintext"
 METHODS = {
-    "sd-remote": pb.SPECULATION_METHOD_DRAFT_MODEL,
-    "ngram-remote": pb.SPECULATION_METHOD_NGRAM,
-    "sd-remote" + PLAINTEXT: pb.SPECULATION_METHOD_DRAFT_MODEL,
-    "ngram-remote" + PLAINTEXT: pb.SPECULATION_METHOD_NGRAM,
-    "ssd": pb.SPECULATION_METHOD_SSD,
-    "ssd-pull": pb.SPECULATION_METHOD_SSD,
+    "sd-remote": Method.DRAFT_MODEL,
+    "ngram-remote": Method.NGRAM,
+    "sd-remote" + PLAINTEXT: Method.DRAFT_MODEL,
+    "ngram-remote" + PLAINTEXT: Method.NGRAM,
+    "ssd": Method.SSD,
+    "ssd-pull": Method.SSD,
 }
 REMOTE_MODES = tuple(METHODS)
-ROUTED_METHODS = {"routed": pb.SPECULATION_METHOD_AUTO, "routed-ar": pb.SPECULATION_METHOD_NONE}
+ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE}  # None: the router plans (AUTO)
 # SSD's layout, chosen on 2-core AVX-512 machines: drafting overlaps verification only when each has
 # a core of its own. Recorded in every report that ran SSD.
 SSD_ENDPOINT_CPUS, SSD_TARGET_CPUS = [1], [0]
@@ -75,10 +76,11 @@ class RemoteCluster:
     def _endpoint(self, pinned: bool, plaintext: bool) -> ServerProcess:
         key = ("pinned" if pinned else "shared") + (PLAINTEXT if plaintext else "")
         if key not in self._endpoints:
-            args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--drafter", self.drafter,
-                    "--max-sessions", str(max(64, self.max_batch)), "--max-len", str(self.max_context),
-                    "--ssd-sessions", str(max(16, self.max_batch)), *self.endpoint_args]
-            self._endpoints[key] = self._start(f"spec-{key}", args + self._threads(pinned),
+            spec = EndpointSpec(name="", drafters=(self.drafter,), max_sessions=max(64, self.max_batch),
+                                threads=self._threads(pinned),
+                                args=("--max-len", str(self.max_context), "--ssd-sessions",
+                                      str(max(16, self.max_batch)), *self.endpoint_args))
+            self._endpoints[key] = self._start(f"spec-{key}", endpoint_command(spec),
                                                cpus=SSD_ENDPOINT_CPUS if pinned else None, plaintext=plaintext)
         return self._endpoints[key]
 
@@ -92,22 +94,20 @@ class RemoteCluster:
             kind += f"-k{draft_tokens}"
         if kind not in self.targets:
             endpoint = self._endpoint(pinned, plaintext)
-            args = ["serve-target", "--port", "0", "--metrics-port", "0", "--model", str(self.model_path),
-                    "--dtype", self.dtype, "--spec-endpoint", endpoint.address, "--max-batch", str(self.max_batch),
-                    "--max-context", str(self.max_context), "--datastore", str(self.datastore or ""),
-                    "--tenant", f"bench-{kind}", "--spec-delay-ms", str(self.delay_ms)]
-            args += self._threads(pinned)
+            args = ["--spec-delay-ms", str(self.delay_ms)]
             if pinned:
                 args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:
                 args += ["--draft-tokens", str(draft_tokens)]
-            self.targets[kind] = self._start(f"target-{kind}", args, cpus=SSD_TARGET_CPUS if pinned else None,
-                                             plaintext=plaintext)
+            spec = TargetSpec(tenant=f"bench-{kind}", model=str(self.model_path), max_batch=self.max_batch,
+                              max_context=self.max_context, threads=self._threads(pinned),
+                              datastore=str(self.datastore or ""), dtype=self.dtype, args=tuple(args))
+            self.targets[kind] = self._start(f"target-{kind}", target_command(spec, endpoint.address),
+                                             cpus=SSD_TARGET_CPUS if pinned else None, plaintext=plaintext)
         return f"bench-{kind}", self.targets[kind]
 
-    def _threads(self, pinned: bool) -> list[str]:
-        threads = 1 if pinned else self.threads
-        return ["--threads", str(threads)] if threads else []
+    def _threads(self, pinned: bool) -> int | None:
+        return 1 if pinned else self.threads
 
     def _start(self, name: str, args: list[str], cpus: list[int] | None, plaintext: bool) -> ServerProcess:
         server = start_server(name, args + ["--insecure"] if plaintext else args, cpus=cpus, env=self.ca.env)
@@ -147,7 +147,7 @@ class RoutedCluster:
             self.cluster.stop()
 
 
-def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_tokens: int,
+def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | None, max_tokens: int,
                       target: ServerProcess | None = None):
     """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`; with the
     target's process, it also sums the target's verify time (from its /metrics) over the chunks."""
@@ -157,12 +157,9 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: int, max_
 
     def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
         def one(ids: list[int]) -> pb.GenerateResult:
-            sampling = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-            if params.seed is not None:
-                sampling.seed = params.seed
             return stub.GenerateUnary(pb.GenerateRequest(
-                prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling,
-                speculation=pb.SpeculationPreference(method=method),
+                prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling_to_pb(params),
+                speculation=pb.SpeculationPreference(method=method_to_pb(method)),
             ))
 
         verified = verify_seconds() if target else 0.0

@@ -21,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpool.bench.machine import machine_info
+from tqdm import tqdm
+
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
+from specpool.common.machine import machine_info
 from specpool.engine.decoding import generate
 from specpool.engine.device import resolve_dtype
 from specpool.engine.drafter import ModelDrafter
@@ -30,7 +32,6 @@ from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
-from tqdm import tqdm
 
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
 

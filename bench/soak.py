@@ -33,23 +33,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from specpool.bench.machine import machine_info, machine_line
+
 from specpool.bench.runner import NEAR_TIE, first_divergence_gap
 from specpool.bench.workloads import load_workload
+from specpool.cluster.config import ClusterConfig
+from specpool.cluster.launcher import Cluster
 from specpool.cluster.processes import ServerProcess
-from specpool.cluster.up import Cluster, ClusterConfig
+from specpool.common.machine import machine_info, machine_line
+from specpool.common.registry import Registry
+from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-
-from specpool.common.registry import Registry
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 
-METHODS = [pb.SPECULATION_METHOD_AUTO, pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_DRAFT_MODEL,
-           pb.SPECULATION_METHOD_NGRAM, pb.SPECULATION_METHOD_SSD]
+METHODS = [None, Method.NONE, Method.DRAFT_MODEL, Method.NGRAM, Method.SSD]  # None: AUTO, the router plans
+UNKNOWN_METHOD = 99
 KINDS = {"greedy": 6, "sampled": 2, "cancel": 1, "deadline": 1, "bad": 1}  # relative frequency
 MAX_TOKENS = 48
 RSS_EVERY_S = 30.0
@@ -93,11 +95,12 @@ class Soak:
         kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         i = rng.randrange(len(self.prompts))
         max_tokens = rng.choice([8, 24, MAX_TOKENS])
+        method = method_to_pb(rng.choice(METHODS))
         req = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=self.prompts[i]), max_tokens=max_tokens,
-                                 speculation=pb.SpeculationPreference(method=rng.choice(METHODS)))
+                                 speculation=pb.SpeculationPreference(method=method))
         timeout = 120.0
         if kind == "sampled":
-            req.sampling.temperature, req.sampling.seed = 0.8, rng.randrange(2**32)
+            req.sampling.CopyFrom(sampling_to_pb(SamplingParams(temperature=0.8, seed=rng.randrange(2**32))))
         elif kind == "deadline":
             timeout = rng.uniform(0.05, 1.0)
         elif kind == "bad":
@@ -107,7 +110,7 @@ class Soak:
             elif which == 1:
                 req.sampling.top_p = 1.5
             else:
-                req.speculation.method = 99
+                req.speculation.method = method = UNKNOWN_METHOD
         tokens: list[int] = []
         call = self.stub.Generate(req, timeout=timeout)
         code = "OK"
@@ -120,7 +123,8 @@ class Soak:
         except grpc.RpcError as e:
             code = e.code().name
         want = self.refs[i][:max_tokens]
-        what = f"{kind} prompt {i} max_tokens {max_tokens} {pb.SpeculationMethod.Name(req.speculation.method) if req.speculation.method in METHODS else 99}"
+        label = method if method == UNKNOWN_METHOD else pb.SpeculationMethod.Name(method)
+        what = f"{kind} prompt {i} max_tokens {max_tokens} {label}"
         with self.tally.lock:
             self.tally.outcomes[(kind, code)] += 1
             self.tally.tokens += len(tokens)

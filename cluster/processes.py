@@ -1,25 +1,28 @@
 """Start specpool servers as separate processes and wait until they serve.
 
-Every server logs one line "serving <Service> on port N, metrics on port M" once it is ready;
-launchers (tests, the benchmark, `specpool up`) read the bound ports from it, so port 0 works.
+A launched server finds a file path in its environment (SPECPOOL_READY_FILE) and writes its bound
+ports there once it serves (specpool.common.serving.report_ready), so port 0 works; it counts as up
+once its /readyz answers 200 as well.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from specpool.common.serving import LAUNCHER_PID
-
-READY = re.compile(r"serving (\w+) on port (\d+), metrics on port (\d+)")
+from specpool.common.serving import LAUNCHER_PID, READY_FILE
 
 
 def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
@@ -90,6 +93,15 @@ class ServerProcess:
                 total += float(m.group(2))
         return total
 
+    def ready(self) -> bool:
+        """Whether its /readyz (the metrics port, plain HTTP: no credentials needed) answers 200: the
+        HTTP face of the readiness its gRPC health service reports."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2.0) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
 
 def start_server(
     name: str,
@@ -100,9 +112,9 @@ def start_server(
     echo: bool = False,
     module: str = "specpool.cli",
 ) -> ServerProcess:
-    """Run `specpool <args>` (`python -m <module> <args>`) and block until its ready line; raises with
-    its log if it dies first. The server drains and exits by itself if this process dies
-    (specpool/serving.py)."""
+    """Run `specpool <args>` (`python -m <module> <args>`) and block until it serves; raises with its
+    log if it dies or is not ready in timeout_s. The server drains and exits by itself if this process
+    dies (specpool/common/serving.py)."""
     cmd = [sys.executable, "-m", module, *args]
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
@@ -113,25 +125,37 @@ def start_server(
 
 
 def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool) -> None:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=server.env)
-    server.proc, server.command, name = proc, cmd, server.name
-    ready = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="specpool-ready-") as directory:
+        ready_file = Path(directory) / "ready.json"  # fresh each launch: a restart reports anew
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**server.env, READY_FILE: str(ready_file)})
+        server.proc, server.command = proc, cmd
+        log = threading.Thread(target=_keep_log, args=(server, echo), daemon=True, name=f"log-{server.name}")
+        log.start()
+        end = time.monotonic() + timeout_s
+        while not ready_file.exists():
+            _check_running(server, log, end, timeout_s)
+            time.sleep(0.05)
+        report = json.loads(ready_file.read_text())
+    server.port, server.metrics_port = report["port"], report["metrics_port"]
+    while not server.ready():
+        _check_running(server, log, end, timeout_s)
+        time.sleep(0.1)
 
-    def pump() -> None:
-        for line in proc.stdout:
-            server.log_tail.append(line)
-            if echo:
-                sys.stderr.write(f"[{name}] {line}")
-            m = READY.search(line)
-            if m and not ready.is_set():
-                server.port, server.metrics_port = int(m.group(2)), int(m.group(3))
-                ready.set()
 
-    threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
-    end = time.monotonic() + timeout_s
-    while not ready.wait(0.1):
-        if proc.poll() is not None or time.monotonic() > end:
-            server.kill()
-            why = f"exited with {proc.returncode}" if proc.returncode is not None else f"not ready in {timeout_s}s"
-            raise RuntimeError(f"{name} {why}; its log:\n{server.logs()}")
+def _keep_log(server: ServerProcess, echo: bool) -> None:
+    for line in server.proc.stdout:
+        server.log_tail.append(line)
+        if echo:
+            sys.stderr.write(f"[{server.name}] {line}")
+
+
+def _check_running(server: ServerProcess, log: threading.Thread, end: float, timeout_s: float) -> None:
+    """Raises with the server's log (killing it) once it has exited or the time is up."""
+    exited = server.proc.poll()
+    if exited is None and time.monotonic() <= end:
+        return
+    server.kill()
+    log.join(5.0)  # its last lines say why
+    why = f"exited with {exited}" if exited is not None else f"not ready in {timeout_s}s"
+    raise RuntimeError(f"{server.name} {why}; its log:\n{server.logs()}")

@@ -1,3 +1,4 @@
+# Over 400 lines: the one decode loop and the bookkeeping of its rounds (_Asked) read best together.
 """The one decode loop: draft, verify, accept, roll back. AR decoding is the loop with no drafter.
 
 Every drafter (draft model, n-gram, the remote endpoint) goes through `verify_round`, so there is
@@ -11,10 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from specpool.engine.drafter import Drafter, DraftRequest, Drafts, propose_all
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
+from specpool.engine.speculation_policy import (
+    PLAIN_DECODING,
+    AcceptanceEstimate,
+    DraftLength,
+    FixedDraftLength,
+    Running,
+    SpeculationPolicy,
+)
 from specpool.engine.verification import (
     VerifyResult,
     verify_dense,
@@ -96,6 +105,7 @@ class Decoder:
     A step either prefills the sequences added since the last step (emitting their first token) or
     runs one speculative round over every running sequence: draft, one target forward for all,
     verify per sampling-parameter group, accept, roll back. AR decoding is a round with no drafts.
+    How many tokens each sequence drafts is `draft_length`'s to say, every round.
     """
 
     def __init__(
@@ -104,16 +114,14 @@ class Decoder:
         max_batch: int,
         max_len: int,
         drafter: Drafter | None = None,
-        num_draft_tokens: int = 0,
-        policy: SpeculationPolicy | None = None,
+        draft_length: DraftLength = PLAIN_DECODING,
         generator: torch.Generator | None = None,
         acceptance: AcceptanceEstimate | None = None,
     ):
         self.model = model
         self.cache = model.new_cache(max_batch, max_len)
         self.drafter = drafter
-        self.num_draft_tokens = policy.max_draft if policy is not None else num_draft_tokens
-        self.policy = policy
+        self.draft_length = draft_length
         self.acceptance = acceptance or AcceptanceEstimate()
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
         self.waiting: list[_Sequence] = []
@@ -141,9 +149,9 @@ class Decoder:
         """Queue a sequence; it is prefilled by the next step. Its result fills in as steps run."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if len(prompt) + max_new_tokens + self.num_draft_tokens + 1 > self.cache.max_len:
-            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the context "
-                             f"of {self.cache.max_len - self.num_draft_tokens - 1}")
+        room = self.cache.max_len - self.draft_length.max_draft - 1
+        if len(prompt) + max_new_tokens > room:
+            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the context of {room}")
         if self.free_slots < 1:
             raise RuntimeError(f"batch full: all {self.cache.max_slots} sequences are running")
         stop = frozenset(stop_ids if stop_ids is not None else [self.model.config.eos_id])
@@ -238,15 +246,16 @@ class Decoder:
                 seq.unseen = len(seq.prompt) + 1
         return moved
 
-    def _draft_length(self) -> int:
+    def _offers(self, batch: list[_Sequence]) -> dict[str, int]:
+        """seq_id -> positions offered to the drafter this round."""
+        remaining = [s.max_new_tokens - len(s.result.token_ids) for s in batch]
         if self.drafter is None:
-            return 0
-        if self.policy is None:
-            return self.num_draft_tokens
-        n = len(self.running)
-        catch_up = sum(s.unseen for s in self.running) / n
-        remaining = sum(s.max_new_tokens - len(s.result.token_ids) for s in self.running) / n
-        return self.policy.choose(n, self.acceptance.expected_tokens, catch_up, remaining, self.acceptance.fill)
+            lengths = [0] * len(batch)
+        else:
+            lengths = self.draft_length.lengths(
+                [Running(s.seq_id, s.unseen, r) for s, r in zip(batch, remaining)], self.acceptance)
+        # Never draft past the length limit: the bonus token always fills the last place.
+        return {s.seq_id: min(n, r - 1) for s, n, r in zip(batch, lengths, remaining)}
 
     def _round(self) -> list[tuple[str, list[int]]]:
         """Asks for drafts, then verifies them for every running sequence in one forward. While a remote
@@ -268,10 +277,8 @@ class Decoder:
 
     def _ask_drafts(self) -> _Asked:
         start = time.perf_counter()
-        length = self._draft_length()
         batch = self.running
-        # Never draft past the length limit: the bonus token always fills the last place.
-        offered = {s.seq_id: min(length, s.max_new_tokens - len(s.result.token_ids) - 1) for s in batch}
+        offered = self._offers(batch)
         asks = []
         for rows, params in _groups(batch):
             budget = [offered[batch[r].seq_id] for r in rows]
@@ -403,9 +410,9 @@ def generate(
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    k = policy.max_draft if policy is not None else num_draft_tokens
-    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 1
-    decoder = Decoder(model, len(prompts), max_len, drafter, num_draft_tokens, policy, generator, acceptance)
+    draft_length = policy if policy is not None else FixedDraftLength(num_draft_tokens)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + draft_length.max_draft + 1
+    decoder = Decoder(model, len(prompts), max_len, drafter, draft_length, generator, acceptance)
     results = [decoder.add(str(i), p, params, max_new_tokens, stop_ids) for i, p in enumerate(prompts)]
     while decoder.has_work:
         decoder.step()

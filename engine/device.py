@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+
 from specpool.engine.process_env import NO_NATIVE_BF16, bf16_override
 
 T = TypeVar("T")

@@ -7,13 +7,18 @@ endpoint all plug into `specpool.engine.decoding.generate` through this interfac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from specpool.engine.kv_cache import KVCache
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from specpool.engine.ssd import Fork
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,10 @@ class Drafts:
 class Drafter(Protocol):
     """The role every drafter plays, local or remote, model or n-gram or SSD: it is told a sequence's
     context once (`start`), proposes drafts for it (`propose`), observes what the target emitted after
-    verifying them (`observe`), and forgets it (`release`)."""
+    verifying them (`observe`), and forgets it (`release`).
+
+    The members below `release` are optional: a drafter that subclasses Drafter gets their defaults,
+    and a pooled endpoint reads them instead of asking which kind of drafter it holds."""
 
     # Inputs beyond token ids this drafter wants from the target with each round (say "hidden_states"
     # for a drafter fed by the target's features). The caller sends what a drafter declares here.
@@ -76,6 +84,43 @@ class Drafter(Protocol):
         ...
 
     def release(self, seq_id: str) -> None: ...
+
+    # -- optional members -----------------------------------------------------------------------
+
+    # The KV cache of a drafter that runs a model (None: it holds no model state). Such a drafter
+    # continues from the tokens emitted since its previous drafts, and n drafts take n - 1 positions.
+    cache: KVCache | None = None
+    # Drafts that no sampler changes (n-gram: point masses): one propose call serves every sampler.
+    deterministic: bool = False
+    # `propose` takes `sparse=` (q as top-k pairs, else dense rows) per call: one drafter then serves
+    # sequences of either transport.
+    sparse_q_per_call: bool = False
+    # It works while the target verifies (SSD pre-speculates the likely outcomes): the caller calls
+    # `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead.
+    prespeculates: bool = False
+
+    def outcome_arrived(self, seq_id: str, at: float) -> None:
+        """When the outcome that `observe` gets next arrived (time.monotonic()), for a drafter that times
+        the target's verification (SSD sizes its forks by it); without it, the time `observe` runs."""
+
+    def served_from_cache(self, seq_id: str) -> bool:
+        """Whether the sequence's last drafts were ready before it asked (an SSD hit)."""
+        return False
+
+    def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
+        """The target verifies drafts of its own next (a miss it resolved locally)."""
+        raise NotImplementedError(f"{type(self).__name__} does not pre-speculate")
+
+    def prespeculate(self, seq_ids: Sequence[str]) -> None:
+        """Prepare the next drafts of these sequences for the likely outcomes of their last ones."""
+
+    def outcome_table(self, seq_id: str) -> dict[tuple[int, int], Fork]:
+        """The prepared drafts by outcome (accepted drafts, bonus token): what push mode streams out."""
+        return {}
+
+    def fast_backup(self) -> bool:
+        """Whether an outcome with no prepared drafts is best met by fast local (n-gram) drafts."""
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +144,35 @@ def accepted_prefix(drafts: Sequence[int], emitted: Sequence[int]) -> int:
     return n
 
 
+def sample_top_k(q: torch.Tensor, k: int, generator: torch.Generator | None):
+    """[N, V] q -> (tokens [N], ids [N, k], probs [N, k]): drawn from q's k likeliest tokens renormalised,
+    so the sparse q sent with the drafts is exactly the q they were drawn from."""
+    top = torch.topk(q, k, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    picked = top.indices.gather(-1, sample(weights, generator)[:, None]).squeeze(-1)
+    return picked, top.indices, weights
+
+
+# pick(step, active rows, their logits [A, V]) -> the tokens [A] those rows draft at that step
+Pick = Callable[[int, list[int], torch.Tensor], torch.Tensor]
+
+
+def draft_steps(model: Llama, cache: KVCache, slots: Sequence[int], feeds: Sequence[list[int]],
+                num_tokens: Sequence[int], pick: Pick) -> list[list[int]]:
+    """The draft model's drafting loop: row b feeds feeds[b], then each token it drafts, for
+    num_tokens[b] steps; one forward a step for every row still drafting. The last draft of a row is
+    never fed: its cache holds the feed and its first n - 1 drafts."""
+    tokens: list[list[int]] = [[] for _ in slots]
+    feed = list(feeds)
+    for j in range(max(num_tokens, default=0)):
+        active = [b for b, n in enumerate(num_tokens) if n > j]
+        logits = model.forward(cache, [slots[b] for b in active], [feed[b] for b in active])
+        for b, t in zip(active, pick(j, active, logits).tolist()):
+            tokens[b].append(t)
+            feed[b] = [t]
+    return tokens
+
+
 def propose_all(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Drafts]:
     """Drafts for several sampling-parameter groups of one step. A drafter that can serve them all
     at once (the remote endpoint: one message per step) defines `propose_groups`."""
@@ -115,12 +189,14 @@ class _DraftSeq:
     drafts: tuple[int, ...] = ()
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Autoregressive drafting with a small Llama that shares the target's tokenizer.
 
     Sampled drafts come from the same temperature/top-k/top-p transform as the target, and q is
     sent with them: sparsely as (id, prob) pairs when top-k bounds its support, densely otherwise.
     """
+
+    sparse_q_per_call = True
 
     def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True):
         self.model = model
@@ -141,9 +217,7 @@ class ModelDrafter:
         # Drafts d_1..d_j that the target accepted are already cached; keep them, drop the rest.
         # The last token is always fed again, as the next forward's input, even when it equals a fed
         # draft (a residual that fell back to p may re-emit the rejected token).
-        keep = 0
-        while keep < seq.fed_drafts and keep < len(tokens) - 1 and tokens[keep] == seq.drafts[keep]:
-            keep += 1
+        keep = min(accepted_prefix(seq.drafts, tokens), seq.fed_drafts, max(len(tokens) - 1, 0))
         self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed_drafts + keep)
         seq.pending.extend(tokens[keep:])
         seq.fed_drafts, seq.drafts = 0, ()
@@ -151,9 +225,8 @@ class ModelDrafter:
     def propose(self, seq_ids, num_tokens, params, generator, *, sparse: bool | None = None) -> Drafts:
         """`sparse` overrides the constructor's `sparse_top_k` for this call (a pooled endpoint
         serves sessions with either transport); top-k pairs still need `params.top_k > 0`."""
-        rows = [b for b, n in enumerate(num_tokens) if n > 0]
+        seqs = [self._seqs[s] for s in seq_ids]
         k = max(num_tokens, default=0)
-        tokens: list[list[int]] = [[] for _ in seq_ids]
         sampled = not params.greedy
         sparse = sampled and (self.sparse_top_k if sparse is None else sparse) and params.top_k > 0
         V = self.model.config.vocab_size
@@ -161,33 +234,21 @@ class ModelDrafter:
         topk_ids = torch.zeros(len(seq_ids), k, params.top_k, dtype=torch.long) if sparse else None
         topk_probs = torch.zeros(len(seq_ids), k, params.top_k) if sparse else None
 
-        feed = {b: self._seqs[seq_ids[b]].pending for b in rows}
-        for j in range(k):
-            active = [b for b in rows if num_tokens[b] > j]
-            if not active:
-                break
-            seqs = [self._seqs[seq_ids[b]] for b in active]
-            logits = self.model.forward(self.cache, [s.slot for s in seqs], [feed[b] for b in active])
-            for s in seqs:
-                if j == 0:
-                    s.pending = []
-                else:
-                    s.fed_drafts += 1
+        def pick(j: int, active: list[int], logits: torch.Tensor) -> torch.Tensor:
             if sparse:
                 # Sample from exactly the k pairs that are sent, so q on the wire is the q used.
-                top = torch.topk(logits_to_probs(logits, params), params.top_k, dim=-1)
-                weights = top.values / top.values.sum(-1, keepdim=True)  # [A, k]
-                picked = top.indices.gather(-1, sample(weights, generator)[:, None]).squeeze(-1)
-                topk_ids[active, j], topk_probs[active, j] = top.indices, weights
-            elif sampled:
+                picked, topk_ids[active, j], topk_probs[active, j] = sample_top_k(
+                    logits_to_probs(logits, params), params.top_k, generator)
+                return picked
+            if sampled:
                 q = logits_to_probs(logits, params)  # [A, V]
-                picked = sample(q, generator)
                 probs[active, j] = q
-            else:
-                picked = logits.argmax(-1)
-            for b, t in zip(active, picked.tolist()):
-                tokens[b].append(t)
-                feed[b] = [t]
-        for b in rows:
-            self._seqs[seq_ids[b]].drafts = tuple(tokens[b])
+                return sample(q, generator)
+            return logits.argmax(-1)
+
+        tokens = draft_steps(self.model, self.cache, [s.slot for s in seqs], [s.pending for s in seqs],
+                             num_tokens, pick)
+        for seq, n, drafted in zip(seqs, num_tokens, tokens):
+            if n > 0:
+                seq.pending, seq.fed_drafts, seq.drafts = [], n - 1, tuple(drafted)
         return Drafts(tokens=tokens, probs=probs, topk_ids=topk_ids, topk_probs=topk_probs)

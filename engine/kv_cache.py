@@ -8,6 +8,7 @@ never attended to and are overwritten by the next step.
 from __future__ import annotations
 
 import torch
+
 from specpool.engine.config import ModelConfig
 
 
@@ -46,3 +47,12 @@ class KVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
+
+    def fork(self, slot: int, length: int) -> int:
+        """A new slot holding the first `length` positions of `slot` (SSD drafts after a likely outcome
+        from a copy of the sequence's prefix)."""
+        new = self.allocate()
+        self.k[:, new, :, :length] = self.k[:, slot, :, :length]
+        self.v[:, new, :, :length] = self.v[:, slot, :, :length]
+        self.lengths[new] = length
+        return new

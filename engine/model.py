@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from specpool.engine.config import ModelConfig
 from specpool.engine.device import default_device, resolve_dtype
 from specpool.engine.kv_cache import KVCache

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from specpool.engine.drafter import Drafts
+
+from specpool.engine.drafter import Drafter, Drafts
 
 SEPARATOR = -1  # between datastore documents: no match or continuation crosses it
 
@@ -156,8 +157,10 @@ def merge_candidates(sources: Sequence[tuple[float, list[list[int]]]], length: i
     return path
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """The Drafter for SSSD: per-request n-gram index plus an optional shared datastore."""
+
+    deterministic = True
 
     REQUEST_WEIGHT = 2.0  # a match in the request itself is worth more than one in the datastore
 

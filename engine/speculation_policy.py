@@ -15,12 +15,14 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
+
 from specpool.engine.device import cpu_class
 from specpool.engine.model import Llama
 
@@ -192,6 +194,38 @@ def as_expected(acceptance: Expected | float) -> Expected:
     return lambda s: expected_tokens(acceptance, s)
 
 
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A running sequence, as a draft-length policy sees it."""
+
+    seq_id: str
+    unseen: int  # tokens its drafter holds but has not run its model over (its catch-up)
+    remaining: int  # tokens it may still emit
+
+
+class DraftLength(Protocol):
+    """The one owner of how many tokens each running sequence may draft in a round."""
+
+    max_draft: int  # the longest it ever chooses: the KV room every sequence keeps
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        """Per sequence of the batch, in order: the positions offered to the drafter (0: none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedDraftLength:
+    """The same length every round (0: plain decoding)."""
+
+    max_draft: int
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        return [self.max_draft] * len(batch)
+
+
+PLAIN_DECODING = FixedDraftLength(0)
+
+
 @dataclass(frozen=True)
 class SpeculationPolicy:
     target_costs: StepCosts
@@ -235,6 +269,15 @@ class SpeculationPolicy:
             if remaining / best_rate + extra >= remaining / plain_rate:
                 return 0
         return best_len
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        """DraftLength: one length for the whole batch, chosen from its mean catch-up and remaining tokens."""
+        n = len(batch)
+        if not n:
+            return []
+        catch_up = sum(r.unseen for r in batch) / n
+        remaining = sum(r.remaining for r in batch) / n
+        return [self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)] * n
 
     def fastest(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
         """(draft length s >= 1, its expected tokens/s per sequence): the fastest speculative step."""

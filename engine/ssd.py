@@ -13,86 +13,31 @@ Sampling (temperature > 0) draws from Saguaro's rescaled draft distribution
 sigma(z)_t ~ C * exp(z_t) on the top-F tokens, exp(z_t) elsewhere (C <= 1 pushes rejections onto
 the forks' tokens: fewer accepts, more hits), truncated to its top `q_top_k` tokens; that exact q
 travels with the drafts, so the verifier stays lossless.
+
+The figures SSD measures, and the fan-out it sizes from them, are in engine.ssd_stats.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from specpool.engine.drafter import Drafts
+
+from specpool.engine.drafter import Drafter, Drafts, accepted_prefix, draft_steps, sample_top_k
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter
-from specpool.engine.sampling import SamplingParams, logits_to_probs, sample
+from specpool.engine.sampling import SamplingParams, logits_to_probs
+from specpool.engine.ssd_stats import SsdStats, ema, geometric_fanout
 
 Outcome = tuple[int, int]  # (accepted drafts k, bonus token b)
 
 
 @dataclass
-class SsdStats:
-    """Measured online; they drive the fan-out and the backup choice, and feed the metrics."""
+class Fork:
+    """The drafts prepared for one likely outcome, in a KV slot of their own."""
 
-    lookups: int = 0
-    hits: int = 0
-    bonus_top1: int = 0  # outcomes whose bonus was the first candidate of its row
-    accepted_on_hit: int = 0  # drafts accepted in rounds that were served from the cache
-    rounds_on_hit: int = 0
-    accepted_on_miss: dict[str, int] = field(default_factory=lambda: {"neural": 0, "fast": 0})
-    rounds_on_miss: dict[str, int] = field(default_factory=lambda: {"neural": 0, "fast": 0})
-    backups: dict[str, int] = field(default_factory=lambda: {"neural": 0, "fast": 0})
-    # rank of the real bonus among its row's candidates (0 = first); misses beyond the list at the end
-    bonus_ranks: list[int] = field(default_factory=lambda: [0] * 33)
-    accept_ema: float = 0.5  # per-token acceptance a
-    prespec_s: float = 0.0  # EMA seconds of one pre-speculation pass
-    neural_s: float = 0.0  # EMA seconds of one neural backup draft
-    verify_s: float = 0.0  # EMA seconds between handing out drafts and the arrival of their outcome
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    def p_hit(self, fanout: int) -> float:
-        total = sum(self.bonus_ranks)
-        return sum(self.bonus_ranks[:fanout]) / total if total else 0.5
-
-    def miss_exponent(self) -> float:
-        """r in 1 - p_hit(F) = F^-r, least squares on log(1 - p_hit(F)) over F = 2..8."""
-        xs, ys = [], []
-        for f in range(2, 9):
-            miss = 1 - self.p_hit(f)
-            if 0 < miss < 1:
-                xs.append(math.log(f))
-                ys.append(math.log(miss))
-        if not xs:
-            return 1.0
-        r = -sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        return min(max(r, 0.05), 5.0)
-
-
-def ema(old: float, new: float, weight: float = 0.2) -> float:
-    return new if old == 0.0 else (1 - weight) * old + weight * new
-
-
-def geometric_fanout(budget: int, k_max: int, a: float, r: float) -> list[int]:
-    """Forks per acceptance length k = 0..K: F_k ~ a^(k/(1+r)); the all-accepted term (k = K) scaled by
-    (1-a)^(-1/(1+r)), since its probability a^K lacks the (1-a) of a rejection. Sums to `budget`."""
-    a = min(max(a, 1e-3), 1 - 1e-3)
-    w = [a ** (k / (1 + r)) for k in range(k_max + 1)]
-    w[k_max] *= (1 - a) ** (-1 / (1 + r))
-    total = sum(w)
-    raw = [budget * x / total for x in w]
-    fan = [int(x) for x in raw]
-    # Largest remainders get the leftover forks.
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - fan[i], reverse=True)[: budget - sum(fan)]:
-        fan[i] += 1
-    return fan
-
-
-@dataclass
-class _Fork:
     slot: int
     bonus: int  # the outcome's bonus token, its first fed token
     drafts: list[int]
@@ -109,15 +54,19 @@ class _Seq:
     drafts: list[int] = field(default_factory=list)  # handed out, awaiting their outcome
     fed: int = 0  # of those drafts, how many are in the KV cache
     rows: list[torch.Tensor] = field(default_factory=list)  # candidate ids per draft row known so far
-    forks: dict[Outcome, _Fork] = field(default_factory=dict)
-    ready: _Fork | None = None  # a hit: the next drafts, already decoded (d'1..d'_{K-1} in the cache)
+    forks: dict[Outcome, Fork] = field(default_factory=dict)
+    ready: Fork | None = None  # a hit: the next drafts, already decoded (d'1..d'_{K-1} in the cache)
     q: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse q of neural drafts: ids, probs [K, k]
     source: str = "neural"  # where the outstanding drafts came from: cache, neural, fast
     handed_out_at: float = 0.0
+    arrived_at: float = 0.0  # when their outcome arrived, if the caller said (outcome_arrived)
 
 
-class SsdDrafter:
-    """The Drafter (engine.drafter protocol) for SSD, plus `prespeculate` and `outcome_table`."""
+class SsdDrafter(Drafter):
+    """The Drafter for SSD: the draft model's drafting loop on a cache with room for forks, and the
+    role's optional members of a drafter that pre-speculates."""
+
+    prespeculates = True
 
     CANDIDATES = 16  # ids kept per draft row, to fork from and to rank the real bonus among
     # A pass should end within this share of the verify time: an outcome that arrives before its
@@ -162,23 +111,25 @@ class SsdDrafter:
             self._drop_forks(seq)
             self.cache.release(seq.slot)
 
-    def observe(self, seq_id: str, tokens: Sequence[int], arrived_at: float | None = None) -> None:
+    def outcome_arrived(self, seq_id: str, at: float) -> None:
+        self._seqs[seq_id].arrived_at = at
+
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
         """The verification outcome of the outstanding drafts (and anything emitted since), which
-        arrived at `arrived_at` (time.monotonic(); default: now)."""
+        arrived when `outcome_arrived` said (default: now)."""
         seq = self._seqs[seq_id]
         self.ngram.observe(seq_id, tokens)
         if seq.ready is not None:  # a hit nobody drafted from
             self._unready(seq)
         drafts = seq.drafts
-        k = 0
-        while k < len(drafts) and k < len(tokens) and tokens[k] == drafts[k]:
-            k += 1
+        k = accepted_prefix(drafts, tokens)
         if drafts:
-            self._learn(seq, k, tokens)
+            self.stats.learn(k, tokens, drafts, seq.rows, seq.source, forked=seq.forks.keys())
         fork = seq.forks.pop((k, tokens[k]), None) if seq.forks and len(tokens) == k + 1 else None
         if drafts and seq.handed_out_at:
-            arrived = time.monotonic() if arrived_at is None else arrived_at
+            arrived = seq.arrived_at or time.monotonic()
             self.stats.verify_s = ema(self.stats.verify_s, arrived - seq.handed_out_at)
+        seq.arrived_at = 0.0
         if fork is not None:
             # Hit: the fork already holds context + d1..dk + b + its own drafts; it becomes the sequence.
             self._drop_forks(seq)
@@ -186,7 +137,7 @@ class SsdDrafter:
             seq.slot, seq.ready, seq.pending = fork.slot, fork, []
         else:
             self._drop_forks(seq)
-            # As in ModelDrafter.extend, the last token is always fed again: the next forward needs an
+            # As in ModelDrafter.observe, the last token is always fed again: the next forward needs an
             # input (an outcome of accepted drafts only, with no bonus, left nothing to feed).
             keep = min(k, seq.fed, max(len(tokens) - 1, 0))
             self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed + keep)
@@ -304,54 +255,19 @@ class SsdDrafter:
         seq = self._seqs.get(seq_id)
         return seq is not None and seq.source == "cache"
 
-    def outcome_table(self, seq_id: str) -> dict[Outcome, _Fork]:
+    def outcome_table(self, seq_id: str) -> dict[Outcome, Fork]:
         """The cache entries for a sequence's outstanding drafts (what push mode streams out)."""
         seq = self._seqs.get(seq_id)
         return dict(seq.forks) if seq is not None else {}
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _learn(self, seq: _Seq, k: int, tokens: Sequence[int]) -> None:
-        """Acceptance, hit and bonus-rank statistics from one outcome."""
-        st = self.stats
-        K = len(seq.drafts)
-        st.accept_ema = ema(st.accept_ema, k / K if k < K else 1.0, 0.1)
-        if seq.source == "cache":
-            st.accepted_on_hit += k
-            st.rounds_on_hit += 1
-        else:
-            st.accepted_on_miss[seq.source] = st.accepted_on_miss.get(seq.source, 0) + k
-            st.rounds_on_miss[seq.source] = st.rounds_on_miss.get(seq.source, 0) + 1
-        if len(tokens) <= k or k >= len(seq.rows):
-            return
-        bonus, banned = tokens[k], seq.drafts[k] if k < K else -1
-        ranked = [t for t in seq.rows[k].tolist() if t != banned]
-        rank = ranked.index(bonus) if bonus in ranked else len(st.bonus_ranks) - 1
-        st.bonus_ranks[min(rank, len(st.bonus_ranks) - 1)] += 1
-        st.bonus_top1 += rank == 0
-        if seq.forks:
-            st.lookups += 1
-            st.hits += (k, bonus) in seq.forks and len(tokens) == k + 1
-
     def choose_backup(self) -> str:
-        """Neural (draft now) or fast (n-gram, no drafting time), from the expected-speedup formula
-        [p_hit E_hit + (1-p_hit) E_miss] / [p_hit max(1, T_p) + (1-p_hit)(1 + T_b)], times in verify units."""
-        if self.backup_mode != "auto":
-            return self.backup_mode
-        st = self.stats
-        if st.verify_s == 0.0 or st.rounds_on_miss.get("fast", 0) < 3:
-            # Measure the fast backup a few times before trusting a comparison.
-            return "fast" if st.backups["neural"] >= 3 and st.backups["fast"] < 3 else "neural"
-        p = st.hit_ratio
-        e_hit = 1 + (st.accepted_on_hit / st.rounds_on_hit if st.rounds_on_hit else 1.0)
-        t_p = st.prespec_s / st.verify_s
+        """Neural (draft now) or fast (n-gram), as set, or from the measured figures (auto)."""
+        return self.backup_mode if self.backup_mode != "auto" else self.stats.best_backup()
 
-        def speedup(kind: str, t_b: float) -> float:
-            rounds = st.rounds_on_miss.get(kind, 0)
-            e_miss = 1 + (st.accepted_on_miss.get(kind, 0) / rounds if rounds else 0.0)
-            return (p * e_hit + (1 - p) * e_miss) / (p * max(1.0, t_p) + (1 - p) * (1 + t_b))
-
-        return "neural" if speedup("neural", st.neural_s / st.verify_s) >= speedup("fast", 0.0) else "fast"
+    def fast_backup(self) -> bool:
+        return self.choose_backup() == "fast"
 
     def _candidates(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.topk(logits, min(self.CANDIDATES, logits.shape[-1]), dim=-1).indices
@@ -364,37 +280,27 @@ class SsdDrafter:
         if self.saguaro_c < 1.0:
             top = torch.topk(q, min(self.forks, q.shape[-1]), dim=-1).indices
             q = q.scatter(-1, top, q.gather(-1, top) * self.saguaro_c)
-        top = torch.topk(q, min(self.q_top_k, q.shape[-1]), dim=-1)
-        weights = top.values / top.values.sum(-1, keepdim=True)
-        picked = top.indices.gather(-1, sample(weights, self.generator)[:, None]).squeeze(-1)
-        return picked, top.indices, weights
+        return sample_top_k(q, min(self.q_top_k, q.shape[-1]), self.generator)
 
     def _draft_neural(self, seq_ids: list[str], nums: list[int], params: SamplingParams) -> None:
+        """Drafts now, with the draft model's loop: candidate ids of each row kept, q sampled as in the forks."""
         seqs = [self._seqs[s] for s in seq_ids]
-        q_ids: dict[int, list[torch.Tensor]] = {id(s): [] for s in seqs}
-        q_probs: dict[int, list[torch.Tensor]] = {id(s): [] for s in seqs}
-        for s in seqs:
-            s.drafts, s.fed, s.rows, s.source, s.q = [], 0, [], "neural", None
-        feed = {id(s): s.pending for s in seqs}
-        for j in range(max(nums)):
-            active = [s for s, n in zip(seqs, nums) if n > j]
-            logits = self.model.forward(self.cache, [s.slot for s in active], [feed[id(s)] for s in active])
+        rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        q_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in seqs]
+
+        def pick(j: int, active: list[int], logits: torch.Tensor) -> torch.Tensor:
             cands = self._candidates(logits)
             picked, ids, probs = self._sample(logits, params)
-            for i, s in enumerate(active):
-                if j == 0:
-                    s.pending = []
-                else:
-                    s.fed += 1
-                s.rows.append(cands[i])
-                s.drafts.append(int(picked[i]))
-                feed[id(s)] = [int(picked[i])]
+            for i, b in enumerate(active):
+                rows[b].append(cands[i])
                 if ids is not None:
-                    q_ids[id(s)].append(ids[i])
-                    q_probs[id(s)].append(probs[i])
-        for s in seqs:
-            if q_ids[id(s)]:
-                s.q = (torch.stack(q_ids[id(s)]), torch.stack(q_probs[id(s)]))
+                    q_rows[b].append((ids[i], probs[i]))
+            return picked
+
+        drafts = draft_steps(self.model, self.cache, [s.slot for s in seqs], [s.pending for s in seqs], nums, pick)
+        for s, n, drafted, cands, q in zip(seqs, nums, drafts, rows, q_rows):
+            s.drafts, s.fed, s.rows, s.source, s.pending = drafted, n - 1, cands, "neural", []
+            s.q = _stacked(q)
 
     def _glue(self, seqs: list[_Seq]) -> None:
         """Feed every sequence's unfed tokens (pending context, then drafts) so its cache holds
@@ -410,38 +316,33 @@ class SsdDrafter:
             s.pending, s.fed = [], K
 
     def _tree_decode(self, forks: list[tuple[_Seq, Outcome, int]], k_next: int) -> None:
+        """Each fork (a copy of its sequence's prefix, then its bonus) drafts k_next tokens, with the
+        draft model's loop over every fork of every sequence, each sampled as its sequence asks."""
         built = []
-        for seq, outcome, prefix in forks:
-            slot = self.cache.allocate()
-            c = self.cache
-            c.k[:, slot, :, :prefix] = c.k[:, seq.slot, :, :prefix]
-            c.v[:, slot, :, :prefix] = c.v[:, seq.slot, :, :prefix]
-            c.lengths[slot] = prefix
-            fork = _Fork(slot, outcome[1], [], [], None, None)
-            seq.forks[outcome] = fork
-            built.append((seq, outcome[1], fork))
-        feed = [[b] for _, b, _ in built]
-        ids_rows: list[list[torch.Tensor]] = [[] for _ in built]
-        prob_rows: list[list[torch.Tensor]] = [[] for _ in built]
-        # Group by sampler: every fork of one sequence shares its sampler.
-        for j in range(k_next):
-            logits = self.model.forward(self.cache, [f.slot for _, _, f in built], feed)
+        for seq, (k, bonus), prefix in forks:
+            fork = seq.forks[(k, bonus)] = Fork(self.cache.fork(seq.slot, prefix), bonus, [], [], None, None)
+            built.append((seq, fork))
+        groups = {params: [i for i, (s, _) in enumerate(built) if s.params == params]
+                  for params in {s.params for s, _ in built}}
+        q_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in built]
+
+        def pick(j: int, active: list[int], logits: torch.Tensor) -> torch.Tensor:
             cands = self._candidates(logits)
-            for params in {s.params for s, _, _ in built}:
-                rows = [i for i, (s, _, _) in enumerate(built) if s.params == params]
-                picked, ids, probs = self._sample(logits[rows], params)
+            picked = torch.empty(len(active), dtype=torch.long)
+            for params, rows in groups.items():
+                picked[rows], ids, probs = self._sample(logits[rows], params)
                 for r, i in enumerate(rows):
-                    fork = built[i][2]
-                    fork.drafts.append(int(picked[r]))
-                    fork.rows.append(cands[i])
-                    feed[i] = [int(picked[r])]
+                    built[i][1].rows.append(cands[i])
                     if ids is not None:
-                        ids_rows[i].append(ids[r])
-                        prob_rows[i].append(probs[r])
-        for i, (_, _, fork) in enumerate(built):
+                        q_rows[i].append((ids[r], probs[r]))
+            return picked
+
+        drafts = draft_steps(self.model, self.cache, [f.slot for _, f in built], [[f.bonus] for _, f in built],
+                             [k_next] * len(built), pick)
+        for (_, fork), drafted, q in zip(built, drafts, q_rows):
             # The last draft was never fed (as after any propose): the cache holds b, d'1..d'_{K-1}.
-            if ids_rows[i]:
-                fork.topk_ids, fork.topk_probs = torch.stack(ids_rows[i]), torch.stack(prob_rows[i])
+            fork.drafts = drafted
+            fork.topk_ids, fork.topk_probs = _stacked(q) or (None, None)
 
     def _unready(self, seq: _Seq) -> None:
         """Drops a hit's drafts from the cache, and its bonus token too, back to pending: the next forward
@@ -475,3 +376,11 @@ def _sparse(tokens, q_ids, q_probs, k: int) -> dict:
             ids[b, : len(t)] = torch.tensor(t)[:, None]
             probs[b, : len(t), 0] = 1.0
     return {"topk_ids": ids, "topk_probs": probs}
+
+
+def _stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-draft (ids [k], probs [k]) -> (ids [K, k], probs [K, k]); None when greedy (no rows)."""
+    if not rows:
+        return None
+    ids, probs = zip(*rows)
+    return torch.stack(ids), torch.stack(probs)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from specpool.engine.sampling import sample
 from torch import Tensor
+
+from specpool.engine.sampling import sample
 
 
 @dataclass(frozen=True, slots=True)

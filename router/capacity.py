@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from google.protobuf.json_format import MessageToDict
-from specpool.router.view import Snapshot
 
 from specpool.common.registry import EndpointRegistration, TargetRegistration, guarantees
+from specpool.router.view import Snapshot
 from specpool.v1 import cluster_pb2 as pb
 
 
@@ -32,7 +32,8 @@ def cluster_capacity(
     return pb.ClusterCapacity(
         pools=pools,
         endpoints=[_endpoint(e, held(e.id), shares, now_s) for e in snapshot.endpoints],
-        decisions=[pb.DecisionCount(model=m, plan=p, reason=r, count=c) for m, p, r, c in decisions],
+        decisions=[pb.DecisionCount(model=model, plan=method, reason=reason, count=count)
+                   for model, method, reason, count in decisions],
         registry_reachable=snapshot.reachable,
         snapshot_age_s=round(monotonic_now - snapshot.read_at, 3) if snapshot.read_at else 0.0,
     )

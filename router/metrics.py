@@ -1,4 +1,8 @@
-"""The router's Prometheus metrics (own registry; labelled by model/plan/reason, never by request id)."""
+"""The router's Prometheus metrics (own registry; labelled by model/plan/reason, never by request id).
+
+The label `plan` holds the speculation method chosen (a Method value); it keeps that name because
+dashboards and the capacity API (DecisionCount.plan) know it by it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class RouterMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.decisions = Counter("specpool_router_decisions", "Speculation plans chosen, by reason",
+        self.decisions = Counter("specpool_router_decisions", "Speculation methods chosen, by reason",
                                  ["model", "plan", "reason"], registry=r)
         self.requests = Counter("specpool_router_requests", "Finished requests by outcome (ok, error, cancelled)",
                                 ["model", "outcome"], registry=r)
@@ -20,7 +24,7 @@ class RouterMetrics:
                               "Routing to the first token (streaming requests)", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
         self.placement_seconds = Histogram("specpool_router_placement_seconds",
-                                           "Choosing replica, plan and slot (registry reads included)",
+                                           "Choosing replica, method and slot (registry reads included)",
                                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
                                            registry=r)
         self.in_flight = Gauge("specpool_router_in_flight_requests", "Requests being forwarded", ["model"],
@@ -35,7 +39,7 @@ class RouterMetrics:
                                   ["model"], registry=r)
 
     def decision_counts(self) -> list[tuple[str, str, str, int]]:
-        """(model, plan, reason, count) for every labelled series."""
+        """(model, method, reason, count) for every labelled series."""
         out = []
         for family in self.decisions.collect():
             for sample in family.samples:

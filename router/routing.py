@@ -1,7 +1,7 @@
-"""One request's route: which target replica, which speculation plan, which draft slot.
+"""One request's route: which target replica, which speculation method, which draft slot.
 
-`Router.route` reads the registry snapshot, places the request (router.placement), decides its plan
-(router.planning) leasing a slot on the target's endpoint when it drafts with a model, and returns
+`Router.route` reads the registry snapshot, places the request (router.placement), decides how it
+speculates (router.decisions) leasing a slot on the target's endpoint when it drafts with a model, and returns
 the request to forward. `Router.finish` releases the slot. No state outlives a request but the
 leases, and those live in Redis.
 """
@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 import grpc
 import redis
+
+from specpool.common.errors import FieldError
+from specpool.common.registry import EndpointRegistration, TargetRegistration
+from specpool.common.speculation import method_from_pb, method_to_pb
+from specpool.router.decisions import Decision, LeaseUnavailable, decide, draft_endpoint
 from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from specpool.router.metrics import RouterMetrics
 from specpool.router.placement import PlacementRequest, place
-from specpool.router.planning import Decision, LeaseUnavailable, decide, draft_endpoint
 from specpool.router.view import ClusterView, Snapshot
-
-from specpool.common.registry import EndpointRegistration, TargetRegistration
 from specpool.v1 import target_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -77,9 +79,10 @@ class Router:
         """tenant: who the draft slot is leased for; None (no x-specpool-tenant) leases it for the
         placed target's own tenant (its service id, as endpoints know it), else "default"."""
         start = time.perf_counter()
-        if request.speculation.method not in pb.SpeculationMethod.values():  # proto3 enums take any number
-            raise RoutingError("speculation.method", f"unknown method {request.speculation.method}; one of "
-                               + ", ".join(pb.SpeculationMethod.keys()), grpc.StatusCode.INVALID_ARGUMENT)
+        try:
+            requested = method_from_pb(request.speculation.method)
+        except FieldError as e:
+            raise RoutingError(e.field, e.message, grpc.StatusCode.INVALID_ARGUMENT) from None
         snapshot = self.view.snapshot()
         model = self._model(request, snapshot)
         forwarded = pb.GenerateRequest()
@@ -108,9 +111,10 @@ class Router:
                 held.append(lease)
             return lease is not None
 
-        decision = decide(request.speculation.method, target, endpoint, take_slot, self.config.busy_limit)
-        forwarded.speculation.method = decision.method
-        self.metrics.decisions.labels(model=model, plan=decision.plan, reason=decision.reason).inc()
+        decision = decide(requested, target, endpoint, take_slot, self.config.busy_limit)
+        forwarded.speculation.method = method_to_pb(decision.method)
+        # The label keeps its name "plan", as dashboards and the capacity API know it.
+        self.metrics.decisions.labels(model=model, plan=decision.method, reason=decision.reason).inc()
         self.metrics.leases_held.set(self.leases.held())
         self.metrics.placement_seconds.observe(time.perf_counter() - start)
         return Route(target, forwarded, decision, tenant, held[0] if held else None)
@@ -121,7 +125,7 @@ class Router:
             self.leases.release(route.lease)
             self.metrics.leases_held.set(self.leases.held())
         self.metrics.requests.labels(model=route.model, outcome=outcome).inc()
-        self.metrics.request_seconds.labels(model=route.model, plan=route.decision.plan).observe(
+        self.metrics.request_seconds.labels(model=route.model, plan=route.decision.method).observe(
             time.monotonic() - route.started_at)
 
     def _model(self, request: pb.GenerateRequest, snapshot: Snapshot) -> str:

@@ -1,6 +1,7 @@
 """The pooled speculation endpoint: drafters for several target models, shared by many tenants.
 
-registry (target model -> drafters) · sessions (per (tenant, request id), under a lease) ·
-batcher (the engine loop: one batched draft forward per step for all tenants) · endpoint (the
-domain API the gRPC servicer wraps) · wire (protobuf <-> domain) · server (servicer and CLI).
+drafters (target model -> its drafters) · sessions (per (tenant, request id), under a lease) ·
+batcher (the engine loop: one batched draft forward per step for all tenants), with streams (the
+Rounds streams' queue) and prespeculation (SSD's work while targets verify) · endpoint (the domain
+API the gRPC servicer wraps) · wire (protobuf <-> domain) · server (servicer and CLI).
 """

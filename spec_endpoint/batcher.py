@@ -5,7 +5,8 @@ then everything else already queued, whoever sent it; applies each sequence's re
 (the verification outcome) to its drafter; groups the sequences that want drafts by (target
 model, drafter, sampler, sparse or dense q) and calls `propose` once per group, so tenants of
 the same model with the same sampler share one forward; then answers each round on its own
-stream, with dense q rows following on that tenant's tensor channel.
+stream, with dense q rows following on that tenant's tensor channel. Drafters that pre-speculate
+(SSD) then work while the targets verify (see prespeculation).
 """
 
 from __future__ import annotations
@@ -20,50 +21,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from specpool.engine.sampling import SamplingParams
-from specpool.spec_endpoint.channels import TenantChannels
-from specpool.spec_endpoint.messages import (
-    MAX_DRAFT_TOKENS,
-    RESOLUTIONS,
-    DrafterKind,
-    FieldError,
-    OutcomeTable,
-    Round,
-    RoundResult,
-    SequenceDrafts,
-    SequenceRound,
-)
-from specpool.spec_endpoint.metrics import EndpointMetrics
-from specpool.spec_endpoint.registry import DrafterRegistry
-from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable
 
+from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.common.tensor_channel import ChannelError
+from specpool.engine.drafter import Drafter
+from specpool.engine.sampling import SamplingParams
+from specpool.spec_endpoint import prespeculation
+from specpool.spec_endpoint.channels import TenantChannels
+from specpool.spec_endpoint.drafters import HostedDrafters
+from specpool.spec_endpoint.messages import RESOLUTIONS, Round, RoundResult, SequenceDrafts
+from specpool.spec_endpoint.metrics import EndpointMetrics
+from specpool.spec_endpoint.prespeculation import Prespeculation, local_drafts_error
+from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable
+from specpool.spec_endpoint.streams import Queued, RoundStream, StreamClock, split_conflicts
 
 log = logging.getLogger(__name__)
 
 SESSION_NOT_FOUND = "session not found: open it again"
 NO_CHANNEL = "dense q needs a tensor channel: call OpenTensorChannel"
-
-
-class RoundStream:
-    """One Rounds call: its replies in order. None ends the stream; a FieldError aborts it."""
-
-    def __init__(self) -> None:
-        self.outbound: queue.Queue[RoundResult | FieldError | None] = queue.Queue()
-
-    def fail(self, error: FieldError) -> None:
-        self.outbound.put(error)
-
-    def cancel(self) -> None:
-        """The client went away: wake the reply generator. Its sessions stay until their lease ends."""
-        self.outbound.put(None)
-
-
-@dataclass(frozen=True, slots=True)
-class _Queued:
-    stream: RoundStream
-    round: Round | None  # None: the stream's input ended (answer it after its earlier rounds)
-    arrived: float = 0.0  # monotonic seconds
 
 
 @dataclass(slots=True)
@@ -83,80 +58,26 @@ class _Want:
     work: _RoundWork
     index: int
     session: Session
+    drafter: Drafter
     num: int
 
 
-GroupKey = tuple[str, DrafterKind, SamplingParams | None, bool]
+GroupKey = tuple[str, Method, SamplingParams | None, bool]
 
 
-def group_key(session: Session, dense: bool) -> GroupKey:
+def group_key(session: Session, drafter: Drafter, dense: bool) -> GroupKey:
     """Sequences drafted by one propose call. The seed never matters (the endpoint samples from its
-    own generator); greedy drafts ignore the sampler; n-gram drafts ignore it altogether."""
-    if session.kind is DrafterKind.NGRAM:
+    own generator); greedy drafts ignore the sampler; deterministic (n-gram) drafts ignore it altogether."""
+    if drafter.deterministic:
         return (session.model, session.kind, None, False)
     params = SamplingParams() if session.params.greedy else dataclasses.replace(session.params, seed=None)
     return (session.model, session.kind, params, dense)
 
 
-def split_conflicts(items: list[_Queued]) -> tuple[list[_Queued], list[_Queued]]:
-    """-> (this step's items, the rest). A round that names a session an earlier round of this
-    step already names waits for the next step, and so does everything after it on its stream."""
-    now: list[_Queued] = []
-    later: list[_Queued] = []
-    seen: set[SessionKey] = set()
-    blocked: set[int] = set()
-    for item in items:
-        if id(item.stream) in blocked:
-            later.append(item)
-            continue
-        if item.round is not None:
-            keys = {SessionKey(item.round.tenant, s.request_id) for s in item.round.sequences}
-            if keys & seen:
-                blocked.add(id(item.stream))
-                later.append(item)
-                continue
-            seen |= keys
-        now.append(item)
-    return now, later
-
-
-def _local_drafts_error(seq: SequenceRound, vocab_size: int) -> str:
-    """Why SSD cannot pre-speculate after a round's local drafts ("" when it can)."""
-    if not seq.new_tokens:  # the glue computes the first draft's row from the last new token
-        return "new_tokens: empty, but local drafts follow the tokens emitted since the previous round"
-    if len(seq.drafts_in_use) > MAX_DRAFT_TOKENS:
-        return f"drafts_in_use: {len(seq.drafts_in_use)} drafts, over {MAX_DRAFT_TOKENS}"
-    bad = next((t for t in seq.drafts_in_use if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        return f"drafts_in_use: token id {bad} outside the vocabulary [0, {vocab_size})"
-    return ""
-
-
-class _StreamClock:
-    """When a stream's rounds arrive: the last one and a moving average of the gap between them."""
-
-    def __init__(self) -> None:
-        self.last = 0.0
-        self.period = 0.0
-
-    def arrived(self, now: float) -> None:
-        if self.last:
-            gap = now - self.last
-            self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
-        self.last = now
-
-    @property
-    def next_at(self) -> float:
-        return self.last + self.period
-
-    def busy(self, now: float) -> bool:
-        return self.period > 0 and now - self.last < 2 * self.period
-
-
 class Batcher:
     def __init__(
         self,
-        registry: DrafterRegistry,
+        drafters: HostedDrafters,
         sessions: SessionTable,
         metrics: EndpointMetrics,
         lock: threading.RLock,
@@ -165,7 +86,7 @@ class Batcher:
         clock: Callable[[], float] = time.monotonic,
         window_s: float = 0.0,
     ):
-        self.registry = registry
+        self.drafters = drafters
         self.sessions = sessions
         self.metrics = metrics
         self.lock = lock  # held while drafters change: also by open, close and expiry
@@ -175,24 +96,24 @@ class Batcher:
         self.submitted = 0  # rounds queued so far
         # The longest a step waits for another busy stream's round, so that tenants share one forward.
         self.window_s = window_s
-        self._clocks: dict[int, _StreamClock] = {}  # id(stream) -> its round arrivals
-        self._queue: queue.Queue[_Queued] = queue.Queue()
-        self._carry: list[_Queued] = []
-        self._to_prespeculate: dict[str, list[Session]] = {}  # SSD: model -> sessions with fresh drafts
+        self._clocks: dict[int, StreamClock] = {}  # id(stream) -> its round arrivals
+        self._queue: queue.Queue[Queued] = queue.Queue()
+        self._carry: list[Queued] = []
+        self._prespeculation = Prespeculation(drafters, sessions, metrics)
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.submitted += 1
         now = time.monotonic()
-        self._clocks.setdefault(id(stream), _StreamClock()).arrived(now)
-        self._queue.put(_Queued(stream, round, now))
+        self._clocks.setdefault(id(stream), StreamClock()).arrived(now)
+        self._queue.put(Queued(stream, round, now))
 
     def end(self, stream: RoundStream) -> None:
         self._clocks.pop(id(stream), None)
-        self._queue.put(_Queued(stream, None))
+        self._queue.put(Queued(stream, None))
 
     def wake(self) -> None:
         """Unblocks a waiting run_once (to stop the loop without waiting out its poll)."""
-        self._queue.put(_Queued(RoundStream(), None))
+        self._queue.put(Queued(RoundStream(), None))
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -220,13 +141,13 @@ class Batcher:
             items, self._carry = split_conflicts(items)
             works = self._step(items)
         self._deliver(works)
-        if self._to_prespeculate:
+        if self._prespeculation.pending:  # while the targets verify the drafts just delivered
             with self.lock:
-                tables = self._prespeculate()
-            self._push(tables)
+                tables = self._prespeculation.run()
+            prespeculation.push(tables)
         return True
 
-    def _wait_for_busy_streams(self, items: list[_Queued]) -> None:
+    def _wait_for_busy_streams(self, items: list[Queued]) -> None:
         """Wait (at most window_s, and at most half this stream's round period) for the rounds other
         busy streams are expected to send: tenants then share one forward, and as their replies leave
         together their next rounds arrive together too. Whichever stream comes first waits, so any
@@ -251,7 +172,7 @@ class Batcher:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _step(self, items: list[_Queued]) -> list[_RoundWork | RoundStream]:
+    def _step(self, items: list[Queued]) -> list[_RoundWork | RoundStream]:
         now = self.clock()
         out: list[_RoundWork | RoundStream] = []
         groups: dict[GroupKey, list[_Want]] = {}
@@ -266,7 +187,8 @@ class Batcher:
             for i in range(len(item.round.sequences)):
                 want = self._apply(work, i, seen, now)
                 if want is not None:
-                    groups.setdefault(group_key(want.session, want.work.results[i].dense), []).append(want)
+                    key = group_key(want.session, want.drafter, want.work.results[i].dense)
+                    groups.setdefault(key, []).append(want)
             out.append(work)
         seconds = sum(self._draft(key, wants) for key, wants in groups.items())
         if groups:
@@ -289,7 +211,7 @@ class Batcher:
             self.drop(session)
             out.error = f"sequences[{i}].resolution: unknown value {seq.resolution}; session closed"
             return None
-        drafters = self.registry.get(session.model)
+        drafters = self.drafters.get(session.model)
         session.renew(now)
         length = session.length + len(seq.new_tokens)
         if length > drafters.max_len:  # the context cap holds as a session grows too
@@ -306,24 +228,24 @@ class Batcher:
             )
             return None
         accepted = session.record_outcome(seq.new_tokens)
-        if session.kind is not DrafterKind.SSD:
-            drafters.drafter(session.kind).observe(session.key.drafter_id, seq.new_tokens)
-        else:
-            if seq.resolution == "local_drafts":  # pre-speculation feeds them, with every SSD session's forks
-                error = _local_drafts_error(seq, drafters.vocab_size)
-                if error:
-                    self.drop(session)
-                    out.error = f"sequences[{i}].{error}; session closed"
-                    return None
-            # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
-            drafters.ssd.observe(session.key.drafter_id, seq.new_tokens, arrived_at=work.arrived)
-            session.stream = work.stream
-            if seq.resolution == "local_drafts":
-                # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
-                drafters.ssd.adopt(session.key.drafter_id, list(seq.drafts_in_use))
-                session.last_drafts, session.needs_tokens = tuple(seq.drafts_in_use), True
-                self._to_prespeculate.setdefault(session.model, []).append(session)
+        drafter = drafters.drafter(session.kind)
+        adopts = seq.resolution == "local_drafts" and drafter.prespeculates
+        if adopts:  # pre-speculation feeds them, with every session's forks of that drafter
+            error = local_drafts_error(seq, drafters.vocab_size)
+            if error:
+                self.drop(session)
+                out.error = f"sequences[{i}].{error}; session closed"
                 return None
+        # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
+        drafter.outcome_arrived(session.key.drafter_id, work.arrived)
+        drafter.observe(session.key.drafter_id, seq.new_tokens)
+        session.stream = work.stream
+        if adopts:
+            # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
+            drafter.adopt(session.key.drafter_id, list(seq.drafts_in_use))
+            session.last_drafts, session.needs_tokens = tuple(seq.drafts_in_use), True
+            self._prespeculation.add(drafter, [session])
+            return None
         if accepted:
             self.sessions.count(session.key.tenant, accepted=accepted)
             self.metrics.accepted.labels(self.metrics.tenants.of(session.key.tenant), session.model).inc(accepted)
@@ -334,7 +256,7 @@ class Batcher:
             return None
         if n == 0:
             return None
-        if session.kind in (DrafterKind.DRAFT_MODEL, DrafterKind.SSD):
+        if drafter.cache is not None:  # a draft model
             if session.needs_tokens:
                 out.error = (
                     f"sequences[{i}].new_tokens: empty, but the draft model continues from the tokens "
@@ -342,7 +264,7 @@ class Batcher:
                 )
                 return None
             n = min(n, drafters.max_len - session.length + 1)  # its tokens and n - 1 fed drafts fit in max_len
-            out.dense = not session.params.greedy and session.dense
+            out.dense = session.dense
         if out.dense:
             work.channel = work.channel or self.channels.get(work.round.tenant)
             if work.channel is None:
@@ -352,23 +274,20 @@ class Batcher:
                 out.error, out.dense = f"sequences[{i}]: dense rows of one round need one vocabulary size", False
                 return None
             work.vocab_size = drafters.vocab_size
-        return _Want(work, i, session, n)
+        return _Want(work, i, session, drafter, n)
 
     def _draft(self, key: GroupKey, wants: list[_Want]) -> float:
         """One propose call for a group; -> its seconds."""
-        model, kind, params, _ = key
-        drafters = self.registry.get(model)
+        model, kind, params, dense = key
+        drafters = self.drafters.get(model)
+        drafter = drafters.drafter(kind)
         ids = [w.session.key.drafter_id for w in wants]
         nums = [w.num for w in wants]
+        q_form = {"sparse": not dense} if drafter.sparse_q_per_call else {}
         start = time.monotonic()  # the busy window's clock (self.clock times leases, and tests fake it)
         try:
-            if kind is DrafterKind.DRAFT_MODEL:
-                drafts = drafters.model.propose(ids, nums, params, drafters.generator, sparse=not key[3])
-            elif kind is DrafterKind.SSD:
-                drafts = drafters.ssd.propose(ids, nums, params or SamplingParams(), None)
-                self._to_prespeculate.setdefault(model, []).extend(w.session for w in wants)
-            else:
-                drafts = drafters.ngram.propose(ids, nums, params or SamplingParams(), None)
+            drafts = drafter.propose(ids, nums, params or SamplingParams(), drafters.generator, **q_form)
+            self._prespeculation.add(drafter, [w.session for w in wants])
         except Exception as exc:  # the drafter's state for these sequences is unknown now: drop them
             log.exception("drafting failed for %d sequences of %s", len(wants), model)
             for w in wants:
@@ -397,50 +316,12 @@ class Batcher:
             elif drafts.probs is not None:
                 w.work.dense[w.index] = drafts.probs[b, :n].float()
             w.work.draft_seconds += end - start
-            if kind is DrafterKind.SSD:
-                out.from_cache = drafters.ssd.served_from_cache(w.session.key.drafter_id)
+            out.from_cache = drafter.served_from_cache(w.session.key.drafter_id)
             w.session.record_drafts(tokens)
             tenant = w.session.key.tenant
             self.sessions.count(tenant, drafted=n)
             self.metrics.drafted.labels(self.metrics.tenants.of(tenant), model).inc(n)
         return end - start
-
-    def _prespeculate(self) -> list[tuple[RoundStream, OutcomeTable]]:
-        """SSD: build the speculation cache for the drafts just handed out (while the targets verify
-        them); -> the outcome tables of push-mode sessions."""
-        pending, self._to_prespeculate = self._to_prespeculate, {}
-        tables = []
-        for model, sessions in pending.items():
-            ssd = self.registry.get(model).ssd
-            live = [s for s in sessions if self.sessions.get(s.key) is s]
-            start = time.monotonic()
-            ssd.prespeculate([s.key.drafter_id for s in live])
-            self.metrics.busy.add(start, time.monotonic())
-            self.metrics.observe_ssd(model, ssd)
-            for s in live:
-                if s.push and s.stream is not None:
-                    tables.append((s.stream, self._table(s, ssd)))
-        return tables
-
-    @staticmethod
-    def _table(session: Session, ssd) -> OutcomeTable:
-        entries = []
-        for (k, bonus), fork in ssd.outcome_table(session.key.drafter_id).items():
-            if fork.topk_ids is not None:
-                sk = fork.topk_ids.shape[-1]
-                entries.append((k, bonus, fork.drafts, fork.topk_ids.reshape(-1).tolist(),
-                                fork.topk_probs.reshape(-1).tolist(), sk))
-            else:
-                entries.append((k, bonus, fork.drafts, [], [], 0))
-        return OutcomeTable(session.key.request_id, list(session.last_drafts), entries,
-                            fast_backup=ssd.choose_backup() == "fast")
-
-    def _push(self, tables: list[tuple[RoundStream, OutcomeTable]]) -> None:
-        by_stream: dict[int, tuple[RoundStream, list[OutcomeTable]]] = {}
-        for stream, table in tables:
-            by_stream.setdefault(id(stream), (stream, []))[1].append(table)
-        for stream, batch in by_stream.values():
-            stream.outbound.put(RoundResult(round_id=0, sequences=[], tables=batch))
 
     def _deliver(self, out: list[_RoundWork | RoundStream]) -> None:
         for item in out:

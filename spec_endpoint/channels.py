@@ -6,8 +6,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from specpool.spec_endpoint.messages import FieldError, StatusCode
-
+from specpool.common.errors import FieldError, StatusCode
 from specpool.common.tensor_channel import ChannelBusy, ChannelError
 
 if TYPE_CHECKING:

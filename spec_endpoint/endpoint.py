@@ -14,29 +14,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specpool.spec_endpoint.batcher import Batcher, RoundStream
+from specpool.common.errors import FieldError, StatusCode
+from specpool.common.speculation import Method, q_travels_dense
+from specpool.spec_endpoint.batcher import Batcher
 from specpool.spec_endpoint.channels import TenantChannels
+from specpool.spec_endpoint.drafters import HostedDrafters, ModelDrafters
 from specpool.spec_endpoint.messages import (
     CapacityReport,
-    DrafterKind,
-    FieldError,
     ModelReport,
     OpenRequest,
     OpenResult,
     Round,
     SessionSpec,
-    StatusCode,
     TenantReport,
+    Transport,
     context_too_long,
 )
 from specpool.spec_endpoint.metrics import EndpointMetrics
-from specpool.spec_endpoint.registry import DrafterRegistry, ModelDrafters
-from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable, sampled_dense
+from specpool.spec_endpoint.sessions import Session, SessionKey, SessionTable
+from specpool.spec_endpoint.streams import RoundStream
 
 if TYPE_CHECKING:
-    from specpool.engine.ngram import NgramIndex
-
     from specpool.common.tensor_channel import ChannelHost, ChannelOffer
+    from specpool.engine.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +56,19 @@ class EndpointConfig:
 class Endpoint:
     def __init__(
         self,
-        registry: DrafterRegistry,
+        drafters: HostedDrafters,
         config: EndpointConfig,
         channel_host: ChannelHost | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.registry = registry
+        self.drafters = drafters
         self.config = config
         self.channels = TenantChannels(channel_host)
         self.clock = clock
         self.metrics = EndpointMetrics(tenant_labels=config.tenant_labels)
         self.sessions = SessionTable(clock, label=self.metrics.tenants.of)
         self.lock = threading.RLock()
-        self.batcher = Batcher(registry, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock,
+        self.batcher = Batcher(drafters, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock,
                                config.batch_window_s)
         self._streams: set[RoundStream] = set()
         self._stop = threading.Event()
@@ -110,11 +110,11 @@ class Endpoint:
     def open_sessions(self, request: OpenRequest) -> list[OpenResult]:
         """Opens (or re-opens) each session; -> one result per session, ok=False (with the field and why)
         on capacity or a session's own bad input. Raises FieldError (nothing opened) for an unknown model."""
-        drafters = self.registry.get(request.target_model)
+        drafters = self.drafters.get(request.target_model)
         if drafters is None:
             raise FieldError(
                 "target_model",
-                f"no drafters for {request.target_model!r}; this endpoint serves {self.registry.names()}",
+                f"no drafters for {request.target_model!r}; this endpoint serves {self.drafters.names()}",
                 StatusCode.NOT_FOUND,
             )
         # Clamped rather than refused: a lease only bounds how long an abandoned session holds its slot.
@@ -122,7 +122,7 @@ class Endpoint:
         # n-gram contexts are indexed before the engine lock is taken: under it, indexing 64 sessions
         # of --max-len tokens would stall every tenant's rounds for about 0.6 s.
         indexes = [drafters.ngram.index(spec.context)
-                   if (spec.drafter or drafters.best) is DrafterKind.NGRAM and len(spec.context) <= drafters.max_len
+                   if (spec.drafter or drafters.best) is Method.NGRAM and len(spec.context) <= drafters.max_len
                    else None for spec in request.sessions]
         with self.lock:
             results = [self._open(request.tenant, drafters, f"sessions[{i}]", spec, index, lease_s)
@@ -153,21 +153,20 @@ class Endpoint:
             return OpenResult(spec.request_id, False,
                               f"capacity: tenant {tenant!r} holds its maximum of {per_tenant} sessions on this "
                               "endpoint (--max-sessions-per-tenant); close finished ones or draft locally")
-        if kind in (DrafterKind.DRAFT_MODEL, DrafterKind.SSD):
-            cache = drafters.drafter(kind).cache
-            if cache.free_slots == 0:
-                return OpenResult(spec.request_id, False,
-                                  f"capacity: all {cache.max_slots} {kind.value} KV slots for "
-                                  f"{drafters.name} are in use")
+        drafter = drafters.drafter(kind)
+        if drafter.cache is not None and drafter.cache.free_slots == 0:
+            return OpenResult(spec.request_id, False,
+                              f"capacity: all {drafter.cache.max_slots} {kind.value} KV slots for "
+                              f"{drafters.name} are in use")
         if index is not None:
             drafters.ngram.add_index(key.drafter_id, index)
         else:
-            drafters.drafter(kind).start(key.drafter_id, spec.context)
+            drafter.start(key.drafter_id, spec.context)
         self.metrics.tenants.admit(tenant)
         now = self.clock()
         self.sessions.add(Session(
             key=key, model=drafters.name, kind=kind, params=spec.params,
-            dense=sampled_dense(spec.params, spec.transport) and kind is not DrafterKind.SSD,  # SSD's q is sparse
+            dense=q_travels_dense(spec.params, kind, spec.transport is Transport.DENSE),
             lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context), push=spec.push,
         ))
         return OpenResult(spec.request_id, True, drafter=kind)
@@ -203,7 +202,7 @@ class Endpoint:
         self._update_active(session.key.tenant)
 
     def _remove_from_drafter(self, session: Session) -> None:
-        self.registry.get(session.model).drafter(session.kind).release(session.key.drafter_id)
+        self.drafters.get(session.model).drafter(session.kind).release(session.key.drafter_id)
 
     def _update_active(self, tenant: str) -> None:
         label = self.metrics.tenants.of(tenant)
@@ -235,13 +234,13 @@ class Endpoint:
 
     def capacity(self) -> CapacityReport:
         models = tuple(
-            ModelReport(d.name, d.kinds, d.draft_costs) for d in (self.registry.get(n) for n in self.registry.names())
+            ModelReport(d.name, d.kinds, d.draft_costs) for d in (self.drafters.get(n) for n in self.drafters.names())
         )
         tenants = tuple(
             TenantReport(tenant, active, totals.drafted, totals.accepted)
             for tenant, active, totals in self.sessions.tenants()
         )
-        ssd = [d.ssd.stats for d in self.registry.models.values() if d.ssd is not None]
+        ssd = [d.ssd.stats for d in self.drafters.models.values() if d.ssd is not None]
         lookups = sum(st.lookups for st in ssd)
         return CapacityReport(
             endpoint_id=self.config.endpoint_id,

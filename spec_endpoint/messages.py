@@ -9,19 +9,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from specpool.common.errors import FieldError, StatusCode  # noqa: F401  (re-exported for now)
-
 if TYPE_CHECKING:
+    from specpool.common.speculation import Method
     from specpool.engine.sampling import SamplingParams
     from specpool.engine.speculation_policy import StepCosts
-
-MAX_DRAFT_TOKENS = 32  # per sequence and round
-
-
-class DrafterKind(StrEnum):
-    DRAFT_MODEL = "draft_model"
-    NGRAM = "ngram"
-    SSD = "ssd"  # the draft model, pre-speculating while the target verifies (engine.ssd)
 
 
 class Transport(StrEnum):
@@ -37,7 +28,7 @@ class SessionSpec:
     request_id: str
     context: tuple[int, ...]
     params: SamplingParams
-    drafter: DrafterKind | None = None  # None: the model's best (draft model, else n-gram)
+    drafter: Method | None = None  # None: the model's best (draft model, else n-gram); never Method.NONE
     transport: Transport = Transport.AUTO
     push: bool = False  # SSD: stream outcome tables to the target as soon as they are built
     refused: str = ""  # why the decoder refused it unread (its context is then empty): the open result's error
@@ -61,7 +52,7 @@ class OpenResult:
     request_id: str
     ok: bool
     error: str = ""
-    drafter: DrafterKind | None = None
+    drafter: Method | None = None
 
 
 RESOLUTIONS = ("ask", "table_hit", "local_drafts")  # SequenceRound.resolution; anything else is refused
@@ -118,7 +109,7 @@ class RoundResult:
 @dataclass(frozen=True, slots=True)
 class ModelReport:
     target_model: str
-    drafters: tuple[DrafterKind, ...]
+    drafters: tuple[Method, ...]
     draft_step_costs: StepCosts | None
 
 

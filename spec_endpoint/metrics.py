@@ -100,7 +100,7 @@ class EndpointMetrics:
         self.dense_bytes = Counter(
             "specpool_spec_dense_bytes", "Bytes of dense q rows sent on tensor channels", registry=r
         )
-        # SSD, per target model (engine.ssd.SsdStats, read after each pre-speculation pass)
+        # SSD, per target model (engine.ssd_stats.SsdStats, read after each pre-speculation pass)
         self.ssd_hit_ratio = Gauge("specpool_spec_ssd_cache_hit_ratio", "Outcomes found in the speculation cache",
                                    ["model"], registry=r)
         self.ssd_bonus_accuracy = Gauge("specpool_spec_ssd_bonus_prediction_accuracy",
@@ -117,8 +117,8 @@ class EndpointMetrics:
                                "Forks per sequence now: as many as fit in the verify time", ["model"], registry=r)
         self._backups_seen: dict[tuple[str, str], int] = {}
 
-    def observe_ssd(self, model: str, ssd) -> None:
-        """After a pre-speculation pass of `ssd` (an engine.ssd.SsdDrafter)."""
+    def observe_prespeculation(self, model: str, ssd) -> None:
+        """After a pre-speculation pass of `ssd` (the drafter that pre-speculates: engine.ssd.SsdDrafter)."""
         stats = ssd.stats
         self.ssd_hit_ratio.labels(model).set(stats.hit_ratio)
         if stats.lookups:

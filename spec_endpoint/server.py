@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from specpool.spec_endpoint import wire
-from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
-from specpool.spec_endpoint.messages import FieldError
-from specpool.spec_endpoint.registry import DrafterRegistry, DrafterSpec
 
 from specpool.common import serving
+from specpool.common.errors import FieldError
+from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
+from specpool.spec_endpoint import wire
+from specpool.spec_endpoint.drafters import DrafterSpec, HostedDrafters, LoadOptions
+from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 
@@ -175,9 +176,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-    from specpool.engine.device import default_device, off_main_thread
 
     from specpool.common.tensor_channel import ChannelHost
+    from specpool.engine.device import default_device, off_main_thread
 
     serving.setup_logging(args.log_level)
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),
@@ -201,8 +202,8 @@ def main(args: argparse.Namespace) -> int:
     ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,
            "saguaro_c": args.saguaro_c, "backup": args.ssd_backup}
     # The engine thread drafts; torch work on this thread would leave it a second OpenMP pool.
-    registry = off_main_thread(lambda: DrafterRegistry.load(specs, args.max_sessions, args.max_len, device, ssd=ssd,
-                                                              dtype=args.dtype))
+    options = LoadOptions(args.max_sessions, args.max_len, device, ssd=ssd, dtype=args.dtype)
+    drafters = off_main_thread(lambda: HostedDrafters.load(specs, options))
 
     # Each attached target's Rounds stream holds a server thread for as long as it is attached.
     rounds = serving.method_names(pb.DESCRIPTOR.services_by_name["SpeculationService"], "Rounds")
@@ -221,10 +222,10 @@ def main(args: argparse.Namespace) -> int:
     )
     channels = ChannelHost(host=args.channel_host, port=args.channel_port, device=device,
                            max_joining=args.max_round_streams)
-    endpoint = Endpoint(registry, config, channel_host=channels)
+    endpoint = Endpoint(drafters, config, channel_host=channels)
     health = add_to_server(server, endpoint, credentials)
     # Over HTTP the per-tenant figures are for operators: those holding the metrics token.
-    metrics = serving.MetricsHttpServer(
+    metrics = MetricsHttpServer(
         endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host, health=health,
         json_routes={"/capacity": lambda operator: wire.capacity_json(endpoint.capacity(), only=None if operator else "")},
     )
@@ -234,9 +235,8 @@ def main(args: argparse.Namespace) -> int:
     heartbeat = None
     redis_url = serving.redis_url_from(args)
     if redis_url:
-        from specpool.spec_endpoint.registration import heartbeat_fields
-
         from specpool.common.registry import Heartbeat
+        from specpool.spec_endpoint.registration import heartbeat_fields
 
         address = f"{args.advertise_host}:{port}"
         heartbeat = Heartbeat(redis_url, "endpoint", config.endpoint_id,

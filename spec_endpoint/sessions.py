@@ -1,7 +1,7 @@
 """Endpoint sessions: one per (tenant, request id), under a lease that every round renews.
 
-No torch here: the table is pure bookkeeping (which drafter, which sampler, what was drafted and
-accepted); the drafters hold the model state and the endpoint keeps the two in step.
+The table is pure bookkeeping (which drafter, which sampler, what was drafted and accepted); the
+drafters hold the model state and the endpoint keeps the two in step.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specpool.spec_endpoint.messages import DrafterKind, Transport
-
-from specpool.common.speculation import SPARSE_Q_MAX_K
+from specpool.engine.drafter import accepted_prefix
 
 if TYPE_CHECKING:
+    from specpool.common.speculation import Method
     from specpool.engine.sampling import SamplingParams
 
 
@@ -36,16 +35,16 @@ class SessionKey:
 class Session:
     key: SessionKey
     model: str
-    kind: DrafterKind
+    kind: Method
     params: SamplingParams
-    dense: bool  # sampled drafts send dense q rows (else sparse top-k pairs); unused when greedy
+    dense: bool  # its q rows travel on the tensor channel (speculation.q_travels_dense)
     lease_s: float
     expires_at: float
     length: int  # tokens the drafter knows: context plus every reported new token
     last_drafts: tuple[int, ...] = ()  # sent in the previous round, awaiting their outcome
     needs_tokens: bool = False  # drafted since the last new tokens: the next draft needs some
     push: bool = False  # SSD: outcome tables go to the target as soon as they are built
-    stream: object = None  # SSD push: the Rounds stream its tables go out on (the last one it used)
+    stream: object = None  # the Rounds stream it last came on: where its push tables go
     drafted: int = 0
     accepted: int = 0
 
@@ -54,11 +53,7 @@ class Session:
 
     def record_outcome(self, new_tokens: Sequence[int]) -> int:
         """The target's new tokens verify the drafts sent last: -> how many of them it accepted."""
-        accepted = 0
-        for draft, token in zip(self.last_drafts, new_tokens, strict=False):
-            if draft != token:
-                break
-            accepted += 1
+        accepted = accepted_prefix(self.last_drafts, new_tokens)
         self.last_drafts = ()
         self.accepted += accepted
         self.length += len(new_tokens)
@@ -70,12 +65,6 @@ class Session:
         self.last_drafts = tuple(tokens)
         self.drafted += len(tokens)
         self.needs_tokens = True
-
-
-def sampled_dense(params: SamplingParams, transport: Transport) -> bool:
-    """Dense q for sampled drafts unless top-k bounds the support to at most SPARSE_Q_MAX_K tokens (what
-    fits a gRPC round) and the tenant did not ask for dense."""
-    return transport is Transport.DENSE or not 0 < params.top_k <= SPARSE_Q_MAX_K
 
 
 @dataclass(slots=True)

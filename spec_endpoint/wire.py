@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 
+from specpool.common.errors import FieldError
+from specpool.common.speculation import drafter_from_pb, drafter_to_pb, sampling_from_pb, sparse_q_to_pb
 from specpool.engine.sampling import SamplingParams
 from specpool.spec_endpoint.messages import (
     CapacityReport,
-    DrafterKind,
-    FieldError,
     OpenRequest,
     OpenResult,
     Round,
@@ -22,13 +22,8 @@ from specpool.spec_endpoint.messages import (
     Transport,
     context_too_long,
 )
-
 from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import target_pb2
 
-_KIND_FROM_PB = {pb.DRAFTER_KIND_UNSPECIFIED: None, pb.DRAFTER_KIND_DRAFT_MODEL: DrafterKind.DRAFT_MODEL,
-                 pb.DRAFTER_KIND_NGRAM: DrafterKind.NGRAM, pb.DRAFTER_KIND_SSD: DrafterKind.SSD}
-_KIND_TO_PB = {v: k for k, v in _KIND_FROM_PB.items() if v is not None}
 _RESOLUTION_FROM_PB = {pb.ROUND_RESOLUTION_ASK: "ask", pb.ROUND_RESOLUTION_TABLE_HIT: "table_hit",
                        pb.ROUND_RESOLUTION_LOCAL_DRAFTS: "local_drafts"}
 _TRANSPORT_FROM_PB = {pb.DISTRIBUTION_TRANSPORT_AUTO: Transport.AUTO, pb.DISTRIBUTION_TRANSPORT_SPARSE: Transport.SPARSE,
@@ -39,21 +34,6 @@ def tenant_from(value: str) -> str:
     if not value:
         raise FieldError("tenant", "empty; name the target service (its service id)")
     return value
-
-
-def sampling_from(path: str, msg: target_pb2.SamplingParams) -> SamplingParams:
-    if not math.isfinite(msg.temperature) or msg.temperature < 0:
-        raise FieldError(f"{path}.temperature", f"{msg.temperature} must be >= 0 (0: greedy)")
-    if not 0.0 <= msg.top_p <= 1.0:  # NaN fails too
-        raise FieldError(f"{path}.top_p", f"{msg.top_p} outside [0, 1] (0 or 1: no nucleus truncation)")
-    if msg.top_k < 0:
-        raise FieldError(f"{path}.top_k", f"{msg.top_k} must be >= 0 (0: no top-k truncation)")
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p if msg.top_p > 0 else 1.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-    )
 
 
 def open_request_from(msg: pb.OpenSessionsRequest, max_len: int, tenant: str) -> OpenRequest:
@@ -74,15 +54,14 @@ def open_request_from(msg: pb.OpenSessionsRequest, max_len: int, tenant: str) ->
             sessions.append(SessionSpec(s.request_id, (), SamplingParams(),
                                         refused=context_too_long(path, len(s.context), max_len)))
             continue
-        if s.drafter not in _KIND_FROM_PB:
-            raise FieldError(f"{path}.drafter", f"unknown drafter kind {s.drafter}")
+        drafter = drafter_from_pb(s.drafter, f"{path}.drafter")  # never Method.NONE: no such DrafterKind
         if s.transport not in _TRANSPORT_FROM_PB:
             raise FieldError(f"{path}.transport", f"unknown distribution transport {s.transport}")
         sessions.append(SessionSpec(
             request_id=s.request_id,
             context=tuple(s.context),
-            params=sampling_from(f"{path}.sampling", s.sampling),
-            drafter=_KIND_FROM_PB[s.drafter],
+            params=sampling_from_pb(s.sampling, f"{path}.sampling"),
+            drafter=drafter,
             transport=_TRANSPORT_FROM_PB[s.transport],
             push=s.push,
         ))
@@ -93,7 +72,7 @@ def open_response_to(results: list[OpenResult]) -> pb.OpenSessionsResponse:
     return pb.OpenSessionsResponse(sessions=[
         pb.OpenedSession(
             request_id=r.request_id, ok=r.ok, error=r.error,
-            drafter=_KIND_TO_PB[r.drafter] if r.drafter else pb.DRAFTER_KIND_UNSPECIFIED,
+            drafter=drafter_to_pb(r.drafter),
         )
         for r in results
     ])
@@ -119,12 +98,12 @@ def round_response_to(result: RoundResult) -> pb.RoundResponse:
         out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, dense_on_channel=s.dense, error=s.error,
                                 from_cache=s.from_cache)
         if s.sparse_k:
-            out.sparse.CopyFrom(pb.SparseDistribution(k=s.sparse_k, ids=s.sparse_ids, probs=s.sparse_probs))
+            out.sparse.CopyFrom(sparse_q_to_pb(s.sparse_ids, s.sparse_probs, s.sparse_k))
         sequences.append(out)
     tables = [
         pb.OutcomeTable(request_id=t.request_id, follows=t.follows, fast_backup=t.fast_backup, entries=[
             pb.OutcomeEntry(accepted=k, bonus=b, tokens=tokens,
-                            sparse=pb.SparseDistribution(k=sk, ids=ids, probs=probs) if sk else None)
+                            sparse=sparse_q_to_pb(ids, probs, sk) if sk else None)
             for k, b, tokens, ids, probs, sk in t.entries
         ])
         for t in result.tables
@@ -147,7 +126,7 @@ def capacity_to(report: CapacityReport, only: str | None = None) -> pb.Capacity:
     """only: list that tenant's figures alone ("": no tenant's); None: every tenant's."""
     models = []
     for m in report.models:
-        out = pb.ModelDrafters(target_model=m.target_model, drafters=[_KIND_TO_PB[k] for k in m.drafters])
+        out = pb.ModelDrafters(target_model=m.target_model, drafters=[drafter_to_pb(k) for k in m.drafters])
         if m.draft_step_costs is not None:
             c = m.draft_step_costs
             out.draft_step_costs.CopyFrom(pb.StepCostTable(

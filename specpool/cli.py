@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import sys
+from collections.abc import Collection
 
-import torch
+# Servers and cluster tools: subcommand -> (module bringing add_arguments(parser) and main(args), help).
+# Nothing heavy is imported to build the parser: a subcommand's modules (torch, the servers) load only
+# when that subcommand runs or shows its help, so `specpool --help` answers at once.
+TOOLS = {
+    "serve-target": ("specpool.target_service.server", "serve one target model over gRPC (Target API)"),
+    "serve-spec": ("specpool.spec_endpoint.server", "serve the pooled speculation endpoint over gRPC"),
+    "serve-router": ("specpool.router.server", "route Target API requests to target replicas and draft slots"),
+    "plan": ("specpool.cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
+    "up": ("specpool.cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
+    "demo": ("specpool.cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
+}
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -19,12 +31,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def load_model(args: argparse.Namespace):
     from specpool.engine.gguf_loader import default_model_path
     from specpool.engine.model import Llama
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     return Llama.from_gguf(args.model or default_model_path(), dtype=args.dtype, device=args.device)
 
 
@@ -63,8 +81,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specpool.engine.gguf_loader import default_model_path
     from specpool.training.train_draft import TrainDraftConfig, run
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     run(TrainDraftConfig(
         target=Path(args.model) if args.model else default_model_path(),
         out=Path(args.out),
@@ -84,8 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specpool.bench.runner import BenchConfig, print_table, run_bench, write_report
     from specpool.engine.gguf_loader import default_model_path
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     cfg = BenchConfig(
         model_path=Path(args.model) if args.model else default_model_path(),
         workload=args.workload,
@@ -125,7 +141,9 @@ def cmd_build_datastore(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentParser:
+    """Every subcommand, with the flags of the TOOLS named in tools: a tool's flags come from its module,
+    so naming it imports it. The others are listed, without flags."""
     parser = argparse.ArgumentParser(prog="specpool", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -184,30 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU computes it natively, else fp32)")
     t.set_defaults(func=cmd_train_draft)
 
-    # Servers and cluster tools: each module brings its own flags and main().
-    for name, module, help_text in (
-        ("serve-target", "specpool.target_service.server", "serve one target model over gRPC (Target API)"),
-        ("serve-spec", "specpool.spec_endpoint.server", "serve the pooled speculation endpoint over gRPC"),
-        ("serve-router", "specpool.router.server", "route Target API requests to target replicas and draft slots"),
-        ("plan", "specpool.cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
-        ("up", "specpool.cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
-        ("demo", "specpool.cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
-    ):
-        tool = _server(module)
+    for name, (module_name, help_text) in TOOLS.items():
         cmd = sub.add_parser(name, help=help_text)
-        tool.add_arguments(cmd)
-        cmd.set_defaults(func=tool.main)
+        if name in tools:
+            module = importlib.import_module(module_name)
+            module.add_arguments(cmd)
+            cmd.set_defaults(func=module.main)
     return parser
 
 
-def _server(module: str):
-    import importlib
-
-    return importlib.import_module(module)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top-level parser takes no option but --help, so the first word that is not an option is the
+    # subcommand: only that tool's module is imported.
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(tools=[command] if command in TOOLS else []).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specpool.common.speculation import Method
 from specpool.engine.decoding import Decoder
 from specpool.engine.speculation_policy import Expected, SpeculationPolicy
 from specpool.target_service.metrics import TargetMetrics
@@ -43,9 +44,9 @@ class HeartbeatFields:
         batch = running + 1  # what admitting one more request would run at
         draft_policy = self.draft_policy_fn()
         has_endpoint = bool(self.client and self.client.address)
-        methods = ["ngram"]
+        methods = [Method.NGRAM]
         if has_endpoint and self.client.healthy:
-            methods[:0] = ["ssd", "draft_model"]
+            methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
         return {
             "address": self.address,
             "model": self.model,
@@ -57,7 +58,7 @@ class HeartbeatFields:
             "mean_accept_len": round(self._mean_accept_len(), 4),
             "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, expected), 4),
             "predicted_speedup_ngram": round(predicted_speedup(self.free_policy, batch, expected), 4),
-            "methods": methods,
+            "methods": [m.value for m in methods],
         }
 
     def _mean_accept_len(self) -> float:

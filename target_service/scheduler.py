@@ -12,13 +12,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.sampling import SamplingParams
-from specpool.engine.speculation_policy import SpeculationPolicy
+from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.observer import SequenceCounts, TargetObserver
 from specpool.target_service.speculation_client import SpeculationClient
 
 log = logging.getLogger("specpool.target.scheduler")
@@ -31,15 +31,12 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stop_ids: list[int] | None
+    speculation: SpeculationChoice
     n: int = 1
-    drafter_kind: int | None = None  # for SpeculationClient.configure: None local n-gram, -1 none
-    max_draft_tokens: int = 0
     resumed: list[int] = field(default_factory=list)  # completion tokens a failed replica already streamed (n 1)
     events: queue.Queue = field(default_factory=queue.Queue)  # ("delta", index, tokens) / ("done", None, None)
     results: list[GenerationResult] = field(default_factory=list)
-    fallback_rounds: list[int] = field(default_factory=list)
-    cache_hits: list[int] = field(default_factory=list)  # SSD, per completion
-    cache_lookups: list[int] = field(default_factory=list)
+    counts: list[SequenceCounts] = field(default_factory=list)  # per completion
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -60,13 +57,15 @@ def request_key(owner: str, request_id: str) -> str:
 
 
 class Scheduler:
-    def __init__(self, decoder: Decoder, client: SpeculationClient | None, metrics: TargetMetrics,
-                 model_name: str, max_queue: int = 1024,
-                 policy_for: Callable[[set[int | None]], SpeculationPolicy | None] | None = None):
+    """Requests onto the Decoder's batch: queueing, admission, cancellation, and their tokens out.
+    The Decoder steps the batch; this decides which requests are in it and runs its thread."""
+
+    def __init__(self, decoder: Decoder, client: SpeculationClient, metrics: TargetMetrics,
+                 observer: TargetObserver, model_name: str, max_queue: int = 1024):
         self.decoder = decoder
-        self.policy_for = policy_for  # the draft-length policy for the drafter kinds now running
         self.client = client
         self.metrics = metrics
+        self.observer = observer  # counts each admitted sequence's fallbacks and SSD cache use
         self.model_name = model_name
         self.max_queue = max_queue
         self._inbox: deque[Request] = deque()
@@ -106,20 +105,6 @@ class Scheduler:
         """(running sequences, queued requests)."""
         return len(self._by_seq), len(self._inbox)
 
-    def count_fallbacks(self, seq_ids: list[str]) -> None:
-        """Called on the scheduler thread (from inside a step) by the speculation client."""
-        for seq_id in seq_ids:
-            entry = self._by_seq.get(seq_id)
-            if entry is not None:
-                entry[0].fallback_rounds[entry[1]] += 1
-
-    def record_cache_stats(self, seq_id: str, hits: int, lookups: int) -> None:
-        """Called on the scheduler thread by the speculation client when an SSD sequence ends."""
-        entry = self._by_seq.get(seq_id)
-        if entry is not None:
-            entry[0].cache_hits[entry[1]] += hits
-            entry[0].cache_lookups[entry[1]] += lookups
-
     def stop(self) -> None:
         with self._wake:
             self._stop = True
@@ -140,8 +125,6 @@ class Scheduler:
                 self._apply_cancels(cancels)
                 self._admit()
                 if self.decoder.has_work:
-                    if self.policy_for is not None:
-                        self.decoder.policy = self.policy_for({r.drafter_kind for r in self._running.values()})
                     start = time.perf_counter()
                     moved = self.decoder.step()
                     self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -177,15 +160,14 @@ class Scheduler:
                 if not self._inbox or self._inbox[0].n > self.decoder.free_slots:
                     return
                 request = self._inbox.popleft()
+            request.counts = [SequenceCounts() for _ in range(request.n)]
             for i in range(request.n):
                 seq_id = request.seq_id(i)
-                if self.client is not None:
-                    self.client.configure(seq_id, request.drafter_kind, request.params, request.max_draft_tokens)
+                self.client.configure(seq_id, request.speculation, request.params)
                 request.results.append(self.decoder.add(seq_id, request.prompt_ids + request.resumed, request.params,
                                                         request.max_tokens, request.stop_ids))
                 self._by_seq[seq_id] = (request, i)
-            request.fallback_rounds = [0] * request.n
-            request.cache_hits, request.cache_lookups = [0] * request.n, [0] * request.n
+                self.observer.follow(seq_id, request.counts[i])
             self._running[request.key] = request
 
     def _deliver(self, moved: list[tuple[str, list[int]]]) -> None:
@@ -216,6 +198,7 @@ class Scheduler:
             request.finished_at = time.monotonic()
             for i in range(request.n):
                 self._by_seq.pop(request.seq_id(i), None)
+                self.observer.unfollow(request.seq_id(i))
             self.metrics.observe_request(request)
             request.events.put(("done", None, None))
 
@@ -223,6 +206,7 @@ class Scheduler:
         for request in list(self._running.values()):
             for i in range(request.n):
                 self.decoder.cancel(request.seq_id(i))
+                self.observer.unfollow(request.seq_id(i))
             request.events.put(("error", None, "internal error in the target's decode step; see its log"))
             self._running.pop(request.key, None)
         self._by_seq.clear()

@@ -9,31 +9,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import queue
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import jinja2
 import torch
-from specpool.engine.decoding import Decoder, GenerationResult
-from specpool.engine.device import off_main_thread
-from specpool.engine.gguf_loader import default_model_path, model_name
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
-from specpool.engine.sampling import SamplingParams
-from specpool.engine.speculation_policy import SpeculationPolicy, StepCosts, cached_step_costs
-from specpool.engine.tokenizer import Tokenizer
-from specpool.target_service.metrics import TargetMetrics
-from specpool.target_service.scheduler import Request, Scheduler, request_key
-from specpool.target_service.speculation_client import SpeculationClient
 
+from specpool.common.errors import FieldError
+from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import (
     Admission,
-    MetricsHttpServer,
     abort_invalid,
     abort_with_retry,
     add_health_and_reflection,
@@ -46,31 +36,31 @@ from specpool.common.serving import (
     serve_until_signal,
     setup_logging,
 )
-from specpool.v1 import speculation_pb2 as spec_pb
+from specpool.common.speculation import MAX_DRAFT_TOKENS, method_from_pb, sampling_from_pb
+from specpool.engine.decoding import Decoder, GenerationResult
+from specpool.engine.device import off_main_thread
+from specpool.engine.gguf_loader import default_model_path, model_name
+from specpool.engine.model import Llama
+from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.speculation_policy import cached_step_costs
+from specpool.engine.tokenizer import Tokenizer
+from specpool.target_service.choice import SpeculationChoice
+from specpool.target_service.draft_length import TargetDraftLength
+from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.observer import SequenceCounts, TargetObserver
+from specpool.target_service.scheduler import Request, Scheduler, request_key
+from specpool.target_service.speculation_client import SpeculationClient
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 
 log = logging.getLogger("specpool.target")
-
-MAX_DRAFT_TOKENS = 32
-# What each requested method asks of the endpoint (None: local n-gram; -1: no speculation).
-ENDPOINT_KIND = {
-    pb.SPECULATION_METHOD_AUTO: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
-    pb.SPECULATION_METHOD_DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
-    pb.SPECULATION_METHOD_SSD: spec_pb.DRAFTER_KIND_SSD,
-    pb.SPECULATION_METHOD_NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
-    pb.SPECULATION_METHOD_NONE: -1,
-}
-METHOD_NAMES = {-1: "none", None: "ngram_local", spec_pb.DRAFTER_KIND_DRAFT_MODEL: "draft_model",
-                spec_pb.DRAFTER_KIND_NGRAM: "ngram", spec_pb.DRAFTER_KIND_SSD: "ssd"}
-
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """Request ids are scoped by their owner: the caller's identity, or for a router the tenant it
     names (it authenticated that tenant's token). Another owner's id is simply not found."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
-                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient | None,
+                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient,
                  credentials: Security | None = None):
         self.credentials = credentials or Security.insecure()
         self.scheduler = scheduler
@@ -118,8 +108,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return pb.TargetInfo(
             service_id=self.tenant, model=self.name, vocab_size=self.vocab_size, max_batch=self.max_batch,
             active_sequences=running, queued_requests=queued,
-            spec_endpoint=(self.client.address or "") if self.client else "",
-            spec_endpoint_attached=bool(self.client and self.client.attached),
+            spec_endpoint=self.client.address or "", spec_endpoint_attached=self.client.attached,
         )
 
     # -- translation --------------------------------------------------------------------------------
@@ -138,7 +127,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if req.resumed and req.resumed[-1] in stops:
             # The failed replica emitted a stop token but not its final message: nothing is left to do.
             req.results = [GenerationResult(req.prompt_ids + req.resumed, finish_reason="stop")]
-            req.fallback_rounds, req.cache_hits, req.cache_lookups = [0], [0], [0]
+            req.counts = [SequenceCounts()]
             req.finished_at = time.monotonic()
             req.events.put(("done", None, None))
             return req
@@ -171,13 +160,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if r.max_tokens > room:
             abort_invalid(context, "max_tokens", f"{r.max_tokens} does not fit: the prompt has {held} "
                           f"tokens and this service holds {self.max_context} per sequence (at most {max(room, 0)})")
-        s = r.sampling
-        if not math.isfinite(s.temperature) or s.temperature < 0:
-            abort_invalid(context, "sampling.temperature", f"must be a finite number >= 0, got {s.temperature}")
-        if s.top_k < 0:
-            abort_invalid(context, "sampling.top_k", f"must be >= 0, got {s.top_k}")
-        if not 0 <= s.top_p <= 1:
-            abort_invalid(context, "sampling.top_p", f"must be in [0, 1] (0 means 1), got {s.top_p}")
+        try:
+            params = sampling_from_pb(r.sampling)
+            method = method_from_pb(r.speculation.method)
+        except FieldError as e:
+            abort_invalid(context, e.field, e.message)
         n = r.n or 1
         if not 1 <= n <= self.max_batch:
             abort_invalid(context, "n", f"must be in [1, {self.max_batch}], got {r.n}")
@@ -185,21 +172,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
             abort_invalid(context, "speculation.max_draft_tokens",
                           f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
-        if r.speculation.method not in ENDPOINT_KIND:
-            abort_invalid(context, "speculation.method", f"unknown method {r.speculation.method}; one of "
-                          + ", ".join(pb.SpeculationMethod.keys()))
-        # top_k at or above the vocabulary keeps every token: the same sampler as no truncation.
-        top_k = s.top_k if s.top_k < self.vocab_size else 0
-        params = SamplingParams(temperature=s.temperature, top_k=top_k, top_p=s.top_p or 1.0,
-                                seed=s.seed if s.HasField("seed") else None)
-        kind = ENDPOINT_KIND[r.speculation.method]
-        if kind != -1 and (self.client is None or not self.client.address):
-            kind = None  # no endpoint configured: local n-gram drafting
+        if params.top_k >= self.vocab_size:  # keeps every token: the same sampler as no truncation
+            params = replace(params, top_k=0)
+        speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens)
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
             max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or ([] if r.ignore_eos else None), n=n,
-            drafter_kind=kind,
-            max_draft_tokens=r.speculation.max_draft_tokens, resumed=resumed,
+            speculation=speculation, resumed=resumed,
         )
 
     def _check_token_ids(self, context, field: str, ids) -> None:
@@ -261,10 +240,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 text=self.tokenizer.decode(token_ids) if self.tokenizer else "",
                 finish_reason="cancelled" if req.cancelled else res.finish_reason,
                 speculation=pb.SpeculationStats(
-                    method=METHOD_NAMES.get(req.drafter_kind, "unknown"), target_steps=res.target_steps,
+                    method=req.speculation.label, target_steps=res.target_steps,
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
-                    mean_accept_len=res.mean_accept_len, fallback_rounds=req.fallback_rounds[i],
-                    cache_hits=req.cache_hits[i], cache_lookups=req.cache_lookups[i],
+                    mean_accept_len=res.mean_accept_len, fallback_rounds=req.counts[i].fallback_rounds,
+                    cache_hits=req.counts[i].cache_hits, cache_lookups=req.counts[i].cache_lookups,
                 ),
             ))
         first = (req.first_token_at - req.submitted_at) if req.first_token_at else 0.0
@@ -274,26 +253,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                            completion_tokens=sum(len(c.token_ids) for c in completions)),
             time_to_first_token_s=first, elapsed_s=(req.finished_at or time.monotonic()) - req.submitted_at,
         )
-
-
-class PolicySelector:
-    """The hardware-aware draft length, charged for the endpoint's draft model only while a running
-    sequence uses it (n-gram drafting, local or remote, costs the target nothing measurable)."""
-
-    def __init__(self, target_costs: StepCosts):
-        self.free = SpeculationPolicy(target_costs, max_draft=16)
-        # SSD drafts off the critical path: a hit's drafts are ready, a miss's backup is chosen by the
-        # endpoint from measured times. Charging it as the draft model stopped it drafting (0.09 drafts
-        # a round on HumanEval), and drafts longer than the draft model's best only lengthen its tree.
-        self.ssd = SpeculationPolicy(target_costs, max_draft=8)
-        self.draft_model: SpeculationPolicy | None = None  # set once the endpoint tells its draft costs
-
-    def choose(self, kinds: set[int | None]) -> SpeculationPolicy:
-        if spec_pb.DRAFTER_KIND_DRAFT_MODEL in kinds and self.draft_model is not None:
-            return self.draft_model
-        if spec_pb.DRAFTER_KIND_SSD in kinds:
-            return self.ssd
-        return self.free
 
 
 def _events(req: Request, context):
@@ -363,47 +322,28 @@ def main(args: argparse.Namespace) -> int:
 
     def load():
         model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
-        policies = None
+        costs = None
         if not args.draft_tokens:
             log.info("measuring verify-step costs of %s (cached after the first run)", name)
-            policies = PolicySelector(cached_step_costs(model, name))
-        decoder = Decoder(model, args.max_batch, args.max_context, None, args.draft_tokens,
-                          policies.free if policies else None)
-        return model, tokenizer, policies, decoder
+            costs = cached_step_costs(model, name)
+        return model, tokenizer, costs
 
     # The scheduler thread decodes; torch work on this thread would leave it a second OpenMP pool.
-    model, tokenizer, policies, decoder = off_main_thread(load)
+    model, tokenizer, costs = off_main_thread(load)
     datastore = None
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
-
-    def on_attach(capacity) -> None:
-        metrics.endpoint_attached.set(1)
-        if policies is not None:
-            policies.draft_model = SpeculationPolicy(policies.free.target_costs, client.draft_costs(), max_draft=8)
-
-    scheduler_ref: list[Scheduler] = []
-
-    def on_fallback(reason: str, seq_ids: list[str]) -> None:
-        metrics.fallback(reason, len(seq_ids))
-        if reason in ("endpoint_failed", "endpoint_unavailable"):
-            metrics.endpoint_attached.set(0)
-        scheduler_ref[0].count_fallbacks(seq_ids)
-
+    observer = TargetObserver(metrics)
     client = SpeculationClient(
-        tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), deadline_s=args.spec_deadline_ms / 1000,
-        on_fallback=on_fallback, on_attach=on_attach, ssd_push=args.ssd_mode == "push",
+        tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), observer,
+        deadline_s=args.spec_deadline_ms / 1000, ssd_push=args.ssd_mode == "push",
         delay_s=args.spec_delay_ms / 1000, credentials=credentials,
-        on_cache_stats=lambda seq_id, hits, lookups: scheduler_ref[0].record_cache_stats(seq_id, hits, lookups),
-        on_round=lambda wait_s, draft_s: (metrics.spec_round_seconds.observe(wait_s),
-                                          metrics.spec_wire_seconds.observe(max(0.0, wait_s - draft_s))),
     )
-    decoder.drafter = client
+    draft_length = TargetDraftLength(client, costs, fixed=args.draft_tokens)
+    decoder = off_main_thread(lambda: Decoder(model, args.max_batch, args.max_context, client, draft_length))
     metrics.spec_breaker_open.set_function(lambda: float(client.breaker.open))
     metrics.spec_deadline_seconds.set_function(client.breaker.deadline)
-    scheduler = Scheduler(decoder, client, metrics, name, max_queue=args.max_queue,
-                          policy_for=policies.choose if policies else None)
-    scheduler_ref.append(scheduler)
+    scheduler = Scheduler(decoder, client, metrics, observer, name, max_queue=args.max_queue)
 
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
@@ -423,14 +363,12 @@ def main(args: argparse.Namespace) -> int:
     heartbeat = None
     redis_url = redis_url_from(args)
     if redis_url:
-        from specpool.target_service.registration import HeartbeatFields
-
         from specpool.common.registry import Heartbeat
+        from specpool.target_service.registration import HeartbeatFields
 
         address = f"{args.advertise_host}:{port}"
         fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
-                                 policies.free if policies else None,
-                                 lambda: policies.draft_model if policies else None)
+                                 draft_length.free, lambda: draft_length.draft_model)
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")

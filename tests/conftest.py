@@ -4,10 +4,10 @@ import uuid
 
 import pytest
 import torch
+
 from specpool.engine.config import tiny_config
 from specpool.engine.model import Llama
 from specpool.engine.process_env import NO_NATIVE_BF16
-
 from tests.pki import CA
 
 # Servers the tests start run secure, as in production: they issue themselves certificates from CA.
@@ -93,6 +93,7 @@ def real_model():
 def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM reading the same GGUF (tests only)."""
     import transformers  # the declared test dependency (pyproject's "test" extra): missing is an error
+
     from specpool.engine.gguf_loader import default_model_path
 
     path = default_model_path()

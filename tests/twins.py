@@ -18,11 +18,12 @@ from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
+from torch import Tensor
+
 from specpool.engine import decoding
 from specpool.engine import verification as ver
 from specpool.engine.drafter import Drafts, ModelDrafter
 from specpool.engine.ssd import SsdDrafter
-from torch import Tensor
 
 KINDS = ("misreported-q", "misreported-cache-q", "leaky-residual")
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
 from specpool.engine.config import ModelConfig
 from specpool.engine.model import rope_angles
 from specpool.training.draft_data import Corpus
-from torch import nn
-from tqdm import tqdm
 
 
 def reduced_vocab(corpus: Corpus, size: int, always: list[int]) -> torch.Tensor:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
 from specpool.engine.decoding import generate
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.tokenizer import Tokenizer
-from tqdm import tqdm
 
 
 @dataclass(frozen=True, slots=True)

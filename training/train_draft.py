@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from specpool.engine.decoding import generate
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.gguf_loader import load_gguf

@@ -303,9 +303,8 @@ class Security:
         tokens_file = tokens_file or os.environ.get(TOKENS_FILE_ENV)
         if not tokens_file and (directory / TOKENS).exists():
             tokens_file = directory / TOKENS
-        return cls(ca=ca_pem, cert=cert, key=key, identity=identity,
-                   tokens=TokenTable(Path(tokens_file)) if tokens_file else None,
-                   token=token)
+        tokens = TokenTable(Path(tokens_file)) if tokens_file else None
+        return cls(ca=ca_pem, cert=cert, key=key, identity=identity, tokens=tokens, token=token)
 
     # -- server side --
 
@@ -363,10 +362,9 @@ class _Authenticate(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or not self.security.enabled:
             return handler
-        security = self.security
 
         def check(context) -> None:
-            if security.caller(context) is None:
+            if self.security.caller(context) is None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "authorization: send a bearer token the router's tokens file lists "
                               "(metadata 'authorization: Bearer <token>') or a client certificate from "

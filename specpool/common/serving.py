@@ -1,7 +1,8 @@
 """Plumbing every gRPC server shares: logging, server construction, health, reflection, metrics, drain.
 
 The target service, the speculation endpoint and the router each build a server with `build_server`,
-register their servicers, call `add_health_and_reflection`, start a `MetricsHttpServer`, then block in
+register their servicers, call `add_health_and_reflection`, start a `MetricsHttpServer`
+(specpool/common/metrics_http.py), then block in
 `serve_until_signal`, which drains in-flight RPCs on SIGTERM (what Kubernetes sends before killing a pod).
 """
 
@@ -17,11 +18,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
-import prometheus_client
 from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -31,11 +30,14 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from specpool.common import security
+from specpool.common.metrics_http import METRICS_TOKEN_ENV
+
+if TYPE_CHECKING:
+    from specpool.common.metrics_http import MetricsHttpServer
 
 log = logging.getLogger(__name__)
 
 REDIS_URL_ENV = "SPECPOOL_REDIS_URL"
-METRICS_TOKEN_ENV = "SPECPOOL_METRICS_TOKEN"
 # Set by cluster/processes.start_server: the pid of the process that launched this server.
 LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -67,7 +69,7 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags every server takes for TLS, tokens and the registry's URL (specpool/security.py)."""
+    """The flags every server takes for TLS, tokens and the registry's URL (specpool/common/security.py)."""
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help=f"ca.crt, tls.crt, tls.key of this service (default: ${security.TLS_DIR_ENV}); a directory "
                         f"with ca.key is a local CA that issues this process its certificate (specpool up)")
@@ -295,100 +297,6 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
     names = [*service_full_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(list(dict.fromkeys(names)), server)
     return state
-
-
-class MetricsHttpServer:
-    """HTTP side door: GET /metrics (Prometheus text), JSON routes such as a capacity API, and the
-    probes /healthz, /livez, /readyz (kubelet's gRPC probes cannot speak TLS).
-
-    With a token (default: $SPECPOOL_METRICS_TOKEN) /metrics and the JSON routes require
-    "Authorization: Bearer <token>"; the probes stay open (they tell nothing).
-    A JSON route may take the caller's standing: route(authorized) gets True when a token is set and
-    was presented, so it can leave out what only operators may read.
-    """
-
-    def __init__(
-        self,
-        registry: prometheus_client.CollectorRegistry,
-        port: int,
-        host: str = "127.0.0.1",
-        json_routes: dict[str, Callable[[bool], dict]] | None = None,
-        health: HealthState | None = None,
-        token: str | None = None,
-    ):
-        self.registry = registry
-        self.host = host
-        self.port = port
-        self.json_routes = dict(json_routes or {})
-        self.health = health
-        self.token = (token if token is not None else os.environ.get(METRICS_TOKEN_ENV)) or None
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._httpd is not None:
-            raise RuntimeError("MetricsHttpServer already started")
-        self._httpd = ThreadingHTTPServer((self.host, self.port), self._handler_class())
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name=f"metrics-http:{self.port}", daemon=True
-        )
-        self._thread.start()
-        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
-
-    def stop(self) -> None:
-        if self._httpd is None:
-            return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        self._httpd = None
-        self._thread = None
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        registry = self.registry
-        routes = self.json_routes
-        health = self.health
-        token = self.token
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path in ("/healthz", "/livez", "/readyz"):
-                    up = health is None or (health.ready if path == "/readyz" else health.live)
-                    self._reply(200 if up else 503, "text/plain; charset=utf-8", b"ok" if up else b"not ready")
-                    return
-                if path not in routes and path != "/metrics":
-                    self._reply(404, "application/json", json.dumps({"error": f"no route {path}"}).encode())
-                    return
-                if not security.check_metrics_token(self.headers.get("Authorization"), token):
-                    self._reply(401, "application/json",
-                                b'{"error": "send Authorization: Bearer <the metrics token>"}')
-                    return
-                if path == "/metrics":
-                    body = prometheus_client.generate_latest(registry)
-                    self._reply(200, prometheus_client.CONTENT_TYPE_LATEST, body)
-                else:
-                    try:
-                        body, code = json.dumps(routes[path](token is not None)), 200
-                    except Exception as e:
-                        log.exception("JSON route %s failed", path)
-                        body, code = json.dumps({"error": f"{type(e).__name__}: {e}"}), 500
-                    self._reply(code, "application/json", body.encode())
-
-            def _reply(self, code: int, content_type: str, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: keep them quiet
-                log.debug("%s " + format, self.address_string(), *args)
-
-        return Handler
 
 
 def report_ready(service: str, port: int, metrics_port: int) -> None:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from specpool.common.errors import FieldError
-from specpool.engine.sampling import SamplingParams
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import target_pb2
+
+if TYPE_CHECKING:  # the router speaks this vocabulary too, and never loads torch or the engine
+    import torch
+
+    from specpool.engine.sampling import SamplingParams
 
 MAX_DRAFT_TOKENS = 32  # per sequence and round
 # Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
@@ -86,6 +89,8 @@ def drafter_to_pb(method: Method | None) -> int:
 
 def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Checked where it enters a process: a bad value raises FieldError naming it."""
+    from specpool.engine.sampling import SamplingParams
+
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
         raise FieldError(f"{field}.temperature", f"must be a finite number >= 0 (0: greedy), got {msg.temperature}")
     if not 0.0 <= msg.top_p <= 1.0:  # NaN fails too
@@ -123,6 +128,8 @@ def sparse_q_to_pb(ids: list[int], probs: list[float], k: int) -> spec_pb.Sparse
 
 def sparse_q_from_pb(msg: spec_pb.SparseDistribution, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(ids [rows, k], probs [rows, k]), or None when the message's sizes do not say that."""
+    import torch
+
     k = msg.k
     if k < 1 or len(msg.ids) != rows * k or len(msg.probs) != rows * k:
         return None

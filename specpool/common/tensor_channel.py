@@ -11,23 +11,16 @@ per peer; the caller ships the offer over gRPC and the peer calls `DistributedPa
     offer = host.offer("target-a")  --gRPC-->    ch = DistributedPairChannel.connect(offer, offer.target_rank)
     host.get("target-a", 30).send(t)             ch.recv(shape, dtype)
 
-The store is reachable by anyone who reaches its port, and anyone there can list its keys and join
-a pair. So each offer carries a fresh random secret that only travels over the (authenticated) gRPC
-call, never through the store: once the group forms, each rank proves it holds the secret
-(HMAC-SHA256 over the other rank's random nonce) before the channel is used, and a peer that cannot
-is refused. Prefixes are random and name no peer.
+Each offer carries a secret the peer must prove before the pair is used; how a pair forms (the store,
+the group, the proof) is specpool.common.channel_pairing's.
 
 `LoopbackChannel.pair()` is the in-process stand-in for tests.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
 import queue
-import secrets
 import socket
 import threading
 import uuid
@@ -39,15 +32,23 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from specpool.common.channel_pairing import (
+    WILDCARD_HOSTS,
+    PeerRefused,
+    check_backend,
+    connect_error,
+    join_store,
+    local_address_towards,
+    new_group,
+    new_secret,
+    prove_secret,
+    serve_store,
+)
 from specpool.engine.device import default_device, distributed_backend
 
 log = logging.getLogger(__name__)
 
 _TAG = 0
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-_SECRET_BYTES = 32  # per offer
-_NONCE_BYTES = 32  # per rank per handshake
-_PROOF_BYTES = hashlib.sha256().digest_size
 
 
 class ChannelError(RuntimeError):
@@ -91,16 +92,8 @@ class DistributedPairChannel:
     both send large tensors before receiving may stall each other: keep a pair's traffic one-way at a time.
     """
 
-    def __init__(
-        self,
-        backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL,
-        store: dist.Store,
-        *,
-        rank: int,
-        device: torch.device,
-        timeout_s: float,
-        name: str,
-    ):
+    def __init__(self, backend: dist.ProcessGroupGloo | dist.ProcessGroupNCCL, store: dist.Store, *,
+                 rank: int, device: torch.device, timeout_s: float, name: str):
         self.rank = rank
         self.peer_rank = 1 - rank
         self.device = device
@@ -118,67 +111,45 @@ class DistributedPairChannel:
         self._sender.start()
 
     @classmethod
-    def connect(
-        cls, offer: ChannelOffer, rank: int, device: torch.device | None = None
-    ) -> DistributedPairChannel:
+    def connect(cls, offer: ChannelOffer, rank: int, device: torch.device | None = None) -> DistributedPairChannel:
         """Joins the pair an endpoint offered; blocks until both ranks are in (or offer.timeout_s passes)."""
         device = device or default_device()
-        _check_backend(offer.backend, device, offer.prefix)
+        check_backend(offer.backend, device, offer.prefix)
         if not offer.secret:
             raise ValueError(f"tensor channel {offer.prefix}: the offer carries no pairing secret")
-        timeout = timedelta(seconds=offer.timeout_s)
         try:
-            store = dist.TCPStore(
-                offer.host, offer.port, is_master=False, timeout=timeout, wait_for_workers=False
-            )
+            store = join_store(offer.host, offer.port, offer.prefix, offer.timeout_s)
         except Exception as e:
             via = f"connecting to the store at {offer.host}:{offer.port}"
-            raise _connect_error(e, offer.prefix, rank, offer.timeout_s, via) from e
-        return cls._join(
-            dist.PrefixStore(offer.prefix, store),
-            rank=rank,
-            backend=offer.backend,
-            device=device,
-            timeout_s=offer.timeout_s,
-            name=offer.prefix,
-            local_host=_local_address_towards(offer.host, offer.port),
-            secret=offer.secret,
-        )
+            raise connect_error(e, offer.prefix, rank, offer.timeout_s, via) from e
+        return cls._join(store, rank=rank, backend=offer.backend, device=device, timeout_s=offer.timeout_s,
+                         name=offer.prefix, local_host=local_address_towards(offer.host, offer.port),
+                         secret=offer.secret)
 
     @classmethod
-    def _join(
-        cls,
-        store: dist.Store,
-        *,
-        rank: int,
-        backend: str,
-        device: torch.device,
-        timeout_s: float,
-        name: str,
-        local_host: str | None,
-        secret: bytes,
-    ) -> DistributedPairChannel:
+    def _join(cls, store: dist.Store, *, rank: int, backend: str, device: torch.device, timeout_s: float, name: str,
+              local_host: str | None, secret: bytes) -> DistributedPairChannel:
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 or 1 in a pair; got {rank}")
         if not secret:
             raise ValueError(f"tensor channel {name}: no pairing secret")
-        _check_backend(backend, device, name)
+        check_backend(backend, device, name)
         try:
-            group = _new_group(store, rank, backend, timedelta(seconds=timeout_s), local_host)
+            group = new_group(store, rank, backend, timedelta(seconds=timeout_s), local_host)
         except Exception as e:
-            raise _connect_error(e, name, rank, timeout_s, "waiting for the peer to join") from e
+            raise connect_error(e, name, rank, timeout_s, "waiting for the peer to join") from e
         channel = cls(group, store, rank=rank, device=device, timeout_s=timeout_s, name=name)
         del group  # the channel holds the only reference: its shutdown closes the sockets
         try:
-            channel._handshake(secret)
-        except _PeerRefused as e:
+            prove_secret(secret, rank, channel._send_bytes, channel._recv_bytes)
+        except PeerRefused as e:
             log.warning("tensor channel %s: refused the peer at rank %d: it did not prove the pair's secret",
                         name, 1 - rank)
             channel._abort()
             raise ChannelError(f"tensor channel {name}: rank {rank} refused rank {1 - rank}: {e}") from None
         except Exception as e:
             channel._abort()
-            raise _connect_error(e, name, rank, timeout_s, "handshake") from e
+            raise connect_error(e, name, rank, timeout_s, "handshake") from e
         return channel
 
     def send(self, tensor: torch.Tensor) -> None:
@@ -237,31 +208,6 @@ class DistributedPairChannel:
                 log.exception("tensor channel %s: send of %s failed", self.name, what)
                 self._error = e
 
-    def _handshake(self, secret: bytes) -> None:
-        """Mutual proof of the pair's secret, before the channel carries anything else.
-
-        Each rank sends a fresh random nonce; each answers HMAC-SHA256(secret, b"rank<own rank>" +
-        the other's nonce), which only a holder of the secret can compute and which is good for this
-        handshake only (the rank in it keeps a peer from echoing our own proof back). The joining rank
-        (1) proves first; rank 0 answers only a peer that proved, so an impostor at rank 1 sees no proof
-        at all. A peer whose proof does not match raises _PeerRefused.
-        """
-        own_nonce = secrets.token_bytes(_NONCE_BYTES)
-        if self.rank == 0:
-            self._send_bytes(own_nonce)
-            peer_nonce = self._recv_bytes(_NONCE_BYTES)
-            self._check_proof(secret, own_nonce, self._recv_bytes(_PROOF_BYTES))
-            self._send_bytes(_proof(secret, self.rank, peer_nonce))
-        else:
-            peer_nonce = self._recv_bytes(_NONCE_BYTES)
-            self._send_bytes(own_nonce)
-            self._send_bytes(_proof(secret, self.rank, peer_nonce))
-            self._check_proof(secret, own_nonce, self._recv_bytes(_PROOF_BYTES))
-
-    def _check_proof(self, secret: bytes, own_nonce: bytes, answer: bytes) -> None:
-        if not hmac.compare_digest(answer, _proof(secret, self.peer_rank, own_nonce)):
-            raise _PeerRefused(f"rank {self.peer_rank} did not prove the pair's secret")
-
     def _send_bytes(self, data: bytes) -> None:
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         self._backend.send([tensor], self.peer_rank, _TAG).wait(self._timeout)
@@ -288,101 +234,6 @@ class DistributedPairChannel:
         # Gloo closes its sockets (and so tells the peer) only when the last reference goes: this was it.
 
 
-class _PeerRefused(Exception):
-    """The peer in the group did not prove the pair's secret."""
-
-
-def _proof(secret: bytes, rank: int, nonce: bytes) -> bytes:
-    """What `rank` answers to the other rank's nonce: only a holder of the pair's secret can compute it."""
-    return hmac.new(secret, b"rank%d" % rank + nonce, hashlib.sha256).digest()
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on host:port only; a wildcard host ("", 0.0.0.0, ::) means every interface.
-
-    torch's TCPStore, handed a host, still binds every interface: it gets this socket instead.
-    """
-    if host in _WILDCARD_HOSTS:
-        if socket.has_dualstack_ipv6():
-            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=128,
-                                        dualstack_ipv6=True)
-        return socket.create_server(("0.0.0.0", port), family=socket.AF_INET, backlog=128)
-    errors = []
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may reuse a fixed port
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.listen(128)
-            return sock
-        except OSError as e:
-            sock.close()
-            errors.append(e)
-    raise OSError(f"cannot listen on {host}:{port}: {errors[-1] if errors else 'the host has no address'}")
-
-
-def _loopback_for(wildcard: str) -> str:
-    """A loopback address the wildcard listener accepts: IPv4's, unless the machine has only IPv6."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-        return "127.0.0.1"
-    except OSError:
-        return "::1"
-
-
-def _check_backend(backend: str, device: torch.device, name: str) -> None:
-    if distributed_backend(device) != backend:
-        raise ValueError(
-            f"tensor channel {name}: the offer uses {backend!r}, which cannot carry tensors on {device} "
-            f"({device} uses {distributed_backend(device)!r}); pass a matching device"
-        )
-
-
-def _new_group(
-    store: dist.Store, rank: int, backend: str, timeout: timedelta, local_host: str | None
-) -> dist.ProcessGroupGloo | dist.ProcessGroupNCCL:
-    """A 2-rank backend built from the store; the constructor returns once both ranks have joined (Gloo)."""
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        # An explicit address: the default device resolves the machine's hostname, which may not resolve.
-        if local_host is None or local_host in _WILDCARD_HOSTS:
-            options._devices = [dist.ProcessGroupGloo.create_default_device()]
-        else:
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-        options._timeout = timeout
-        options._threads = 2
-        return dist.ProcessGroupGloo(store, rank, 2, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    raise ValueError(f"tensor channel backend must be gloo or nccl; got {backend!r}")
-
-
-def _local_address_towards(host: str, port: int) -> str | None:
-    """The local address whose interface routes to host: the one the peer can reach us on."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)  # UDP: picks a route, sends nothing
-            return probe.getsockname()[0]
-    except OSError:
-        return None
-
-
-def _connect_error(e: Exception, name: str, rank: int, timeout_s: float, via: str) -> Exception:
-    message = f"tensor channel {name}: rank {rank} did not pair with rank {1 - rank} ({via}, {timeout_s:g}s)"
-    message += f": {e}"
-    text = str(e).lower()
-    if isinstance(e, TimeoutError | dist.DistStoreError) or "timeout" in text or "timed out" in text:
-        return TimeoutError(message)
-    return RuntimeError(message)
-
-
 @dataclass
 class _Pairing:
     offer: ChannelOffer
@@ -401,30 +252,16 @@ class ChannelHost:
     once (each holds a thread for up to timeout_s); more are refused with ChannelBusy.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout_s: float = 30.0,
-        device: torch.device | None = None,
-        max_joining: int = 16,
-    ):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 device: torch.device | None = None, max_joining: int = 16):
         self.host = host
         self.timeout_s = timeout_s
         self.max_joining = max_joining
         self.device = device or default_device()
         self.backend = distributed_backend(self.device)
-        # Where this process reaches its own store (the master store and each rank 0 connect to it).
-        self._local_host = _loopback_for(host) if host in _WILDCARD_HOSTS else host
-        with _listening_socket(host, port) as listener:
-            # The store's server takes the descriptor over (and closes it, on failure too): hand it a copy.
-            self._store = dist.TCPStore(
-                self._local_host, listener.getsockname()[1], is_master=True,
-                timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                master_listen_fd=os.dup(listener.fileno()),
-            )
+        self._store, self._local_host = serve_store(host, port, timeout_s)
         self.port = self._store.port
-        self._advertised_host = socket.gethostname() if host in _WILDCARD_HOSTS else host
+        self._advertised_host = socket.gethostname() if host in WILDCARD_HOSTS else host
         self._pairings: dict[str, _Pairing] = {}
         self._joining = 0  # offers whose rank 0 still waits for the peer
         self._lock = threading.Lock()
@@ -433,15 +270,8 @@ class ChannelHost:
     def offer(self, peer: str) -> ChannelOffer:
         """A fresh pair for peer (replacing any earlier one); rank 0 starts joining in the background."""
         # The prefix names no peer: anyone who reaches the store may list its keys.
-        offer = ChannelOffer(
-            host=self._advertised_host,
-            port=self.port,
-            prefix=f"pair/{uuid.uuid4().hex}",
-            backend=self.backend,
-            target_rank=1,
-            timeout_s=self.timeout_s,
-            secret=secrets.token_bytes(_SECRET_BYTES),
-        )
+        offer = ChannelOffer(host=self._advertised_host, port=self.port, prefix=f"pair/{uuid.uuid4().hex}",
+                             backend=self.backend, target_rank=1, timeout_s=self.timeout_s, secret=new_secret())
         pairing = _Pairing(offer)
         with self._lock:
             if self._closed:
@@ -488,18 +318,10 @@ class ChannelHost:
         try:
             # A connection of its own: waits on one connection take turns, so an offer nobody joins
             # held every later pair up for its whole timeout (50 such offers: 25 minutes).
-            store = dist.TCPStore(self._local_host, self.port, is_master=False,
-                                  timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            store = join_store(self._local_host, self.port, prefix, self.timeout_s)
             channel = DistributedPairChannel._join(
-                dist.PrefixStore(prefix, store),
-                rank=0,
-                backend=self.backend,
-                device=self.device,
-                timeout_s=self.timeout_s,
-                name=prefix,
-                local_host=self.host,
-                secret=pairing.offer.secret,
-            )
+                store, rank=0, backend=self.backend, device=self.device, timeout_s=self.timeout_s, name=prefix,
+                local_host=self.host, secret=pairing.offer.secret)
         except ChannelError as e:  # a peer that did not prove the secret: already logged
             log.debug("%s", e)
         except (TimeoutError, RuntimeError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from specpool.bench.peers import gguf_to_hf_rope_layout, hf_assisted, hf_generate, hf_prompt_lookup
 
 QUESTIONS = [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
@@ -25,7 +26,6 @@ from specpool.engine.gguf_loader import default_model_path, model_name, save_ggu
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
-
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel

@@ -27,15 +27,15 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
+from specpool.common.registry import Registry
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path, model_name, save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
-
-from specpool.common.registry import Registry
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel
@@ -281,7 +281,6 @@ def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recove
     the endpoint drafts again; the drafted stream equals AR. The tight figures (1.2x solo, 1.3x AR)
     are the benchmark's, on a quiet machine; here, next to other tests, the bound is 1.5x."""
     from specpool.bench.grey_failure import measure
-
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3, max_context=4096)

@@ -31,14 +31,14 @@ import grpc
 import pytest
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
+from specpool.common.registry import Registry
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import model_name
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-
-from specpool.common.registry import Registry
 from specpool.v1 import speculation_pb2 as spec_pb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb

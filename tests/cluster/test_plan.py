@@ -6,9 +6,11 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-from specpool.cluster.plan import load_demand, make_plan, stats_from_bench, write_svg
 
 from specpool.cli import main
+from specpool.cluster.plan_inputs import load_demand, stats_from_bench
+from specpool.cluster.plan_model import make_plan
+from specpool.cluster.plan_report import write_svg
 
 # One model, 2 req/s x 200 output tokens = 400 tokens/s of demand, utilization 1, no prompts.
 # One replica at batch 4: 100 tokens/s AR, 2.0x with a draft slot. An endpoint holds 4 sessions.

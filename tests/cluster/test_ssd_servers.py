@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
-
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
     PER_REQUEST,

@@ -17,14 +17,14 @@ import pytest
 import redis
 import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.engine.gguf_loader import model_name
-
 from specpool.common.registry import Heartbeat, Registry
 from specpool.common.security import LocalCA, Security
 from specpool.common.serving import build_server
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
+from specpool.engine.gguf_loader import model_name
 from specpool.v1 import speculation_pb2 as spb
 from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb

@@ -6,7 +6,8 @@ import io
 from pathlib import Path
 
 import pytest
-from specpool.cluster.up import DEFAULT_CONFIG, ClusterConfig, ConfigError
+
+from specpool.cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,13 +51,12 @@ def test_bad_files_name_the_key(raw, message):
 @pytest.mark.slow
 def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_kind):
     from specpool.cluster.demo import AUTO, NONE, run_demo
-    from specpool.cluster.up import Cluster
+    from specpool.cluster.launcher import Cluster
     from specpool.engine.decoding import generate
     from specpool.engine.device import native_bf16
     from specpool.engine.gguf_loader import model_name
     from specpool.engine.model import Llama
     from specpool.engine.sampling import SamplingParams
-
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
@@ -107,9 +107,8 @@ def _alive(pid: int) -> bool:
 def test_a_cluster_whose_member_cannot_start_stops_what_it_started(tmp_path):
     """The router (the last tier) cannot start: the targets, the endpoint and Redis, all up by then,
     are stopped again, and the error names the member and shows its log."""
-    from specpool.cluster.up import Cluster
+    from specpool.cluster.launcher import Cluster
     from specpool.engine.gguf_loader import model_name
-
     from tests.cluster.test_disaggregation import tiny_files
     from tests.conftest import tagged_processes
 
@@ -149,7 +148,6 @@ def test_servers_stop_when_their_launcher_dies(tmp_path):
     import time
 
     from specpool.engine.gguf_loader import model_name
-
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, _ = tiny_files(tmp_path, vocab=64, seed=3)

@@ -3,6 +3,7 @@
 import jinja2
 import pytest
 from jinja2.exceptions import SecurityError
+
 from specpool.engine.gguf_loader import default_model_path, load_gguf
 from specpool.engine.tokenizer import Tokenizer
 

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafter import Drafts, ModelDrafter
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
-
+from specpool.engine.speculation_policy import FixedDraftLength
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 
@@ -126,7 +127,7 @@ def test_a_broken_drafter_ends_at_most_its_own_group(tiny_model, fault):
     error. Either way the greedy group decoded in the same batch gets exactly AR's tokens."""
     prompts = [[5, 6, 7], [9, 10, 11, 12], [13, 14]]
     ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=16, stop_ids=[])
-    decoder = Decoder(tiny_model, 4, 64, BrokenDrafter(tiny_model, fault), num_draft_tokens=2)
+    decoder = Decoder(tiny_model, 4, 64, BrokenDrafter(tiny_model, fault), FixedDraftLength(2))
     greedy = [decoder.add(f"g{i}", p, SamplingParams(), 16, stop_ids=[]) for i, p in enumerate(prompts)]
     sampled = decoder.add("s", prompts[0], SamplingParams(temperature=1.0, seed=0), 16, stop_ids=[])
     while decoder.has_work:
@@ -169,7 +170,7 @@ def test_sequences_that_wait_for_no_remote_drafts_step_while_a_round_is_out(tiny
     prompts = {"remote-a": [5, 6, 7], "remote-b": [9, 10, 11, 12], "plain": [13, 14]}
     ar = dict(zip(prompts, generate(tiny_model, list(prompts.values()), SamplingParams(), 24, stop_ids=[])))
     drafter = SlowRemoteDrafter(tiny_model, delay=3)
-    decoder = Decoder(tiny_model, 4, 64, drafter, num_draft_tokens=3)
+    decoder = Decoder(tiny_model, 4, 64, drafter, FixedDraftLength(3))
     results = {name: decoder.add(name, p, SamplingParams(), 24, stop_ids=[]) for name, p in prompts.items()}
     while decoder.has_work:
         decoder.step()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+
 from specpool.engine.device import cpu_class, native_bf16, resolve_dtype
 from specpool.engine.process_env import NO_NATIVE_BF16
 

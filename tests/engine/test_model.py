@@ -1,6 +1,7 @@
 """The forward over the slot-indexed cache: ragged batches, joins/leaves, cheap rollback."""
 
 import torch
+
 from specpool.engine.config import tiny_config
 from specpool.engine.device import native_bf16
 from specpool.engine.model import Llama

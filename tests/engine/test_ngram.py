@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.model import Llama
@@ -15,7 +16,6 @@ from specpool.engine.ngram import (
     suffix_array,
 )
 from specpool.engine.sampling import SamplingParams
-
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

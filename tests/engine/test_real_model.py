@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from specpool.engine.decoding import generate
 from specpool.engine.sampling import SamplingParams
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from specpool.engine.decoding import generate
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.model import Llama

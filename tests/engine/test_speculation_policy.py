@@ -3,11 +3,14 @@
 import json
 
 import pytest
+
 from specpool.engine.decoding import generate
 from specpool.engine.ngram import NgramDrafter
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
+    FixedDraftLength,
+    Running,
     SpeculationPolicy,
     StepCosts,
     cached_step_costs,
@@ -161,3 +164,13 @@ def test_offers_left_empty_are_rejections_and_cost_a_plain_step_only_when_no_row
     assert policy.choose(1, est.expected_tokens, fill=est.fill) == 4
     assert policy.choose(1, est.expected_tokens) == 0  # charged as if every round drafted: no gain
     assert policy.choose(16, est.expected_tokens, fill=est.fill) == 0
+
+
+def test_a_policy_offers_its_batch_one_length_from_the_mean_catch_up_and_remaining_tokens():
+    policy = SpeculationPolicy(COSTS, draft_costs=COSTS)
+    acceptance = AcceptanceEstimate(prior_alpha=0.8)
+    batch = [Running("a", unseen=1, remaining=40), Running("b", unseen=3, remaining=20)]
+    s = policy.choose(2, acceptance.expected_tokens, catch_up=2.0, remaining=30.0, fill=acceptance.fill)
+    assert policy.lengths(batch, acceptance) == [s, s]
+    assert policy.lengths([], acceptance) == []
+    assert FixedDraftLength(3).lengths(batch, acceptance) == [3, 3]

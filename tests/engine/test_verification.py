@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import Tensor
+
 from specpool.engine import verification as ver
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specpool.engine.verification import (
@@ -25,8 +27,6 @@ from specpool.engine.verification import (
     verify_point_mass,
     verify_sparse,
 )
-from torch import Tensor
-
 from tests.stats import TvCheck, check_tv, report, tv, tv_threshold
 from tests.twins import temper
 

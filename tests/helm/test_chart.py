@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from specpool.router.metrics import RouterMetrics
 from specpool.spec_endpoint.metrics import EndpointMetrics
 from specpool.target_service.metrics import TargetMetrics
@@ -237,7 +238,7 @@ def test_values_extra_args_flags_exist(values, server_parsers):
 def test_server_parsers_take_the_default_values(values, server_parsers):
     """The values the templates pass by default parse (choices and types included)."""
     from specpool.router.server import parse_tenant_weights
-    from specpool.spec_endpoint.registry import DrafterSpec
+    from specpool.spec_endpoint.drafters import DrafterSpec
 
     r, e, t = values["router"], values["specEndpoint"], values["targetDefaults"]
     weights = ",".join(f"{k}={v}" for k, v in r["tenantWeights"].items())
@@ -495,7 +496,7 @@ def test_tls_certificates_name_what_callers_check():
 
 
 def test_tokens_and_metrics_token():
-    from specpool.common.serving import METRICS_TOKEN_ENV
+    from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
     text = template_text("secrets.yaml")
     assert 'dict "default" ""' in text and "randAlphaNum 32" in text and 'lookup "v1" "Secret"' in text

@@ -8,9 +8,9 @@ import itertools
 import time
 
 import pytest
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-
 from specpool.common.registry import Heartbeat, Registry
 from tests.router.test_router import DRAFT, NGRAM, FakeTarget, request, stub, wait_for_model
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.engine.config import tiny_config
@@ -29,8 +30,7 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
-from specpool.router.server import _Stream
-
+from specpool.router.forwarding import Stream
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel as secure_channel
@@ -88,7 +88,7 @@ def request(prompt: list[int], max_tokens: int, request_id: str = "") -> pb.Gene
 
 
 def test_a_stream_is_continued_from_what_its_client_received():
-    stream = _Stream(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2]), max_tokens=5, stop_token_ids=[9]))
+    stream = Stream(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2]), max_tokens=5, stop_token_ids=[9]))
     assert stream.request.request_id and stream.next_request() is stream.request and stream.movable()
     for ids, text in (([4, 5], "ab"), ([6], "c")):
         stream.sent(pb.GenerateResponse(delta=pb.TokenDelta(token_ids=ids, text=text)))
@@ -103,7 +103,7 @@ def test_a_stream_is_continued_from_what_its_client_received():
     assert (list(final.completions[0].token_ids), final.completions[0].text, final.completions[0].finish_reason,
             final.usage.prompt_tokens, final.usage.completion_tokens) == ([4, 5, 6, 9], "abc", "stop", 2, 4)
 
-    several = _Stream(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1]), max_tokens=5, n=2))
+    several = Stream(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1]), max_tokens=5, n=2))
     assert several.movable()
     several.sent(pb.GenerateResponse(delta=pb.TokenDelta(index=1, token_ids=[4])))
     assert not several.movable(), "n > 1 cannot be resumed once anything was sent"

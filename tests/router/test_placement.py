@@ -1,10 +1,26 @@
-"""Placement (filters -> scorers -> picker) and the speculation plan, as pure functions of a snapshot."""
+"""Placement (filters -> scorers -> picker) and the speculation decision, as pure functions of a snapshot."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
+
+from specpool.common.registry import EndpointRegistration, TargetRegistration
+from specpool.common.speculation import Method
+from specpool.router.decisions import (
+    ENDPOINT_BUSY,
+    NO_ENDPOINT,
+    NO_SLOT,
+    NO_SPEEDUP,
+    PREDICTED_SPEEDUP,
+    REGISTRY_UNAVAILABLE,
+    REQUESTED,
+    Decision,
+    LeaseUnavailable,
+    decide,
+    draft_endpoint,
+)
 from specpool.router.placement import (
     SCORE_FLOOR,
     PlacementRequest,
@@ -13,26 +29,6 @@ from specpool.router.placement import (
     rendezvous,
     session_home,
 )
-from specpool.router.planning import (
-    DRAFT_MODEL,
-    ENDPOINT_BUSY,
-    NGRAM,
-    NO_ENDPOINT,
-    NO_SLOT,
-    NO_SPEEDUP,
-    NONE,
-    PREDICTED_SPEEDUP,
-    REGISTRY_UNAVAILABLE,
-    REQUESTED,
-    SSD,
-    Decision,
-    LeaseUnavailable,
-    decide,
-    draft_endpoint,
-)
-
-from specpool.common.registry import EndpointRegistration, TargetRegistration
-from specpool.v1 import target_pb2 as pb
 
 
 def target(id: str, model: str = "m", running: int = 0, queued: int = 0, max_batch: int = 8, **kw):
@@ -94,14 +90,14 @@ def test_placement_depends_only_on_the_snapshot():
         assert place(req, targets).id == place(req, list(reversed(targets))).id
 
 
-# -- the speculation plan ---------------------------------------------------------------------------
+# -- the speculation decision ------------------------------------------------------------------------
 
 ENDPOINT = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8)
-AUTO, DRAFT, NG, NO, SSD_M = (pb.SPECULATION_METHOD_AUTO, pb.SPECULATION_METHOD_DRAFT_MODEL,
-                              pb.SPECULATION_METHOD_NGRAM, pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_SSD)
+AUTO = None
+DRAFT_MODEL, NGRAM, NONE, SSD = Method.DRAFT_MODEL, Method.NGRAM, Method.NONE, Method.SSD
 
 
-def planned(requested: int, draft: float, ngram: float, slot: bool | None = True,
+def decided(requested: Method | None, draft: float, ngram: float, slot: bool | None = True,
             endpoint: EndpointRegistration | None = ENDPOINT, methods=("draft_model", "ngram")) -> Decision:
     t = target("a", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=ngram,
                methods=methods)
@@ -130,23 +126,23 @@ GRANTED = {"leased": True}
     (AUTO, 1.6, 1.2, {"endpoint": None}, Decision(NGRAM, NO_ENDPOINT)),
     (AUTO, 1.6, 1.2, {"slot": None}, Decision(NGRAM, REGISTRY_UNAVAILABLE)),
     # explicit methods are honoured whatever the prediction, unless no slot is free
-    (DRAFT, 0.5, 0.5, {}, Decision(DRAFT_MODEL, REQUESTED, **GRANTED)),
-    (SSD_M, 1.5, 1.0, {}, Decision(SSD, REQUESTED, **GRANTED)),
-    (DRAFT, 1.5, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
-    (DRAFT, 1.5, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
-    (NG, 2.0, 0.5, {}, Decision(NGRAM, REQUESTED)),
-    (NO, 2.0, 2.0, {}, Decision(NONE, REQUESTED)),
+    (DRAFT_MODEL, 0.5, 0.5, {}, Decision(DRAFT_MODEL, REQUESTED, **GRANTED)),
+    (SSD, 1.5, 1.0, {}, Decision(SSD, REQUESTED, **GRANTED)),
+    (DRAFT_MODEL, 1.5, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
+    (DRAFT_MODEL, 1.5, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
+    (NGRAM, 2.0, 0.5, {}, Decision(NGRAM, REQUESTED)),
+    (NONE, 2.0, 2.0, {}, Decision(NONE, REQUESTED)),
 ])
-def test_plans(requested, draft, ngram, context, expected):
-    assert planned(requested, draft, ngram, **context) == expected
+def test_decisions(requested, draft, ngram, context, expected):
+    assert decided(requested, draft, ngram, **context) == expected
 
 
 def test_a_saturated_endpoint_is_not_chosen_automatically():
     busy = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, draft_busy_ratio=0.99)
-    assert planned(AUTO, 1.6, 1.2, endpoint=busy) == Decision(NGRAM, ENDPOINT_BUSY)
+    assert decided(AUTO, 1.6, 1.2, endpoint=busy) == Decision(NGRAM, ENDPOINT_BUSY)
     full = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, active_sessions=8)
-    assert planned(AUTO, 1.6, 0.5, endpoint=full) == Decision(NONE, ENDPOINT_BUSY)
-    assert planned(DRAFT, 1.6, 1.2, endpoint=busy).plan == DRAFT_MODEL, "an explicit request still tries"
+    assert decided(AUTO, 1.6, 0.5, endpoint=full) == Decision(NONE, ENDPOINT_BUSY)
+    assert decided(DRAFT_MODEL, 1.6, 1.2, endpoint=busy).method == DRAFT_MODEL, "an explicit request still tries"
 
 
 def test_a_target_drafts_on_the_endpoint_it_names_if_that_drafts_its_model():

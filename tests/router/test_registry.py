@@ -16,13 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+
 from specpool.cluster.processes import start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
-from specpool.spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
-from specpool.spec_endpoint.registration import heartbeat_fields
-from specpool.target_service.registration import predicted_speedup
-
 from specpool.common.registry import (
     EndpointRegistration,
     Heartbeat,
@@ -33,6 +29,10 @@ from specpool.common.registry import (
     guarantees,
     redacted,
 )
+from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
+from specpool.spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
+from specpool.spec_endpoint.registration import heartbeat_fields
+from specpool.target_service.registration import predicted_speedup
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_target_heartbeat_fields_read_the_live_process():
     assert fields["predicted_speedup_draft"] == round(predicted_speedup(draft, 16, 0.3), 4) < 1.0
     assert fields["predicted_speedup_ngram"] > 1.0
     assert fields["spec_endpoint"] == "h:9" and fields["methods"] == ["ssd", "draft_model", "ngram"]
-    # An endpoint whose rounds keep coming late (breaker open): routers stop planning drafts on it.
+    # An endpoint whose rounds keep coming late (breaker open): routers stop choosing drafts on it.
     late = HeartbeatFields("h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
                            decoder=SimpleNamespace(acceptance=AcceptanceEstimate()), metrics=metrics,
                            client=SimpleNamespace(address="h:9", healthy=False), free_policy=None).fields()

@@ -1,5 +1,5 @@
 """The router as a process, against a real Redis: in-process fake targets (no model) for placement and
-plans, real tiny serve-target/serve-spec processes for leases and a Redis restart.
+speculation decisions, real tiny serve-target/serve-spec processes for leases and a Redis restart.
 
 - the router declines to speculate when no method is predicted to beat plain decoding;
 - placement follows the load the replicas report; two router replicas place sessions the same way;
@@ -21,14 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.engine.gguf_loader import model_name
-from specpool.router.capacity import capacity_json
-
 from specpool.common.registry import Heartbeat, Registry
 from specpool.common.security import Security
 from specpool.common.serving import METRICS_TOKEN_ENV, build_server
+from specpool.engine.gguf_loader import model_name
+from specpool.router.capacity import capacity_json
 from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
 from specpool.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
@@ -204,7 +204,7 @@ def wait_for_model(router: ServerProcess, model: str) -> None:
     wait_for(listed)
 
 
-# -- plans and placement, against fake targets ---------------------------------------------------------
+# -- decisions and placement, against fake targets -----------------------------------------------------
 
 
 def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(cluster, redis_server):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from specpool.cluster.redis_server import start_redis
+from specpool.common.registry import Heartbeat, Registry
 from specpool.router.leases import LeaseKeeper
 from specpool.router.view import ClusterView, DirectChecks
-
-from specpool.common.registry import Heartbeat, Registry
 
 
 @pytest.fixture
@@ -125,9 +125,8 @@ def test_leases_are_renewed_retaken_after_a_restart_and_released_once(redis_serv
 
 
 def test_flags():
-    from specpool.router.server import parse_tenant_weights
-
     from specpool.cli import build_parser
+    from specpool.router.server import parse_tenant_weights
 
     assert parse_tenant_weights("alpha=1, beta=2.5") == {"alpha": 1.0, "beta": 2.5}
     assert parse_tenant_weights("") == {}
@@ -144,8 +143,7 @@ def test_flags():
 
 def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
     from specpool.router.metrics import RouterMetrics
-    from specpool.router.routing import Router, RouterConfig, tenant_of
-
+    from specpool.router.routing import Router, RouterConfig, RoutingError, tenant_of
     from specpool.v1 import target_pb2 as pb
 
     url = redis_server.url
@@ -159,14 +157,18 @@ def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
     request = pb.GenerateRequest(model="m", prompt="x", max_tokens=1)
     assert tenant_of([("x-specpool-tenant", " beta ")]) == "beta" and tenant_of([]) is None
     routes = [router.route(request, None), router.route(request, "beta"), router.route(request, None)]
-    assert [(r.tenant, r.decision.plan) for r in routes] == [("alpha", "draft_model"), ("beta", "draft_model"),
+    assert [(r.tenant, r.decision.method) for r in routes] == [("alpha", "draft_model"), ("beta", "draft_model"),
                                                              ("alpha", "draft_model")]
     assert registry.held("ep") == {"alpha": 2, "beta": 1}
     third = router.route(request, None)
-    assert (third.decision.plan, third.decision.reason, third.lease) == ("ngram", "no_slot", None)
+    assert (third.decision.method, third.decision.reason, third.lease) == ("ngram", "no_slot", None)
     for r in routes + [third]:
         router.finish(r, "ok")
     assert registry.held("ep") == {} and router.leases.held() == 0
     assert routes[0].request.speculation.method == pb.SPECULATION_METHOD_DRAFT_MODEL
     assert third.request.speculation.method == pb.SPECULATION_METHOD_NGRAM and third.request.request_id
+    unknown = pb.GenerateRequest(model="m", prompt="x", max_tokens=1)
+    unknown.speculation.method = 99  # proto3 enums take any number
+    with pytest.raises(RoutingError, match=r"^speculation.method: unknown \w+ 99; one of SPECULATION_METHOD_AUTO"):
+        router.route(unknown, None)
     registry.close()

@@ -9,7 +9,6 @@ import os
 
 from specpool.cluster.processes import start_server
 from specpool.cluster.redis_server import start_redis
-
 from tests.cluster.test_disaggregation import tiny_files
 
 

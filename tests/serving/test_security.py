@@ -16,6 +16,7 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import (
     Identity,
     LocalCA,
@@ -24,7 +25,7 @@ from specpool.common.security import (
     TokenTable,
     identity_of_certificate,
 )
-from specpool.common.serving import HealthState, MetricsHttpServer, add_health_and_reflection, build_server
+from specpool.common.serving import HealthState, add_health_and_reflection, build_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,14 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
-from specpool.common.serving import (
-    METRICS_TOKEN_ENV,
-    Admission,
-    MetricsHttpServer,
-    abort_invalid,
-    add_health_and_reflection,
-    build_server,
-)
+from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
+from specpool.common.serving import Admission, abort_invalid, add_health_and_reflection, build_server
 from specpool.v1 import target_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -234,6 +228,7 @@ DRAIN_SCRIPT = textwrap.dedent(
     """
     import sys, time
     import grpc, prometheus_client
+    from specpool.common.metrics_http import MetricsHttpServer
     from specpool.common.serving import *
 
     def slow(request, context):

@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -87,20 +88,25 @@ def test_loopback_snapshots_on_send_and_reports_close():
         a.send(x)
 
 
+def _pair_and_echo(host: ChannelHost, offer: ChannelOffer, peer: str, seed: int) -> tuple[PairChannel, PairChannel]:
+    """Joins the offer from this process and runs one echo exchange over the pair: (host's side, peer's side)."""
+    peer_side = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
+    channel = host.get(peer, timeout_s=10.0)
+    assert isinstance(channel, DistributedPairChannel)
+    echo = threading.Thread(target=_echo, args=(peer_side,))
+    echo.start()
+    _check_echoes(channel, seed=seed)
+    echo.join(timeout=5)
+    return channel, peer_side
+
+
 def test_gloo_pair_in_one_process_orders_sends_and_breaks_cleanly():
-    host = ChannelHost(timeout_s=10.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=10.0, device=CPU)) as host:
         offer = host.offer("target-a")
         assert (offer.backend, offer.target_rank, offer.host) == ("gloo", 1, "127.0.0.1")
         assert offer.prefix.startswith("pair/") and "target-a" not in offer.prefix
         assert len(offer.secret) == 32 and offer.secret.hex() not in repr(offer)
-        peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
-        channel = host.get("target-a", timeout_s=10.0)
-        assert isinstance(channel, DistributedPairChannel)
-        echo = threading.Thread(target=_echo, args=(peer,))
-        echo.start()
-        _check_echoes(channel, seed=1)
-        echo.join(timeout=5)
+        channel, peer = _pair_and_echo(host, offer, "target-a", seed=1)
 
         peer.close()
         with pytest.raises(ChannelError, match="recv"):
@@ -111,13 +117,10 @@ def test_gloo_pair_in_one_process_orders_sends_and_breaks_cleanly():
             while time.monotonic() < deadline:
                 channel.send(torch.ones(3))
                 time.sleep(0.05)
-    finally:
-        host.close()
 
 
 def test_connect_times_out_with_a_clear_error_when_no_peer_joins():
-    host = ChannelHost(timeout_s=1.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=1.0, device=CPU)) as host:
         offer = host.offer("target-b")
         nobody = dataclasses.replace(offer, prefix="pair/target-b/nobody-there")
         t0 = time.monotonic()
@@ -126,15 +129,12 @@ def test_connect_times_out_with_a_clear_error_when_no_peer_joins():
         assert time.monotonic() - t0 < 5
         assert host.get("target-b", timeout_s=3.0) is None  # rank 0 gave up too
         assert host.get("never-offered") is None
-    finally:
-        host.close()
 
 
 def test_offers_nobody_joins_neither_hold_up_another_pair_nor_pile_up():
     """Rank 0 waited on the store's one connection: each offer nobody joined held every later one up
     for its whole timeout (fuzzed OpenTensorChannel calls: 50 offers, 25 minutes, a thread each)."""
-    host = ChannelHost(timeout_s=3.0, device=CPU, max_joining=3)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=3.0, device=CPU, max_joining=3)) as host:
         host.offer("ghost-1")
         host.offer("ghost-2")
         offer = host.offer("target-c")
@@ -147,8 +147,6 @@ def test_offers_nobody_joins_neither_hold_up_another_pair_nor_pile_up():
         peer.close()
         time.sleep(3.5)  # the ghosts' offers time out: room again
         host.offer("ghost-3")
-    finally:
-        host.close()
 
 
 def test_connect_refuses_a_device_the_backend_cannot_carry():
@@ -182,8 +180,7 @@ def _run_peer(host: ChannelHost, peer: str, seed: int) -> PairChannel:
 
 @pytest.mark.slow  # two peer processes
 def test_gloo_pair_across_processes_and_re_offer_replaces_the_channel():
-    host = ChannelHost(timeout_s=20.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=20.0, device=CPU)) as host:
         first = _run_peer(host, "target-c", seed=2)
         second = _run_peer(host, "target-c", seed=3)  # a restarted target gets a fresh pair
         assert second is not first
@@ -191,8 +188,6 @@ def test_gloo_pair_across_processes_and_re_offer_replaces_the_channel():
             first.send(torch.ones(1))
         host.drop("target-c")
         assert host.get("target-c") is None
-    finally:
-        host.close()
 
 
 # --- issue 14: who can reach the store must not be able to take a tenant's pair -----------------------------
@@ -231,8 +226,8 @@ def _attack(host: ChannelHost) -> subprocess.CompletedProcess:
 
 
 def test_a_process_without_the_pairs_secret_is_refused_and_the_owner_still_pairs(caplog):
-    host = ChannelHost(timeout_s=5.0, device=CPU)
-    try:
+    # Rank 0 must still wait when the attacker joins: its interpreter takes seconds to start on a busy machine.
+    with contextlib.closing(ChannelHost(timeout_s=30.0, device=CPU)) as host:
         host.offer("victim")
         with caplog.at_level(logging.WARNING, logger="specpool.common.tensor_channel"):
             attacker = _attack(host)
@@ -244,22 +239,12 @@ def test_a_process_without_the_pairs_secret_is_refused_and_the_owner_still_pairs
         assert any("did not prove the pair's secret" in r.getMessage() for r in caplog.records), caplog.text
 
         # The rightful target, with the secret from its (authenticated) call, pairs on a fresh offer.
-        offer = host.offer("victim")
-        peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
-        channel = host.get("victim", timeout_s=10.0)
-        assert channel is not None
-        echo = threading.Thread(target=_echo, args=(peer,))
-        echo.start()
-        _check_echoes(channel, seed=4)
-        echo.join(timeout=5)
+        _, peer = _pair_and_echo(host, host.offer("victim"), "victim", seed=4)
         peer.close()
-    finally:
-        host.close()
 
 
 def test_a_peer_with_the_wrong_secret_is_refused_on_both_sides():
-    host = ChannelHost(timeout_s=5.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=5.0, device=CPU)) as host:
         offer = host.offer("target-d")
         wrong = dataclasses.replace(offer, secret=bytes(a ^ 1 for a in offer.secret))
         with pytest.raises((ChannelError, RuntimeError, TimeoutError)):
@@ -267,8 +252,6 @@ def test_a_peer_with_the_wrong_secret_is_refused_on_both_sides():
         assert host.get("target-d", timeout_s=5.0) is None
         with pytest.raises(ValueError, match="secret"):
             DistributedPairChannel.connect(dataclasses.replace(offer, secret=b""), 1, device=CPU)
-    finally:
-        host.close()
 
 
 def _listening_on(port: int) -> set[str]:
@@ -293,23 +276,16 @@ def _ipv6_loopback() -> bool:
 
 def test_the_store_listens_on_the_given_host_and_port_only():
     port = _free_port()
-    host = ChannelHost(host="127.0.0.1", port=port, timeout_s=5.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(host="127.0.0.1", port=port, timeout_s=5.0, device=CPU)) as host:
         assert host.port == port
         assert _listening_on(port) == {"127.0.0.1"}  # torch alone bound every interface
-    finally:
-        host.close()
-    anywhere = ChannelHost(host="0.0.0.0", timeout_s=5.0, device=CPU)  # every interface, on purpose
-    try:
+    with contextlib.closing(ChannelHost(host="0.0.0.0", timeout_s=5.0, device=CPU)) as anywhere:  # every interface, on purpose
         assert _listening_on(anywhere.port) and _listening_on(anywhere.port) <= {"0.0.0.0", "::"}
-    finally:
-        anywhere.close()
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
 def test_the_store_listens_on_an_ipv6_host_and_pairs_there():
-    host = ChannelHost(host="::1", timeout_s=10.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(host="::1", timeout_s=10.0, device=CPU)) as host:
         assert _listening_on(host.port) == {"::1"}
         offer = host.offer("target-v6")
         peer = DistributedPairChannel.connect(offer, offer.target_rank, device=CPU)
@@ -318,13 +294,10 @@ def test_the_store_listens_on_an_ipv6_host_and_pairs_there():
         peer.send(torch.arange(5))
         assert torch.equal(channel.recv((5,), torch.int64), torch.arange(5))
         peer.close()
-    finally:
-        host.close()
 
 
 def test_the_store_names_no_peer_and_holds_no_secret():
-    host = ChannelHost(timeout_s=10.0, device=CPU)
-    try:
+    with contextlib.closing(ChannelHost(timeout_s=10.0, device=CPU)) as host:
         offers = [host.offer(peer) for peer in ("tenant-alpha", "tenant-beta")]
         for peer, offer in zip(("tenant-alpha", "tenant-beta"), offers):
             assert peer not in offer.prefix and offer.prefix.startswith("pair/")
@@ -340,5 +313,3 @@ def test_the_store_names_no_peer_and_holds_no_secret():
             value = store.get(key)
             assert not any(offer.secret in value or offer.secret.hex().encode() in value for offer in offers)
         peer.close()
-    finally:
-        host.close()

@@ -11,15 +11,19 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
+from specpool.common import serving
+from specpool.common.speculation import Method
+from specpool.common.tensor_channel import LoopbackChannel
 from specpool.engine.config import tiny_config
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.gguf_loader import load_gguf, save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
+from specpool.spec_endpoint.drafters import DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.spec_endpoint.messages import (
-    DrafterKind,
     OpenRequest,
     Round,
     RoundResult,
@@ -27,12 +31,8 @@ from specpool.spec_endpoint.messages import (
     SessionSpec,
     Transport,
 )
-from specpool.spec_endpoint.registry import DrafterRegistry, DrafterSpec
 from specpool.spec_endpoint.server import add_arguments, add_to_server
 from specpool.training.distill import DraftLM, export
-
-from specpool.common import serving
-from specpool.common.tensor_channel import LoopbackChannel
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 from specpool.v1 import target_pb2
@@ -64,11 +64,11 @@ class FakeClock:
 
 def make_endpoint(files, max_sessions: int = 4, clock=time.monotonic) -> Endpoint:
     gguf, draft, costs = files
-    registry = DrafterRegistry.load(
-        [DrafterSpec(MODEL, gguf, draft)], max_sessions=max_sessions, max_len=128,
-        device=torch.device("cpu"), step_cost_dir=costs,
+    drafters = HostedDrafters.load(
+        [DrafterSpec(MODEL, gguf, draft)],
+        LoadOptions(max_sessions=max_sessions, max_len=128, device=torch.device("cpu"), step_cost_dir=costs),
     )
-    return Endpoint(registry, EndpointConfig(max_sessions=max_sessions, lease_s=30.0, endpoint_id="test"), clock=clock)
+    return Endpoint(drafters, EndpointConfig(max_sessions=max_sessions, lease_s=30.0, endpoint_id="test"), clock=clock)
 
 
 def open_one(endpoint, tenant, request_id, context, params=GREEDY, **kw):
@@ -198,7 +198,7 @@ def test_lease_expiry_frees_the_slot_and_capacity_answers_not_ok(files):
     results = endpoint.open_sessions(OpenRequest("a", MODEL, 5.0, specs))
     assert [r.ok for r in results] == [True, True, False]
     assert results[2].error.startswith("capacity: ")
-    assert results[0].drafter is DrafterKind.DRAFT_MODEL
+    assert results[0].drafter is Method.DRAFT_MODEL
 
     stream = endpoint.open_stream()
     clock.now += 4
@@ -217,7 +217,7 @@ def test_lease_expiry_frees_the_slot_and_capacity_answers_not_ok(files):
 
 def test_ngram_sessions_draft_from_their_own_context(files):
     endpoint = make_endpoint(files)
-    assert open_one(endpoint, "a", "n", [1, 2, 3, 4, 1, 2], drafter=DrafterKind.NGRAM).drafter is DrafterKind.NGRAM
+    assert open_one(endpoint, "a", "n", [1, 2, 3, 4, 1, 2], drafter=Method.NGRAM).drafter is Method.NGRAM
     result = round_trip(endpoint, endpoint.open_stream(), "a", ("n", [], 2))
     assert result.sequences[0].tokens == [3, 4]
 
@@ -237,8 +237,8 @@ def test_ssd_rounds_that_failed_every_sessions_prespeculation_are_answered_per_s
             replies += stream.outbound.get_nowait().sequences  # pushed tables carry none
         return replies
 
-    assert open_one(endpoint, "a", "s", [1, 2, 3] * 3, drafter=DrafterKind.SSD, push=True).ok
-    assert open_one(endpoint, "a", "long", [1, 2, 3, 4] * 30, drafter=DrafterKind.SSD, push=True).ok
+    assert open_one(endpoint, "a", "s", [1, 2, 3] * 3, drafter=Method.SSD, push=True).ok
+    assert open_one(endpoint, "a", "long", [1, 2, 3, 4] * 30, drafter=Method.SSD, push=True).ok
     step(SequenceRound("s", (), 3), SequenceRound("long", (), 8))
     # "long" holds 121 tokens and 8 drafts: its forks run past max_len (the SSD cache had no room for them).
     step(SequenceRound("s", (4,), 3, "local_drafts", (5,) * 4), SequenceRound("long", (9,), 8))

@@ -20,11 +20,11 @@ import urllib.request
 
 import grpc
 import pytest
+
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import random_weights
-
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
 from tests.pki import CA

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from specpool.cluster.processes import start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
-
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel

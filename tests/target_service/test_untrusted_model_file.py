@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from specpool.cluster.processes import start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.gguf_loader import default_model_path, load_gguf, save_gguf
 from specpool.engine.model import random_weights
-
 from specpool.v1 import target_pb2 as pb
 from specpool.v1 import target_pb2_grpc
 from tests.pki import channel

@@ -1,6 +1,7 @@
 """The trainable draft computes what the runtime computes, and its export loads unchanged."""
 
 import torch
+
 from specpool.engine.config import tiny_config
 from specpool.engine.model import Llama
 from specpool.training.distill import DraftLM, distill_loss, export

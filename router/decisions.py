@@ -2,8 +2,8 @@
 
 The target's own hardware-aware policy predicts the speedup of each method at its current batch size
 plus this request (its heartbeat carries both figures); the endpoint's registration says whether it
-has room. A draft-model plan holds a slot leased atomically in Redis for the request's tenant; when
-none is free the request still runs, with n-gram drafting or none, and the reason is counted.
+has room. A draft-model decision holds a slot leased atomically in Redis for the request's tenant;
+when none is free the request still runs, with n-gram drafting or none, and the reason is counted.
 """
 
 from __future__ import annotations
@@ -12,24 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpool.common.registry import EndpointRegistration, TargetRegistration
-from specpool.v1 import target_pb2 as pb
+from specpool.common.speculation import Method
 
-# Plans, as labelled in metrics and the capacity API, and what the target is asked for.
-DRAFT_MODEL, SSD, NGRAM, NONE = "draft_model", "ssd", "ngram", "none"
-METHOD = {
-    DRAFT_MODEL: pb.SPECULATION_METHOD_DRAFT_MODEL,
-    SSD: pb.SPECULATION_METHOD_SSD,
-    NGRAM: pb.SPECULATION_METHOD_NGRAM,
-    NONE: pb.SPECULATION_METHOD_NONE,
-}
-REQUESTED_PLAN = {
-    pb.SPECULATION_METHOD_DRAFT_MODEL: DRAFT_MODEL,
-    pb.SPECULATION_METHOD_SSD: SSD,
-    pb.SPECULATION_METHOD_NGRAM: NGRAM,
-    pb.SPECULATION_METHOD_NONE: NONE,
-}
-
-# Reasons.
+# Reasons, as labelled in metrics and the capacity API.
 REQUESTED = "requested"  # the request named the method and got it
 PREDICTED_SPEEDUP = "predicted_speedup"  # the best predicted method (AUTO)
 NO_SPEEDUP = "no_speedup"  # nothing predicted to beat plain decoding: declined to speculate
@@ -45,13 +30,9 @@ class LeaseUnavailable(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    plan: str
+    method: Method
     reason: str
     leased: bool = False  # a draft slot is held for the request and must be released
-
-    @property
-    def method(self) -> int:
-        return METHOD[self.plan]
 
 
 def draft_endpoint(target: TargetRegistration,
@@ -66,30 +47,29 @@ def draft_endpoint(target: TargetRegistration,
 
 
 def decide(
-    requested: int,
+    requested: Method | None,
     target: TargetRegistration,
     endpoint: EndpointRegistration | None,
     take_slot: Callable[[EndpointRegistration], bool],
     busy_limit: float = 0.95,
 ) -> Decision:
-    """The plan for one request. take_slot leases a draft slot (True) or finds none (False), and
-    raises LeaseUnavailable when it cannot tell."""
+    """How one request speculates; requested None is AUTO. take_slot leases a draft slot (True) or
+    finds none (False), and raises LeaseUnavailable when it cannot tell."""
     speedup_draft, speedup_ngram = target.predicted_speedup_draft, target.predicted_speedup_ngram
-    wanted = REQUESTED_PLAN.get(requested)
-    if wanted in (NGRAM, NONE):
-        return Decision(wanted, REQUESTED)
-    if wanted is None:  # AUTO: the best predicted, if it beats plain decoding
+    if requested in (Method.NGRAM, Method.NONE):
+        return Decision(requested, REQUESTED)
+    if requested is None:  # AUTO: the best predicted, if it beats plain decoding
         if speedup_draft > speedup_ngram and speedup_draft >= 1.0:
-            wanted = SSD if "ssd" in target.methods else DRAFT_MODEL
+            wanted = Method.SSD if Method.SSD in target.methods else Method.DRAFT_MODEL
             if endpoint is not None and _saturated(endpoint, busy_limit):
                 return _without_draft(speedup_ngram, ENDPOINT_BUSY)
         elif speedup_ngram >= 1.0:
-            return Decision(NGRAM, PREDICTED_SPEEDUP)
+            return Decision(Method.NGRAM, PREDICTED_SPEEDUP)
         else:
-            return Decision(NONE, NO_SPEEDUP)
+            return Decision(Method.NONE, NO_SPEEDUP)
         granted_reason = PREDICTED_SPEEDUP
     else:
-        granted_reason = REQUESTED
+        wanted, granted_reason = requested, REQUESTED
     if endpoint is None:
         return _without_draft(speedup_ngram, NO_ENDPOINT)
     try:
@@ -101,7 +81,7 @@ def decide(
 
 
 def _without_draft(speedup_ngram: float, reason: str) -> Decision:
-    return Decision(NGRAM if speedup_ngram >= 1.0 else NONE, reason)
+    return Decision(Method.NGRAM if speedup_ngram >= 1.0 else Method.NONE, reason)
 
 
 def _saturated(endpoint: EndpointRegistration, busy_limit: float) -> bool:

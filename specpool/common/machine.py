@@ -7,6 +7,7 @@ import platform
 import time
 
 import torch
+
 from specpool.engine.device import cpu_class
 from specpool.engine.process_env import NO_NATIVE_BF16
 

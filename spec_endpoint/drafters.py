@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from specpool.engine.drafter import ModelDrafter
+
+from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
+from specpool.engine.drafter import Drafter, ModelDrafter
 from specpool.engine.gguf_loader import default_model_path, load_gguf, model_name
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import make_generator
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
 from specpool.engine.ssd import SsdDrafter
-from specpool.spec_endpoint.messages import MAX_DRAFT_TOKENS, DrafterKind
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,18 @@ def _existing(relative: Path) -> Path:
     return _REPO_ROOT / relative
 
 
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """How every hosted model's drafters are built (the serve-spec flags)."""
+
+    max_sessions: int
+    max_len: int
+    device: torch.device
+    step_cost_dir: Path | None = None
+    ssd: dict | None = None  # SsdDrafter options
+    dtype: str = "bf16"
+
+
 @dataclass(slots=True)
 class ModelDrafters:
     """The drafters of one target model."""
@@ -89,43 +102,36 @@ class ModelDrafters:
     generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
 
     @property
-    def kinds(self) -> tuple[DrafterKind, ...]:
+    def kinds(self) -> tuple[Method, ...]:
         if self.model:
-            return (DrafterKind.DRAFT_MODEL, DrafterKind.SSD, DrafterKind.NGRAM)
-        return (DrafterKind.NGRAM,)
+            return (Method.DRAFT_MODEL, Method.SSD, Method.NGRAM)
+        return (Method.NGRAM,)
 
     @property
-    def best(self) -> DrafterKind:
+    def best(self) -> Method:
         return self.kinds[0]
 
-    def drafter(self, kind: DrafterKind) -> ModelDrafter | SsdDrafter | NgramDrafter:
-        if kind is DrafterKind.SSD:
+    def drafter(self, kind: Method) -> Drafter:
+        if kind is Method.SSD:
             if self.ssd is None:
                 raise KeyError(f"{self.name} has no draft model for SSD")
             return self.ssd
-        if kind is DrafterKind.DRAFT_MODEL:
+        if kind is Method.DRAFT_MODEL:
             if self.model is None:
                 raise KeyError(f"{self.name} has no draft model")
             return self.model
         return self.ngram
 
     @classmethod
-    def load(
-        cls,
-        spec: DrafterSpec,
-        max_sessions: int,
-        max_len: int,
-        device: torch.device,
-        step_cost_dir: Path | None = None,
-        ssd: dict | None = None,
-        dtype: str = "bf16",
-    ) -> ModelDrafters:
+    def load(cls, spec: DrafterSpec, options: LoadOptions) -> ModelDrafters:
+        max_len, device = options.max_len, options.device
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
         drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len)
         if spec.draft_dir is not None:
-            draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=dtype, device=str(device))
+            draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=options.dtype,
+                                                device=str(device))
             if draft.config.vocab_size != vocab:
                 raise ValueError(
                     f"--drafter {spec.name}: draft {spec.draft_dir} has vocabulary {draft.config.vocab_size}, "
@@ -136,15 +142,15 @@ class ModelDrafters:
                 log.warning("--drafter %s: --max-len %d exceeds the draft's context %d; sessions are capped at %d",
                             spec.name, max_len, draft.config.max_context, draft.config.max_context)
                 max_len = drafters.max_len = draft.config.max_context
-            drafters.model = ModelDrafter(draft, max_sequences=max_sessions, max_len=max_len)
-            # SSD sessions hold forks too, so they get a cache of their own (`ssd`: SsdDrafter options).
+            drafters.model = ModelDrafter(draft, max_sequences=options.max_sessions, max_len=max_len)
+            # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
             # a bonus token and its own drafts: without that room a session near max_len failed the
             # pre-speculation of every SSD session in its step.
-            options = {"max_sequences": 16, "fork_slots": 128} | (ssd or {})
+            ssd = {"max_sequences": 16, "fork_slots": 128} | (options.ssd or {})
             drafters.ssd = SsdDrafter(draft, max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1, ngram=NgramDrafter(datastore),
-                                      **options)
-            drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=step_cost_dir)
+                                      **ssd)
+            drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=options.step_cost_dir)
             drafters.generator = make_generator(None, device)
         log.info(
             "drafters for %s: %s (vocab %d%s)", spec.name, ", ".join(k.value for k in drafters.kinds), vocab,
@@ -153,29 +159,19 @@ class ModelDrafters:
         return drafters
 
 
-class DrafterRegistry:
+class HostedDrafters:
     """Target model name -> ModelDrafters."""
 
     def __init__(self, models: dict[str, ModelDrafters]):
         self.models = models
 
     @classmethod
-    def load(
-        cls,
-        specs: list[DrafterSpec],
-        max_sessions: int,
-        max_len: int,
-        device: torch.device,
-        step_cost_dir: Path | None = None,
-        ssd: dict | None = None,
-        dtype: str = "bf16",
-    ) -> DrafterRegistry:
+    def load(cls, specs: list[DrafterSpec], options: LoadOptions) -> HostedDrafters:
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"--drafter: model {duplicates[0]!r} given more than once")
-        return cls({s.name: ModelDrafters.load(s, max_sessions, max_len, device, step_cost_dir, ssd, dtype)
-                    for s in specs})
+        return cls({s.name: ModelDrafters.load(s, options) for s in specs})
 
     def get(self, name: str) -> ModelDrafters | None:
         return self.models.get(name)

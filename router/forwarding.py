@@ -1,0 +1,108 @@
+"""One client call's forwarding state: the upstream call of its current route, and what it has streamed.
+
+A `Stream` remembers what the client already has, so that another replica can continue it; a
+`Forwarding` ties one route's upstream call to the client's call and finishes the route exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import grpc
+
+from specpool.router.routing import Route, Router
+from specpool.v1 import target_pb2 as pb
+
+
+class Forwarding:
+    """One route's upstream call: cancelled when the client's call ends, finished exactly once."""
+
+    def __init__(self, router: Router, route: Route):
+        self.router = router
+        self.route = route
+        self._call = None
+        self._cancelled = False
+        self._finished = False
+        self._lock = threading.Lock()
+
+    def attach(self, call) -> None:
+        with self._lock:
+            self._call = call
+            cancelled = self._cancelled
+        if cancelled:
+            call.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def finish(self, outcome: str) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self.router.finish(self.route, outcome)
+
+
+class Stream:
+    """What one call has streamed to its client, so that another replica can continue it."""
+
+    def __init__(self, request: pb.GenerateRequest):
+        if not request.request_id:  # one id for every replica the request visits, so Cancel finds it
+            request = copy_request(request)
+            request.request_id = uuid.uuid4().hex
+        self.request = request
+        self.tokens: list[int] = []  # delivered token ids (of the one completion when movable)
+        self.text = ""
+        self.sent_any = False
+        self.final_sent = False
+        self.refused: grpc.RpcError | None = None  # the last replica's RESOURCE_EXHAUSTED, if it was full
+
+    def sent(self, msg: pb.GenerateResponse) -> None:
+        self.sent_any = True
+        if msg.HasField("delta"):
+            self.tokens.extend(msg.delta.token_ids)
+            self.text += msg.delta.text
+        else:
+            self.final_sent = True
+
+    def movable(self) -> bool:
+        # n > 1 streams interleave completions, which a replica cannot resume: once anything was sent
+        # such a stream fails with its replica, as it did before migration existed.
+        return not self.sent_any or self.request.n <= 1
+
+    def next_request(self) -> pb.GenerateRequest | None:
+        """The request to place: the original until tokens were delivered, then its continuation;
+        None when nothing is left to generate (see final)."""
+        if not self.tokens:
+            return self.request
+        remaining = self.request.max_tokens - len(self.tokens)
+        if remaining < 1 or self.tokens[-1] in self.request.stop_token_ids:
+            return None
+        resumed = copy_request(self.request)
+        resumed.resume_token_ids.extend(self.tokens)
+        resumed.max_tokens = remaining
+        return resumed
+
+    def final(self, model: str) -> pb.GenerateResponse:
+        """The final message when the replica died between the last token and its final message, from
+        what was streamed: no speculation statistics, prompt_tokens only for prompt_ids. (A model's own
+        end-of-sequence token is not known here; a stream cut right after one is continued.)"""
+        stopped = self.tokens[-1] in self.request.stop_token_ids
+        token_ids = [*self.request.resume_token_ids, *self.tokens]
+        return pb.GenerateResponse(request_id=self.request.request_id, final=pb.GenerateResult(
+            request_id=self.request.request_id, model=model,
+            completions=[pb.Completion(index=0, token_ids=token_ids, text=self.text,
+                                       finish_reason="stop" if stopped else "length")],
+            usage=pb.Usage(prompt_tokens=len(self.request.prompt_ids.ids), completion_tokens=len(token_ids))))
+
+
+def copy_request(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    return out
+

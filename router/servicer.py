@@ -1,0 +1,241 @@
+"""The router's gRPC services: the Target API in front of a pool of target replicas, and ClusterState.
+
+The servicer only translates and forwards: `Router` chooses the replica, the speculation method and
+the draft slot; the request goes to the replica with its method set, responses stream back, and the
+slot is released when the call ends however it ends (completion, error, Cancel, client gone).
+
+A replica that fails (UNAVAILABLE: down, unreachable, draining) is left for the next best one until
+none is left. Before anything was streamed the request is simply placed again. Mid-stream it migrates:
+the next replica continues from the prompt plus the tokens the client already has (resume_token_ids),
+and the client sees one unbroken stream. That is lossless: greedy, the same tokens; sampling, the
+continuation of a prefix the target model produced is drawn from the same distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from specpool.common.security import TENANT_HEADER, Security
+from specpool.common.serving import abort_invalid
+from specpool.router.capacity import visible_to
+from specpool.router.forwarding import Forwarding, Stream
+from specpool.router.member_channels import TargetChannels
+from specpool.router.routing import Router, RoutingError, tenant_of
+from specpool.v1 import cluster_pb2_grpc, target_pb2_grpc
+from specpool.v1 import target_pb2 as pb
+
+log = logging.getLogger("specpool.router")
+
+
+class RouterServicer(target_pb2_grpc.TargetServiceServicer):
+    """The tenant of a call is the one its bearer token names; requests are forwarded with it in
+    x-specpool-tenant, which targets believe only from a router's certificate. So a request id is the
+    tenant's own: another tenant's Cancel of it finds nothing."""
+
+    def __init__(self, router: Router, channels: TargetChannels, credentials: Security):
+        self.router = router
+        self.channels = channels
+        self.credentials = credentials
+
+    def Generate(self, request, context):
+        tenant = self._tenant(context)
+        current: list[Forwarding] = []
+        self._on_termination(context, current)
+        exclude: set[str] = set()
+        stream = Stream(request)
+        model = ""
+        while True:
+            forwarded = stream.next_request()
+            if forwarded is None:  # the replica died after the last token, before its final message
+                yield stream.final(model)
+                return
+            fwd = self._forwarding(forwarded, tenant, exclude, context, current, stream)
+            model = fwd.route.model
+            if stream.tokens:
+                self.router.metrics.migrations.labels(model=model).inc()
+            try:
+                call = self.channels.stub(fwd.route.target.address).Generate(
+                    fwd.route.request, timeout=_remaining(context), metadata=_on_behalf_of(tenant))
+                fwd.attach(call)
+                for msg in call:
+                    if not stream.sent_any and msg.HasField("delta"):
+                        self.router.metrics.ttft.labels(model=model).observe(time.monotonic() - fwd.route.started_at)
+                    stream.sent(msg)
+                    yield msg
+                fwd.finish("ok")
+                return
+            except grpc.RpcError as e:
+                if stream.final_sent:  # only the call's trailers were lost: the client has everything
+                    fwd.finish("ok")
+                    return
+                if self._place_again(e, fwd, exclude, context, stream):
+                    continue
+                fwd.finish("error")
+                _abort_like(context, e)
+            finally:
+                fwd.finish("cancelled")  # the client went away while we were yielding (GeneratorExit)
+
+    def GenerateUnary(self, request, context):
+        tenant = self._tenant(context)
+        current: list[Forwarding] = []
+        self._on_termination(context, current)
+        exclude: set[str] = set()
+        stream = Stream(request)  # never sends anything: a failed replica only means placing it again
+        while True:
+            fwd = self._forwarding(stream.request, tenant, exclude, context, current, stream)
+            try:
+                future = self.channels.stub(fwd.route.target.address).GenerateUnary.future(
+                    fwd.route.request, timeout=_remaining(context), metadata=_on_behalf_of(tenant))
+                fwd.attach(future)
+                result = future.result()
+                fwd.finish("ok")
+                return result
+            except grpc.FutureCancelledError:
+                fwd.finish("cancelled")
+                context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
+            except grpc.RpcError as e:
+                if self._place_again(e, fwd, exclude, context, stream):
+                    continue
+                fwd.finish("error")
+                _abort_like(context, e)
+            finally:
+                fwd.finish("cancelled")
+
+    def Cancel(self, request, context):
+        """Routers keep no request table: every live replica is asked, and any that ran it (for this
+        tenant) says so. NOT_FOUND when none did, whoever's the id is: ids tell nothing about others."""
+        tenant = self._tenant(context)
+        if not request.request_id:
+            abort_invalid(context, "request_id", "is required")
+        targets = self.router.view.snapshot().targets
+        futures = [self.channels.stub(t.address).Cancel.future(request, timeout=5.0, metadata=_on_behalf_of(tenant))
+                   for t in targets]
+        cancelled = False
+        for f in futures:
+            try:
+                cancelled = f.result().cancelled or cancelled
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    log.debug("Cancel on a replica failed: %s", e.code().name)
+        if not cancelled:
+            abort_invalid(context, "request_id", f"no running request {request.request_id!r} of yours",
+                          grpc.StatusCode.NOT_FOUND)
+        return pb.CancelResponse(cancelled=True)
+
+    def GetInfo(self, request, context):
+        """The pool as one service: summed capacity and load; the model when the pool serves one."""
+        snapshot = self.router.view.snapshot()
+        models = snapshot.models()
+        info = pb.TargetInfo(
+            service_id="router", model=models[0] if len(models) == 1 else "",
+            max_batch=sum(t.max_batch for t in snapshot.targets),
+            active_sequences=sum(t.running for t in snapshot.targets),
+            queued_requests=sum(t.queued for t in snapshot.targets),
+            spec_endpoint=",".join(e.address for e in snapshot.endpoints),
+            spec_endpoint_attached=any(t.spec_endpoint for t in snapshot.targets),
+        )
+        if len(models) == 1 and snapshot.targets:
+            try:  # the vocabulary is not in the registry: ask one replica
+                info.vocab_size = self.channels.stub(snapshot.targets[0].address).GetInfo(
+                    pb.GetInfoRequest(), timeout=2.0).vocab_size
+            except grpc.RpcError:
+                pass
+        return info
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _tenant(self, context) -> str | None:
+        caller = self.credentials.caller(context)
+        if caller is not None and not caller.anonymous:
+            return caller.name
+        try:  # --insecure: the caller says who it is
+            return tenant_of(context.invocation_metadata())
+        except RoutingError as e:
+            abort_invalid(context, e.field, e.message, e.code)
+
+    def _on_termination(self, context, current: list[Forwarding]) -> None:
+        def ended() -> None:
+            for fwd in list(current):
+                fwd.cancel()
+                fwd.finish("cancelled")
+
+        context.add_callback(ended)
+
+    def _forwarding(self, request, tenant: str | None, exclude: set[str], context,
+                    current: list[Forwarding], stream: Stream) -> Forwarding:
+        try:
+            route = self.router.route(request, tenant, frozenset(exclude))
+        except RoutingError as e:
+            if stream.tokens:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"request: {len(stream.tokens)} tokens were delivered, "
+                              f"then its replica failed and no other can continue it ({e.field}: {e.message})")
+            if stream.refused is not None:  # every replica left was full: their refusal, retry hint and all
+                _abort_like(context, stream.refused)
+            abort_invalid(context, e.field, e.message, e.code)
+        fwd = Forwarding(self.router, route)
+        current[:] = [fwd]
+        if not context.is_active():  # the client left while we placed it
+            fwd.cancel()
+            fwd.finish("cancelled")
+            context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
+        return fwd
+
+    def _place_again(self, error: grpc.RpcError, fwd: Forwarding, exclude: set[str], context,
+                     stream: Stream) -> bool:
+        """Whether to go on to the next best replica: this one is unavailable (or full, before it streamed
+        anything), the client still waits, and the stream can be continued. Each failed replica is
+        excluded, so this ends."""
+        if not context.is_active():
+            fwd.finish("cancelled")
+            return False
+        full = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.sent_any
+        if not (full or error.code() == grpc.StatusCode.UNAVAILABLE and stream.movable()):
+            return False
+        if full:
+            stream.refused = error
+        exclude.add(fwd.route.target.id)
+        if stream.tokens:
+            log.warning("replica %s failed after %d tokens of request %s (%s); continuing it on another",
+                        fwd.route.target.id, len(stream.tokens), stream.request.request_id, error.details())
+            fwd.finish("migrated")
+        else:
+            log.warning("replica %s %s (%s); placing the request again", fwd.route.target.id,
+                        "full" if full else "unavailable", error.details())
+            fwd.finish("retried")
+            self.router.metrics.retries.labels(model=fwd.route.model).inc()
+        return True
+
+
+def _on_behalf_of(tenant: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TENANT_HEADER, tenant),) if tenant else ()
+
+
+def _abort_like(context, error: grpc.RpcError) -> None:
+    """Ends the call with a replica's status, its google.rpc details (such as RetryInfo) included."""
+    details = [(k, v) for k, v in error.trailing_metadata() or () if k == "grpc-status-details-bin"]
+    if details:
+        context.set_trailing_metadata(details)
+    context.abort(error.code(), error.details() or error.code().name)
+
+
+def _remaining(context) -> float | None:
+    """The caller's deadline, passed on; None without one (gRPC reports that as a huge number)."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e7 else None
+
+
+class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServicer):
+    """A tenant sees the pools and endpoints, and of the per-tenant leases only its own."""
+
+    def __init__(self, capacity, credentials: Security):
+        self.capacity = capacity
+        self.credentials = credentials
+
+    def GetClusterCapacity(self, request, context):
+        caller = self.credentials.caller(context)
+        message = self.capacity()
+        return message if caller is None or caller.anonymous else visible_to(message, caller.name)
+

@@ -1,0 +1,75 @@
+"""The Rounds streams' side of the engine loop: where replies go, what a step takes from the shared
+queue, and when each stream's next round is due."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+from specpool.common.errors import FieldError
+from specpool.spec_endpoint.messages import Round, RoundResult
+from specpool.spec_endpoint.sessions import SessionKey
+
+
+class RoundStream:
+    """One Rounds call: its replies in order. None ends the stream; a FieldError aborts it."""
+
+    def __init__(self) -> None:
+        self.outbound: queue.Queue[RoundResult | FieldError | None] = queue.Queue()
+
+    def fail(self, error: FieldError) -> None:
+        self.outbound.put(error)
+
+    def cancel(self) -> None:
+        """The client went away: wake the reply generator. Its sessions stay until their lease ends."""
+        self.outbound.put(None)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    stream: RoundStream
+    round: Round | None  # None: the stream's input ended (answer it after its earlier rounds)
+    arrived: float = 0.0  # monotonic seconds
+
+
+def split_conflicts(items: list[Queued]) -> tuple[list[Queued], list[Queued]]:
+    """-> (this step's items, the rest). A round that names a session an earlier round of this
+    step already names waits for the next step, and so does everything after it on its stream."""
+    now: list[Queued] = []
+    later: list[Queued] = []
+    seen: set[SessionKey] = set()
+    blocked: set[int] = set()
+    for item in items:
+        if id(item.stream) in blocked:
+            later.append(item)
+            continue
+        if item.round is not None:
+            keys = {SessionKey(item.round.tenant, s.request_id) for s in item.round.sequences}
+            if keys & seen:
+                blocked.add(id(item.stream))
+                later.append(item)
+                continue
+            seen |= keys
+        now.append(item)
+    return now, later
+
+
+class StreamClock:
+    """When a stream's rounds arrive: the last one and a moving average of the gap between them."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.period = 0.0
+
+    def arrived(self, now: float) -> None:
+        if self.last:
+            gap = now - self.last
+            self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
+        self.last = now
+
+    @property
+    def next_at(self) -> float:
+        return self.last + self.period
+
+    def busy(self, now: float) -> bool:
+        return self.period > 0 and now - self.last < 2 * self.period

@@ -1,0 +1,33 @@
+"""What a request asked of speculation, once validated: the drafter, where it drafts, and its cap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specpool.common.speculation import Method
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationChoice:
+    method: Method
+    remote: bool  # drafted on the speculation endpoint; False: on this target (its n-gram index)
+    max_draft_tokens: int = 0  # the request's own cap on drafts per round (0: none)
+
+    @staticmethod
+    def of(method: Method | None, has_endpoint: bool, max_draft_tokens: int = 0) -> SpeculationChoice:
+        """A request's method (None: the server's default, the draft model). Without an endpoint every
+        speculating method drafts with the target's own n-gram index."""
+        method = Method.DRAFT_MODEL if method is None else method
+        if method is Method.NONE:
+            return SpeculationChoice(Method.NONE, False, max_draft_tokens)
+        if not has_endpoint:
+            return SpeculationChoice(Method.NGRAM, False, max_draft_tokens)
+        return SpeculationChoice(method, True, max_draft_tokens)
+
+    @property
+    def label(self) -> str:
+        """Its name in metrics and SpeculationStats: the method, or ngram_local for the target's own."""
+        return "ngram_local" if self.method is Method.NGRAM and not self.remote else self.method.value
+
+
+LOCAL_NGRAM = SpeculationChoice(Method.NGRAM, remote=False)

@@ -1,0 +1,91 @@
+"""Speculation API messages, built and read on the target's side (the vocabulary itself is in
+specpool.common.speculation): session specs, drafts checked before they reach verification, and the
+Drafts a sampling group's rows make together."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from specpool.common.speculation import drafter_to_pb, sampling_to_pb
+from specpool.engine.drafter import Drafts
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import StepCosts
+from specpool.target_service.choice import SpeculationChoice
+from specpool.v1 import speculation_pb2 as pb
+
+# A row's draft distribution: dense [K, V], sparse (ids [K, k], probs [K, k]), or None (a point mass).
+Q = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+
+
+def session_spec(seq_id: str, context: list[int], choice: SpeculationChoice, params: SamplingParams,
+                 push: bool) -> pb.SessionSpec:
+    # No seed: the endpoint draws its drafts from its own stream; verification stays lossless.
+    return pb.SessionSpec(request_id=seq_id, context=context, drafter=drafter_to_pb(choice.method), push=push,
+                          sampling=sampling_to_pb(replace(params, seed=None)))
+
+
+def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int) -> str:
+    """Why an endpoint's drafts for one sequence cannot be verified ('' when they can). Checked here:
+    in verification a bad id or shape would fail every sequence of the batch, not only this one."""
+    if len(tokens) > asked:
+        return f"{len(tokens)} drafts where {asked} were asked"
+    if any(not 0 <= t < vocab_size for t in tokens):
+        return f"a draft token outside the vocabulary [0, {vocab_size})"
+    if q_sent and q is None:
+        return "its draft distribution is malformed"
+    if isinstance(q, torch.Tensor):
+        if tuple(q.shape) != (len(tokens), vocab_size):
+            return f"dense q of shape {tuple(q.shape)} for {len(tokens)} drafts"
+        probs = q
+    elif q is not None:
+        ids, probs = q
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
+            return "a sparse q id outside the vocabulary"
+    if q is not None and not (torch.isfinite(probs).all() and (probs >= 0).all()):
+        return "negative or non-finite draft probabilities"
+    return ""
+
+
+def draft_costs(capacity: pb.Capacity, target_model: str) -> StepCosts | None:
+    """The endpoint's measured draft-model step costs for this target model, if it sent them."""
+    for m in capacity.models:
+        table = m.draft_step_costs
+        if m.target_model == target_model and table.seconds:
+            n = len(table.draft_lens)
+            rows = [tuple(table.seconds[i * n : (i + 1) * n]) for i in range(len(table.batch_sizes))]
+            return StepCosts(tuple(table.batch_sizes), tuple(table.draft_lens), tuple(rows))
+    return None
+
+
+def assemble(rows: list[tuple[list[int], Q]], params: SamplingParams) -> Drafts:
+    """One Drafts for a sampling group whose rows came from different sources.
+
+    Rows drafted deterministically (n-gram, fallback) are written as a one-hot q, which the
+    dense and sparse rules verify exactly as the point-mass rule does.
+    """
+    tokens = [t for t, _ in rows]
+    if params.greedy or all(q is None for _, q in rows):
+        return Drafts(tokens=tokens)
+    k_max = max((len(t) for t in tokens), default=0)
+    if any(isinstance(q, torch.Tensor) for _, q in rows):
+        vocab = next(q.shape[-1] for _, q in rows if isinstance(q, torch.Tensor))
+        probs = torch.zeros(len(rows), k_max, vocab)
+        for b, (t, q) in enumerate(rows):
+            if isinstance(q, torch.Tensor):
+                probs[b, : len(t)] = q
+            elif t:
+                probs[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
+        return Drafts(tokens=tokens, probs=probs)
+    # Sparse: every row shares the sampler's top-k; one-hot rows repeat their token with weight 0.
+    k = max(q[0].shape[-1] for _, q in rows if q is not None)  # rows pad to the widest (weight 0)
+    ids = torch.zeros(len(rows), k_max, k, dtype=torch.long)
+    weights = torch.zeros(len(rows), k_max, k)
+    for b, (t, q) in enumerate(rows):
+        if q is not None:
+            ids[b, : len(t), : q[0].shape[-1]], weights[b, : len(t), : q[0].shape[-1]] = q
+        elif t:
+            ids[b, : len(t)] = torch.tensor(t)[:, None]
+            weights[b, : len(t), 0] = 1.0
+    return Drafts(tokens=tokens, topk_ids=ids, topk_probs=weights)

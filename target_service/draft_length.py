@@ -1,0 +1,64 @@
+"""The target service's draft length, the one place it is decided: the hardware-aware policy for the
+drafters now running (or a fixed length), then each request's own cap."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specpool.common.speculation import Method
+from specpool.engine.speculation_policy import (
+    AcceptanceEstimate,
+    DraftLength,
+    FixedDraftLength,
+    Running,
+    SpeculationPolicy,
+    StepCosts,
+)
+from specpool.target_service.speculation_client import SpeculationClient
+from specpool.v1 import speculation_pb2 as pb
+
+
+class TargetDraftLength:
+    """engine.speculation_policy.DraftLength over the client's sequences. With measured costs, the
+    draft model is charged only while a running sequence drafts with it (n-gram drafting, local or
+    remote, costs the target nothing measurable); without them, `fixed` tokens a round."""
+
+    def __init__(self, client: SpeculationClient, target_costs: StepCosts | None, fixed: int = 0):
+        self.client = client
+        self.free: SpeculationPolicy | None = None
+        self.ssd: SpeculationPolicy | None = None
+        self.fixed = FixedDraftLength(fixed)
+        if target_costs is not None:
+            self.free = SpeculationPolicy(target_costs, max_draft=16)
+            # SSD drafts off the critical path: a hit's drafts are ready, a miss's backup is chosen by the
+            # endpoint from measured times. Charging it as the draft model stopped it drafting (0.09 drafts
+            # a round on HumanEval), and drafts longer than the draft model's best only lengthen its tree.
+            self.ssd = SpeculationPolicy(target_costs, max_draft=8)
+        self.max_draft = self.free.max_draft if self.free is not None else fixed
+        self._draft_model: SpeculationPolicy | None = None
+        self._costs_of: pb.Capacity | None = None  # the capacity _draft_model was built from
+
+    @property
+    def draft_model(self) -> SpeculationPolicy | None:
+        """The draft-model policy, once an endpoint has told its draft costs (rebuilt on re-attach)."""
+        capacity = self.client.capacity
+        if self.free is None or capacity is None:
+            return None
+        if capacity is not self._costs_of:
+            self._draft_model = SpeculationPolicy(self.free.target_costs, self.client.draft_costs(), max_draft=8)
+            self._costs_of = capacity
+        return self._draft_model
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        choices = [self.client.choice(r.seq_id) for r in batch]
+        lengths = self._policy({c.method for c in choices if c.remote}).lengths(batch, acceptance)
+        return [0 if c.method is Method.NONE else min(n, c.max_draft_tokens or n) for c, n in zip(choices, lengths)]
+
+    def _policy(self, remote: set[Method]) -> DraftLength:
+        if self.free is None:
+            return self.fixed
+        if Method.DRAFT_MODEL in remote and self.draft_model is not None:
+            return self.draft_model
+        if Method.SSD in remote:
+            return self.ssd
+        return self.free

@@ -1,0 +1,172 @@
+"""Per-sequence session bookkeeping on the target's side: what each sequence holds open on the
+endpoint, its opening and closing, and the outcome tables an endpoint pushes for SSD sequences."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from specpool.engine.sampling import SamplingParams
+from specpool.target_service.choice import SpeculationChoice
+from specpool.target_service.codec import session_spec
+from specpool.v1 import speculation_pb2 as pb
+
+if TYPE_CHECKING:
+    from specpool.target_service.connection import Connection
+
+log = logging.getLogger("specpool.target.speculation")
+
+
+@dataclass
+class Session:
+    """One sequence, as the speculation client knows it."""
+
+    context: list[int]  # prompt and every emitted token: what a re-opened session starts from
+    params: SamplingParams
+    choice: SpeculationChoice
+    opened: bool = False  # a session for it is open on the current endpoint connection
+    opening: bool = False  # an OpenSessions call for it is in flight
+    opened_at: int = 0  # len(context) when that call was sent
+    retry_at: float = 0.0  # after a declined open (capacity), when to ask again
+    drafts: list[int] = field(default_factory=list)  # the drafts it verifies now (SSD: what tables follow)
+    cache_lookups: int = 0  # SSD rounds with an outcome to look up
+    cache_hits: int = 0
+    pending: list[int] = field(default_factory=list)  # emitted since its last round was sent
+
+
+class OutcomeTables:
+    """SSD push: the latest table the endpoint sent per sequence (written by the connection's reader)."""
+
+    def __init__(self):
+        self._tables: dict[str, pb.OutcomeTable] = {}
+        self._changed = threading.Condition()
+
+    def put(self, tables: Iterable[pb.OutcomeTable]) -> None:
+        with self._changed:
+            for table in tables:
+                self._tables[table.request_id] = table
+            self._changed.notify_all()
+
+    def wait_for(self, seq_id: str, follows: list[int], timeout_s: float, broken: threading.Event):
+        """The table for these outstanding drafts, waiting up to timeout_s for it to arrive."""
+        end = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                table = self._tables.get(seq_id)
+                if table is not None and list(table.follows) == follows:
+                    return table
+                left = end - time.monotonic()
+                if left <= 0 or broken.is_set():
+                    return None
+                self._changed.wait(left)
+
+
+class Sessions:
+    """The sequences of one target, keyed by seq_id, and their sessions on the attached endpoint:
+    opened lazily and without stalling a step, closed in one call per step."""
+
+    def __init__(self, tenant: str, target_model: str, lease_s: float, push: bool, reattach_s: float):
+        self.tenant = tenant
+        self.target_model = target_model
+        self.lease_s = lease_s
+        self.push = push  # SSD: the endpoint pushes outcome tables
+        self.reattach_s = reattach_s  # after a declined open, the wait before asking again
+        self.seqs: dict[str, Session] = {}
+        self._opens: list[tuple[Connection, list[str], grpc.Future]] = []
+        self._to_close: list[str] = []
+        self._closing: list[grpc.Future] = []
+
+    def __getitem__(self, seq_id: str) -> Session:
+        return self.seqs[seq_id]
+
+    def get(self, seq_id: str) -> Session | None:
+        return self.seqs.get(seq_id)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self.seqs
+
+    def add(self, seq_id: str, session: Session) -> None:
+        self.seqs[seq_id] = session
+
+    def remove(self, seq_id: str) -> Session | None:
+        """Forgets it; its endpoint session closes with the next flush."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None and (seq.opened or seq.opening):
+            self._to_close.append(seq_id)
+        return seq
+
+    def flush_closes(self, conn: Connection | None) -> None:
+        """One CloseSessions for every sequence that left (fire and forget: leases back it up)."""
+        ids, self._to_close = self._to_close, []
+        # Hold the futures until done: grpc cancels a call whose future is garbage-collected.
+        self._closing = [f for f in self._closing if not f.done()]
+        if ids and conn is not None and not conn.broken.is_set():
+            self._closing.append(
+                conn.stub.CloseSessions.future(pb.CloseSessionsRequest(tenant=self.tenant, request_ids=ids))
+            )
+
+    def open(self, conn: Connection, seq_ids: list[str], wait_s: float, timeout_s: float) -> bool:
+        """Opens sessions for new (or re-attached) sequences, waiting at most wait_s: a slow open
+        leaves its sequences drafting locally until it lands, never stalls the step. False when the
+        endpoint is gone (the caller detaches)."""
+        now = time.monotonic()
+        closed = [s for s in seq_ids if not (self.seqs[s].opened or self.seqs[s].opening)
+                  and self.seqs[s].retry_at <= now]
+        if closed:
+            specs = []
+            for s in closed:
+                seq = self.seqs[s]
+                seq.opening, seq.opened_at = True, len(seq.context)
+                specs.append(session_spec(s, seq.context, seq.choice, seq.params, self.push))
+            future = conn.stub.OpenSessions.future(
+                pb.OpenSessionsRequest(tenant=self.tenant, target_model=self.target_model,
+                                       lease_s=self.lease_s, sessions=specs),
+                timeout=timeout_s,
+            )
+            self._opens.append((conn, closed, future))
+            try:
+                future.result(timeout=wait_s)
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass  # collected below or on a later step
+        return self._collect_opens(conn)
+
+    def _collect_opens(self, current: Connection) -> bool:
+        pending, alive = [], True
+        for conn, seq_ids, future in self._opens:
+            if not future.done():
+                pending.append((conn, seq_ids, future))
+                continue
+            for seq in (self.seqs[s] for s in seq_ids if s in self.seqs):
+                seq.opening = False
+            if conn is not current:
+                continue  # opened on a connection we have since dropped
+            try:
+                reply = future.result()
+            except grpc.RpcError as e:
+                log.warning("OpenSessions failed: %s %s", e.code().name, e.details())
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    alive = False
+                continue
+            for opened in reply.sessions:
+                seq = self.seqs.get(opened.request_id)
+                if seq is None:
+                    continue
+                seq.opened = opened.ok
+                if opened.ok:
+                    seq.pending = seq.context[seq.opened_at :]  # emitted while the open was in flight
+                else:
+                    seq.retry_at = time.monotonic() + self.reattach_s
+                    log.debug("endpoint declined %s: %s", opened.request_id, opened.error)
+        self._opens = pending
+        return alive
+
+    def detached(self) -> None:
+        """The endpoint connection is gone: every sequence re-opens, with its full context, on the next."""
+        for seq in self.seqs.values():
+            seq.opened, seq.opening, seq.pending = False, False, []

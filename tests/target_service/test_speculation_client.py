@@ -1,0 +1,271 @@
+"""The target's side of the Speculation API without processes: real messages through the codec, the
+session bookkeeping and the fallback, and a real gRPC endpoint in this process serving the stream."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from specpool.common.speculation import Method, sparse_q_from_pb
+from specpool.engine.decoding import Decoder, generate
+from specpool.engine.ngram import NgramDrafter
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import AcceptanceEstimate, Running
+from specpool.target_service.choice import SpeculationChoice
+from specpool.target_service.codec import session_spec, unusable
+from specpool.target_service.draft_length import TargetDraftLength
+from specpool.target_service.fallback import Fallback
+from specpool.target_service.speculation_client import SpeculationClient
+from specpool.v1 import speculation_pb2 as pb
+from specpool.v1 import speculation_pb2_grpc, target_pb2
+
+VOCAB = 64
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
+NEW = 20
+REMOTE = SpeculationChoice(Method.DRAFT_MODEL, remote=True)
+
+
+class Recorder:
+    """A SpeculationObserver that keeps what it was told."""
+
+    def __init__(self):
+        self.fallbacks: list[tuple[Fallback, str]] = []
+        self.rounds = 0
+        self.capacities: list[pb.Capacity] = []
+
+    def attached(self, capacity):
+        self.capacities.append(capacity)
+
+    def fell_back(self, reason, seq_ids):
+        self.fallbacks += [(reason, s) for s in seq_ids]
+
+    def round_trip(self, wait_s, draft_s):
+        self.rounds += 1
+
+    def cache_stats(self, seq_id, hits, lookups):
+        pass
+
+    @property
+    def reasons(self) -> set[Fallback]:
+        return {r for r, _ in self.fallbacks}
+
+
+class Endpoint(speculation_pb2_grpc.SpeculationServiceServicer):
+    """The other side of the stream: drafts the target's own greedy continuation (every draft is
+    accepted), or what `drafts` makes of it; `fail_after` rounds, the stream breaks."""
+
+    def __init__(self, truth: dict[str, list[int]], drafts=None, fail_after: int | None = None):
+        self.truth = truth
+        self.drafts = drafts or (lambda seq_id, tokens: pb.SequenceDrafts(request_id=seq_id, tokens=tokens))
+        self.fail_after = fail_after
+        self.contexts: dict[str, list[int]] = {}
+        self.specs: list[pb.SessionSpec] = []
+        self.asked: list[int] = []
+        self.closed: list[str] = []
+        self.rounds = 0
+
+    def GetCapacity(self, request, context):
+        return pb.Capacity()
+
+    def OpenTensorChannel(self, request, context):
+        return pb.TensorChannelResponse()  # no secret: the target drafts dense q locally
+
+    def OpenSessions(self, request, context):
+        for spec in request.sessions:
+            self.contexts[spec.request_id] = list(spec.context)
+            self.specs.append(spec)
+        return pb.OpenSessionsResponse(sessions=[pb.OpenedSession(request_id=s.request_id, ok=True)
+                                                 for s in request.sessions])
+
+    def CloseSessions(self, request, context):
+        self.closed += request.request_ids
+        return pb.CloseSessionsResponse(closed=len(request.request_ids))
+
+    def Rounds(self, requests, context):
+        for request in requests:
+            self.rounds += 1
+            if self.fail_after is not None and self.rounds > self.fail_after:
+                self.fail_after = None  # the next stream (a re-attach) is healthy
+                context.abort(grpc.StatusCode.UNAVAILABLE, "endpoint restarting")
+            reply = pb.RoundResponse(round_id=request.round_id)
+            for seq in request.sequences:
+                context_ids = self.contexts[seq.request_id]
+                context_ids.extend(seq.new_tokens)
+                self.asked.append(seq.num_draft_tokens)
+                n = seq.num_draft_tokens
+                reply.sequences.append(self.drafts(seq.request_id, self.truth[seq.request_id][len(context_ids):][:n]))
+            yield reply
+
+
+@pytest.fixture
+def ar(tiny_model) -> dict[str, list[int]]:
+    """Each sequence's prompt and greedy continuation, by seq_id."""
+    results = generate(tiny_model, PROMPTS, SamplingParams(), NEW, stop_ids=[])
+    return {str(i): p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, results))}
+
+
+def serve(endpoint: Endpoint):
+    server = grpc.server(ThreadPoolExecutor(8))
+    speculation_pb2_grpc.add_SpeculationServiceServicer_to_server(endpoint, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def client_for(address: str | None, observer: Recorder) -> SpeculationClient:
+    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
+                               reattach_s=0.05)
+    if address:
+        client.wait_attached(5.0)
+    return client
+
+
+def decode(model, client: SpeculationClient, choice: SpeculationChoice, draft_tokens: int = 3):
+    decoder = Decoder(model, len(PROMPTS), 128, client, TargetDraftLength(client, None, fixed=draft_tokens))
+    results = []
+    for i, prompt in enumerate(PROMPTS):
+        client.configure(str(i), choice, SamplingParams())
+        results.append(decoder.add(str(i), prompt, SamplingParams(), NEW, stop_ids=[]))
+    while decoder.has_work:
+        decoder.step()
+    return {str(i): p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, results))}, results
+
+
+# -- codec and vocabulary ------------------------------------------------------------------------
+
+
+def test_a_choice_is_labelled_as_the_metrics_always_were():
+    assert SpeculationChoice.of(None, has_endpoint=True) == REMOTE
+    assert SpeculationChoice.of(None, has_endpoint=True).label == "draft_model"
+    assert SpeculationChoice.of(Method.SSD, has_endpoint=True).label == "ssd"
+    assert SpeculationChoice.of(Method.NGRAM, has_endpoint=True).label == "ngram"
+    assert SpeculationChoice.of(Method.SSD, has_endpoint=False) == SpeculationChoice(Method.NGRAM, remote=False)
+    assert SpeculationChoice.of(Method.SSD, has_endpoint=False).label == "ngram_local"
+    assert SpeculationChoice.of(Method.NONE, has_endpoint=True).label == "none"
+
+
+def test_a_session_spec_names_its_drafter_and_sends_no_seed():
+    spec = session_spec("s", [1, 2], SpeculationChoice(Method.SSD, True),
+                        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=42), push=True)
+    assert spec.drafter == pb.DRAFTER_KIND_SSD and spec.push and list(spec.context) == [1, 2]
+    assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed")
+
+
+def test_a_q_row_mismatched_to_its_tokens_is_refused():
+    three_rows = pb.SparseDistribution(k=2, ids=[1, 2] * 3, probs=[0.5, 0.5] * 3)
+    assert sparse_q_from_pb(three_rows, rows=2) is None
+    assert unusable([4, 5], None, asked=3, q_sent=True, vocab_size=VOCAB) == "its draft distribution is malformed"
+    ids, probs = sparse_q_from_pb(three_rows, rows=3)
+    assert unusable([4, 5, 6], (ids, probs), asked=3, q_sent=True, vocab_size=VOCAB) == ""
+    assert "shape" in unusable([4, 5], torch.zeros(3, VOCAB), 3, True, VOCAB)
+    assert "vocabulary" in unusable([4, VOCAB], None, 3, False, VOCAB)
+    assert "were asked" in unusable([4, 5, 6, 7], None, 3, False, VOCAB)
+
+
+# -- draft length: the policy owns the caps ----------------------------------------------------
+
+
+def test_the_draft_length_applies_each_requests_cap_and_none_drafts_nothing():
+    client = client_for(None, Recorder())
+    for seq_id, choice in [("a", REMOTE), ("b", SpeculationChoice(Method.NGRAM, True, max_draft_tokens=2)),
+                           ("c", SpeculationChoice(Method.NONE, False))]:
+        client.configure(seq_id, choice, SamplingParams())
+        client.start(seq_id, [1, 2, 3])
+    length = TargetDraftLength(client, None, fixed=4)
+    batch = [Running(s, 0, 10) for s in "abc"]
+    assert length.max_draft == 4
+    assert length.lengths(batch, AcceptanceEstimate()) == [4, 2, 0]
+
+
+# -- failing open ---------------------------------------------------------------------------------
+
+
+def test_a_dead_endpoint_makes_sequences_draft_locally_with_the_ar_tokens(tiny_model, ar):
+    observer = Recorder()
+    client = client_for("127.0.0.1:1", observer)  # nothing listens there
+    try:
+        tokens, _ = decode(tiny_model, client, REMOTE)
+    finally:
+        client.close()
+    assert tokens == ar
+    assert observer.reasons == {Fallback.ENDPOINT_UNAVAILABLE} and observer.rounds == 0
+    assert {s for _, s in observer.fallbacks} == set(ar)
+
+
+def test_without_an_endpoint_configured_the_reason_says_so(tiny_model, ar):
+    observer = Recorder()
+    tokens, _ = decode(tiny_model, client_for(None, observer), REMOTE)
+    assert tokens == ar and observer.reasons == {Fallback.NO_ENDPOINT}
+
+
+# -- a real stream to an in-process endpoint ----------------------------------------------------
+
+
+def test_an_endpoints_drafts_are_verified_and_its_sessions_closed(tiny_model, ar):
+    endpoint, observer = Endpoint(ar), Recorder()
+    server, address = serve(endpoint)
+    client = client_for(address, observer)
+    try:
+        tokens, results = decode(tiny_model, client, SpeculationChoice(Method.DRAFT_MODEL, True, max_draft_tokens=2))
+        end = time.monotonic() + 5.0  # CloseSessions is fire and forget
+        while len(endpoint.closed) < len(ar) and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        client.close()
+        server.stop(0)
+    assert tokens == ar
+    assert observer.capacities and observer.rounds > 0 and not observer.fallbacks
+    assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in results)  # the endpoint's drafts were used
+    assert max(endpoint.asked) == 2  # the request's cap, applied by the draft length
+    assert {s.drafter for s in endpoint.specs} == {pb.DRAFTER_KIND_DRAFT_MODEL}
+    assert sorted(endpoint.closed) == sorted(ar)
+
+
+def test_unusable_replies_fall_back_for_that_round_only(tiny_model, ar):
+    def bad(seq_id, tokens):
+        if seq_id == "0":  # out of the vocabulary
+            return pb.SequenceDrafts(request_id=seq_id, tokens=[VOCAB + 1] * len(tokens))
+        if seq_id == "1":  # a q whose rows do not match its tokens
+            return pb.SequenceDrafts(request_id=seq_id, tokens=tokens,
+                                     sparse=pb.SparseDistribution(k=1, ids=[1], probs=[1.0] * 7))
+        return pb.SequenceDrafts(request_id=seq_id, tokens=tokens)
+
+    observer = Recorder()
+    server, address = serve(Endpoint(ar, drafts=bad))
+    client = client_for(address, observer)
+    try:
+        tokens, results = decode(tiny_model, client, REMOTE)
+    finally:
+        client.close()
+        server.stop(0)
+    assert tokens == ar
+    assert observer.reasons == {Fallback.BAD_REPLY}
+    assert {s for _, s in observer.fallbacks} == {"0", "1"}
+    assert results[2].accepted_tokens == results[2].drafted_tokens > 0
+
+
+def test_a_stream_that_breaks_falls_back_then_reattaches(tiny_model, ar):
+    observer = Recorder()
+    server, address = serve(Endpoint(ar, fail_after=2))
+    client = client_for(address, observer)
+    try:
+        tokens, _ = decode(tiny_model, client, REMOTE)
+        assert tokens == ar
+        assert Fallback.ENDPOINT_FAILED in observer.reasons
+        # Back on a new connection: the attach loop replaces the broken one.
+        assert client.wait_attached(5.0) and len(observer.capacities) == 2
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_the_target_api_enum_reaches_the_endpoint_as_its_drafter():
+    from specpool.common.speculation import method_from_pb
+
+    method = method_from_pb(target_pb2.SPECULATION_METHOD_SSD)
+    spec = session_spec("s", [1], SpeculationChoice.of(method, has_endpoint=True), SamplingParams(), push=False)
+    assert spec.drafter == pb.DRAFTER_KIND_SSD
