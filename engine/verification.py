@@ -175,6 +175,7 @@ def verify_point_mass(
     p_x = target_probs[:, :k].gather(-1, tokens[..., None]).squeeze(-1)  # [B, K]
     accepted = _accept_prefix(p_x, torch.ones_like(p_x), valid, generator)  # [B]
 
+    # A deliberate parallel of verify_sparse's tail: the rules differ only in the residual they build.
     bonus = accepted == num_drafts  # [B]
     p_row = _rows(target_probs, accepted)  # [B, V]
     if k == 0:

@@ -11,20 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from specpool.common import serving
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.registry import Registry, redacted
-from specpool.common.serving import (
-    Admission,
-    add_health_and_reflection,
-    add_security_arguments,
-    build_server,
-    method_names,
-    redis_url_from,
-    report_ready,
-    security_from,
-    serve_until_signal,
-    setup_logging,
-)
 from specpool.router.capacity import capacity_json, cluster_capacity, visible_to
 from specpool.router.leases import LEASE_TTL_S, LeaseKeeper
 from specpool.router.member_channels import TargetChannels
@@ -59,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics and /capacity port (0 picks)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
-    add_security_arguments(p)
+    serving.add_security_arguments(p)
     p.add_argument("--tokens", default=None, metavar="FILE",
                    help="YAML tenant -> bearer token(s): who may call this router, as which tenant (default: "
                         "$SPECPOOL_TOKENS_FILE, else tokens.yaml in a local CA's --tls-dir); re-read when it changes")
@@ -91,7 +80,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     if args.check_interval_s <= 0:
         raise ValueError(f"--check-interval-s must be > 0, got {args.check_interval_s}")
-    redis_url = redis_url_from(args)
+    redis_url = serving.redis_url_from(args)
     if not redis_url:
         raise ValueError("the router needs the registry: set SPECPOOL_REDIS_URL or pass --redis URL")
     return RouterConfig(
@@ -102,9 +91,9 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    serving.setup_logging(args.log_level)
     config = config_from(args)
-    credentials = security_from(args, "router", args.name, tokens_file=args.tokens)
+    credentials = serving.security_from(args, "router", args.name, tokens_file=args.tokens)
     if credentials.enabled and credentials.tokens is None:
         raise SystemExit("the router needs a tokens file to know its callers: --tokens FILE or SPECPOOL_TOKENS_FILE")
     registry = Registry(config.redis_url)
@@ -137,13 +126,13 @@ def main(args: argparse.Namespace) -> int:
 
     # Every forwarded request holds a server thread until its replica answers.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = Admission(args.max_in_flight, method_names(service, "Generate", "GenerateUnary"))
+    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate", "GenerateUnary"))
     # Tenants' programs call the router with bearer tokens, not certificates.
-    server, port = build_server(config.port, host=config.host, admission=admission, credentials=credentials,
+    server, port = serving.build_server(config.port, host=config.host, admission=admission, credentials=credentials,
                                 client_certificates=False)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
     cluster_pb2_grpc.add_ClusterStateServicer_to_server(ClusterStateServicer(capacity, credentials), server)
-    health = add_health_and_reflection(server, [
+    health = serving.add_health_and_reflection(server, [
         pb.DESCRIPTOR.services_by_name["TargetService"].full_name,
         cluster_pb2.DESCRIPTOR.services_by_name["ClusterState"].full_name,
     ])
@@ -157,8 +146,8 @@ def main(args: argparse.Namespace) -> int:
     health.set_ready(True)
     log.info("serving Router on port %d, metrics on port %d (registry %s, tenant weights %s)",
              port, metrics_server.port, redacted(config.redis_url), config.tenant_weights or "none")
-    report_ready("Router", port, metrics_server.port)
-    serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
+    serving.report_ready("Router", port, metrics_server.port)
+    serving.serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
     keeper.stop()
     checks.close()
     channels.close()

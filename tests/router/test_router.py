@@ -1,3 +1,4 @@
+# Over 400 lines: one router process per scenario, sharing its Redis and fake-target fixtures.
 """The router as a process, against a real Redis: in-process fake targets (no model) for placement and
 speculation decisions, real tiny serve-target/serve-spec processes for leases and a Redis restart.
 

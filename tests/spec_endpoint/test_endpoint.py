@@ -1,3 +1,4 @@
+# Over 400 lines: the endpoint domain API end to end, each test on the same tiny real models.
 """The pooled speculation endpoint on tiny real models: batching across tenants, q transports,
 acceptance counting, leases, capacity, and validation through a real gRPC server."""
 
