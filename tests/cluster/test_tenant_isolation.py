@@ -9,7 +9,9 @@ rightful owner's flow must still work.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -330,6 +332,12 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         self.server.stop(0)
 
 
+def routed_targets(router: ServerProcess) -> int:
+    """How many targets the router's own view of the registry holds (its /capacity route)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=5) as reply:
+        return sum(len(pool.get("targets", [])) for pool in json.load(reply)["pools"])
+
+
 def test_a_target_that_only_wrote_a_heartbeat_gets_no_prompts(pool, tmp_path):
     mode, p = pool
     url = p["redis"].url
@@ -349,6 +357,9 @@ def test_a_target_that_only_wrote_a_heartbeat_gets_no_prompts(pool, tmp_path):
         registry = Registry(url)
         wait_for(lambda: len(registry.targets()) == 1 + len(fakes), timeout_s=10)
         registry.close()
+        # And the router's view holds them too: 20 two-token requests can finish within one of its
+        # snapshot periods, and a test that routed them all on a stale view would prove nothing.
+        wait_for(lambda: routed_targets(p["router"]) == 1 + len(fakes), timeout_s=10)
         stub, metadata = router_stub(mode, p["router"], "alpha")
 
         def one(i: int) -> pb.GenerateResult:
