@@ -222,8 +222,8 @@ def hf_prompt_lookup(
     model,
     prompts: list[list[int]],
     max_new_tokens: int,
-    num_tokens: int = 10,
-    max_ngram: int = 2,
+    num_tokens: int = 10,  # drafted per step
+    max_ngram: int = 2,  # the longest n-gram looked up
     temperature: float = 0.0,
     seed: int | None = None,
 ) -> PeerRun:

@@ -54,12 +54,12 @@ class ModelStats:
 
 @dataclass(frozen=True, slots=True)
 class ModelDemand:
-    name: str
-    requests_per_s: float
-    mean_output_tokens: float
-    prompt_tokens: float = 0.0
-    target_cost: float = 1.0
-    stats: ModelStats | None = None
+    name: str  # the target model, as targets register it
+    requests_per_s: float  # arrivals
+    mean_output_tokens: float  # decoded per request
+    prompt_tokens: float = 0.0  # prefilled per request (mean)
+    target_cost: float = 1.0  # of one replica, relative to an endpoint's endpoint_cost
+    stats: ModelStats | None = None  # None: looked up in the statistics given to the planner
 
 
 @dataclass(frozen=True, slots=True)

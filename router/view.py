@@ -109,11 +109,11 @@ class ClusterView:
                  on_error: Callable[[], None] | None = None):
         """checks: None trusts the last members read for as long as Redis stays away."""
         self.registry = registry
-        self.max_age_s = max_age_s
-        self.rebuild_grace_s = rebuild_grace_s
+        self.max_age_s = max_age_s  # a snapshot older than this is read again
+        self.rebuild_grace_s = rebuild_grace_s  # how long an emptied Redis may take to refill
         self.checks = checks
         self.clock = clock
-        self.on_error = on_error
+        self.on_error = on_error  # counts failed reads for the router's metrics
         self._snapshot = Snapshot()
         self._tried_at: float | None = None  # the last read attempt, successful or not
         self._known = Snapshot()  # the newest read that found members
