@@ -28,11 +28,14 @@ from specpool.common.machine import machine_info
 from specpool.engine.decoding import generate
 from specpool.engine.device import resolve_dtype
 from specpool.engine.drafter import ModelDrafter
+from specpool.engine.head import HeadDrafter
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
+from specpool.engine.tree_drafting import TreeShape
 
+TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
 
 
@@ -61,6 +64,7 @@ class BenchConfig:
     modes: list[str]
     draft_dir: Path | None
     datastore: Path | None
+    head_dir: Path | None = None  # the feature-fed head (modes head, head-tree)
     dtype: str = "auto"  # the target's
     draft_dtype: str = "bf16"  # the draft model's (bf16 where native: its speed matters, its q is sent exactly)
     seed: int = 0
@@ -105,7 +109,7 @@ def _hf(fn) -> Runner:
 
 def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, routed=None) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
-    needs_draft = any(m.split(":")[0] in ("sd", "hf-assisted") for m in cfg.modes)
+    needs_draft = any(m.split(":")[0] in ("sd", "sd-tree", "hf-assisted") for m in cfg.modes)
     draft = None
     if needs_draft:
         if cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
@@ -115,12 +119,18 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
         raise FileNotFoundError(f"no n-gram datastore at {cfg.datastore}: build one with `specpool build-datastore`"
                                 " or pass --datastore '' to use the per-request index alone")
     datastore = SuffixArrayDatastore.load(cfg.datastore) if cfg.datastore else None
+    head = None
+    if any(m.split(":")[0] in ("head", "head-tree") for m in cfg.modes):
+        if cfg.head_dir is None or not (cfg.head_dir / "model.safetensors").exists():
+            raise FileNotFoundError(f"modes head/head-tree need a head checkpoint (`specpool train-draft --kind "
+                                    f"head`); none at {cfg.head_dir}")
+        head = Llama.from_draft_checkpoint(cfg.head_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
     max_len = 4096
 
     target_costs = None
     for mode in cfg.modes:
         name, _, k = mode.partition(":")
-        if name in ("sd", "ngram") and not k and target_costs is None:
+        if name in ("sd", "ngram", "head") and not k and target_costs is None:
             target_costs = cached_step_costs(model, cfg.model_path.name)
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
@@ -131,6 +141,16 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             runners[mode] = _ours(
                 model, cfg.max_tokens, lambda b: ModelDrafter(draft, b, max_len), int(k or 0), policy
             )
+        elif name == "head":
+            policy = None if k else SpeculationPolicy(
+                target_costs, draft_costs=cached_step_costs(head, str(cfg.head_dir)), max_draft=8
+            )
+            runners[mode] = _ours(model, cfg.max_tokens, lambda b: HeadDrafter(head, b, max_len), int(k or 0), policy)
+        elif name in ("sd-tree", "head-tree"):  # k: the node budget of every tree (default 8)
+            make = HeadDrafter if name == "head-tree" else ModelDrafter
+            source = head if name == "head-tree" else draft
+            runners[mode] = _ours(model, cfg.max_tokens, lambda b, make=make, source=source: make(
+                source, b, max_len, tree=TREE_SHAPE), int(k or 8))
         elif name == "ngram":
             policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)

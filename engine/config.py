@@ -19,6 +19,9 @@ class ModelConfig:
     max_context: int = 8192
     bos_id: int = 1
     eos_id: int = 2
+    # A draft head (EAGLE style): each position's input fuses the token's embedding with a feature
+    # (the target's last hidden state, or the head's own prediction of it) instead of the embedding alone.
+    feature_fed: bool = False
 
     @property
     def head_dim(self) -> int:

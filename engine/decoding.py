@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.engine import token_tree
 from specpool.engine.drafter import Drafter, DraftRequest, Drafts, propose_all
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
@@ -25,11 +26,13 @@ from specpool.engine.speculation_policy import (
     SpeculationPolicy,
 )
 from specpool.engine.verification import (
+    TreeVerifyResult,
     VerifyResult,
     verify_dense,
     verify_greedy,
     verify_point_mass,
     verify_sparse,
+    verify_tree,
 )
 
 # What sampling or verifying one group can raise (torch's errors are RuntimeErrors; a bad draft token
@@ -64,10 +67,7 @@ class GenerationResult:
 def pad_drafts(drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (tokens [B, K] right-padded with 0, num_drafts [B])."""
     k = max((len(t) for t in drafts.tokens), default=0)
-    tokens = torch.zeros(len(drafts.tokens), k, dtype=torch.long)
-    for b, row in enumerate(drafts.tokens):
-        tokens[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-    return tokens, torch.tensor([len(t) for t in drafts.tokens], dtype=torch.long)
+    return token_tree.padded(drafts.tokens, k), torch.tensor([len(t) for t in drafts.tokens], dtype=torch.long)
 
 
 def verify_round(
@@ -85,6 +85,24 @@ def verify_round(
     if drafts.topk_ids is not None:
         return verify_sparse(tokens, drafts.topk_ids[:, :k], drafts.topk_probs[:, :k], p, num, generator)
     return verify_point_mass(tokens, p, num, generator)
+
+
+def verify_tree_round(
+    drafts: Drafts, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> TreeVerifyResult:
+    """Token trees (`drafts.parents`); target_logits [B, T, V], row 0 the root's, row i+1 node i's.
+    A tree's nodes are deterministic (a drafter's likeliest continuations), so no q travels with them."""
+    if drafts.probs is not None or drafts.topk_ids is not None:
+        raise ValueError("token trees carry no draft probabilities: their nodes must be deterministic")
+    tokens, num = pad_drafts(drafts)
+    n = tokens.shape[1]
+    parents = token_tree.padded(drafts.parents, n, fill=-1)
+    logits = target_logits[:, : n + 1]
+    if params.greedy:  # the longest path of argmax tokens
+        p = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    else:
+        p = logits_to_probs(logits, params)
+    return verify_tree(tokens, parents, num, p, generator)
 
 
 @dataclass
@@ -121,6 +139,7 @@ class Decoder:
         self.model = model
         self.cache = model.new_cache(max_batch, max_len)
         self.drafter = drafter
+        self._wants_features = "features" in getattr(drafter, "inputs", ())  # a feature-fed head's input
         self.draft_length = draft_length
         self.acceptance = acceptance or AcceptanceEstimate()
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
@@ -218,12 +237,25 @@ class Decoder:
             if self.drafter is not None:
                 self.drafter.release(seq.seq_id)
 
+    def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None):
+        """The target's forward over the batch -> (logits, its features [B, T, d] when the drafter reads
+        them, else None)."""
+        slots = [s.slot for s in batch]
+        if self._wants_features:
+            return self.model.forward(self.cache, slots, feed, all_logits=all_logits, features=True, parents=parents)
+        return self.model.forward(self.cache, slots, feed, all_logits=all_logits, parents=parents), None
+
+    @staticmethod
+    def _inputs(hidden: torch.Tensor | None, row: int, fed: list[int]) -> dict:
+        """What the drafter declared it reads beyond token ids, at these fed positions of a row."""
+        return {} if hidden is None else {"features": hidden[row, fed].clone()}
+
     def _prefill(self) -> list[tuple[str, list[int]]]:
         start = time.perf_counter()
         batch, self.waiting = self.waiting, []
         for seq in batch:
             seq.slot = self.cache.allocate()
-        logits = self.model.forward(self.cache, [s.slot for s in batch], [s.prompt for s in batch])  # [B, V]
+        logits, hidden = self._forward(batch, [s.prompt for s in batch], all_logits=False)  # [B, V]
         moved = []
         for rows, params in _groups(batch):
             try:
@@ -235,14 +267,15 @@ class Decoder:
                 seq = batch[r]
                 moved.append((seq.seq_id, self._emit(seq, [t])))
         elapsed = time.perf_counter() - start
-        for seq in batch:
+        for r, seq in enumerate(batch):
             seq.result.prefill_s = elapsed
             if seq.result.finish_reason:
                 self._release(seq, started=True)
                 continue
             self.running.append(seq)
             if self.drafter is not None:
-                self.drafter.start(seq.seq_id, seq.prompt + seq.result.token_ids)
+                inputs = self._inputs(hidden, r, list(range(len(seq.prompt))))
+                self.drafter.start(seq.seq_id, seq.prompt + seq.result.token_ids, **inputs)
                 seq.unseen = len(seq.prompt) + 1
         return moved
 
@@ -306,39 +339,47 @@ class Decoder:
             picked = [drafted.get(batch[r].seq_id) for r in rows]
             source = next((d for d, _ in filter(None, picked)), None)
             drafts.append(source.select([p[1] if p else None for p in picked]) if source else Drafts.empty(len(rows)))
-        row_drafts = [[] for _ in batch]
+        row_drafts: list[list[int]] = [[] for _ in batch]
+        fed_parents: list[list[int]] = [[-1] for _ in batch]  # the last token, then the nodes (chains: -1, 0, ..)
         for (rows, _), d in zip(groups, drafts):
             for b, r in enumerate(rows):
                 row_drafts[r] = d.tokens[b]
+                node_parents = d.parents[b] if d.parents is not None else token_tree.chain(len(d.tokens[b]))
+                fed_parents[r] += [p + 1 for p in node_parents]
         feed = [[seq.result.token_ids[-1], *row_drafts[r]] for r, seq in enumerate(batch)]
-        logits = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=True)  # [B, T, V]
+        trees = any(d.parents is not None for d in drafts)
+        logits, hidden = self._forward(batch, feed, all_logits=True, parents=fed_parents if trees else None)
 
         moved = []
         for (rows, params), d in zip(groups, drafts):
             try:
-                outcome = verify_round(d, logits[rows], params, self._generator(params))
+                if d.parents is not None:
+                    outcome = verify_tree_round(d, logits[rows], params, self._generator(params))
+                    paths = [row[:a] for row, a in zip(outcome.path.tolist(), outcome.accepted.tolist())]
+                else:
+                    outcome = verify_round(d, logits[rows], params, self._generator(params))
+                    paths = [list(range(a)) for a in outcome.accepted.tolist()]
             except SAMPLING_ERRORS as e:
                 moved += self._fail([batch[r] for r in rows], e)
                 continue
-            for b, (r, accepted, next_token) in enumerate(
-                zip(rows, outcome.accepted.tolist(), outcome.next_token.tolist())
-            ):
+            for b, (r, path, next_token) in enumerate(zip(rows, paths, outcome.next_token.tolist())):
                 seq, proposed = batch[r], d.tokens[b]
                 res = seq.result
                 res.target_steps += 1
                 res.drafted_tokens += len(proposed)
-                res.accepted_tokens += accepted
-                res.rounds.append((len(proposed), accepted))
+                res.accepted_tokens += len(path)
+                res.rounds.append((len(proposed), len(path)))
                 if seq.seq_id in ours:
-                    self.acceptance.update(accepted, asked.offered[seq.seq_id], len(proposed))
-                # Keep the fed last token and the accepted drafts; drop the rejected drafts' K/V.
-                self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]) + 1 + accepted)
-                taken = self._emit(seq, proposed[:accepted] + [next_token])
+                    self.acceptance.update(len(path), asked.offered[seq.seq_id], len(proposed))
+                # Keep the fed last token and the accepted path's K/V, in place; drop the rest.
+                kept = [0] + [node + 1 for node in path]
+                self.cache.keep_path(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]), kept)
+                taken = self._emit(seq, [proposed[node] for node in path] + [next_token])
                 moved.append((seq.seq_id, taken))
                 if self.drafter is not None and not res.finish_reason:
-                    self.drafter.observe(seq.seq_id, taken)
+                    self.drafter.observe(seq.seq_id, taken, **self._inputs(hidden, r, kept[: len(taken)]))
                     # Accepted drafts are already in the drafter's cache; the rest is new to it.
-                    seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(accepted, len(taken))
+                    seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(len(path), len(taken))
         end = time.perf_counter()
         self.last_verify_s = end - start
         for seq in batch:
@@ -378,6 +419,12 @@ class _Asked:
             # A token the target cannot embed would fail the whole batch's forward: drop the group's drafts.
             if not all(0 <= t < vocab_size for row in d.tokens for t in row):
                 continue
+            if d.parents is not None:  # a malformed tree too (it would fail the forward's layout)
+                try:
+                    for row, parents in zip(d.tokens, d.parents, strict=True):
+                        token_tree.check_tree(row, parents)
+                except ValueError:
+                    continue
             out.update((s, (d, b)) for b, s in enumerate(ask.seq_ids) if s not in self.moved)
         return out
 

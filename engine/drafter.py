@@ -16,6 +16,7 @@ import torch
 from specpool.engine.kv_cache import KVCache
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, sample
+from specpool.engine.tree_drafting import Candidates, TreeShape, grow_trees, tree_logprobs
 
 if TYPE_CHECKING:
     from specpool.engine.ssd import Fork
@@ -33,6 +34,9 @@ class Drafts:
     probs: torch.Tensor | None = None  # [B, K, V]
     topk_ids: torch.Tensor | None = None  # [B, K, k]
     topk_probs: torch.Tensor | None = None  # [B, K, k]
+    # Token trees: row b's node i has parent parents[b][i] (engine/token_tree.py). None: every row is a
+    # chain. Tree nodes are deterministic, so trees come without q.
+    parents: list[list[int]] | None = None
 
     @staticmethod
     def empty(batch: int) -> Drafts:
@@ -53,7 +57,8 @@ class Drafts:
             return out
 
         tokens = [list(self.tokens[r]) if r is not None else [] for r in rows]
-        return Drafts(tokens, pick(self.probs), pick(self.topk_ids), pick(self.topk_probs))
+        parents = None if self.parents is None else [list(self.parents[r]) if r is not None else [] for r in rows]
+        return Drafts(tokens, pick(self.probs), pick(self.topk_ids), pick(self.topk_probs), parents)
 
 
 class Drafter(Protocol):
@@ -64,8 +69,9 @@ class Drafter(Protocol):
     The members below `release` are optional: a drafter that subclasses Drafter gets their defaults,
     and a pooled endpoint reads them instead of asking which kind of drafter it holds."""
 
-    # Inputs beyond token ids this drafter wants from the target with each round (say "hidden_states"
-    # for a drafter fed by the target's features). The caller sends what a drafter declares here.
+    # Inputs beyond token ids this drafter wants from the target ("features": the target's last hidden
+    # states, for a feature-fed head). The caller passes each one declared here to `start` and
+    # `observe` as a keyword argument of that name, and sends none that is not declared.
     inputs: frozenset[str] = frozenset()
 
     def start(self, seq_id: str, context: Sequence[int]) -> None: ...
@@ -198,10 +204,13 @@ class ModelDrafter(Drafter):
 
     sparse_q_per_call = True
 
-    def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True):
+    def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True,
+                 tree: TreeShape | None = None):
+        """tree: propose token trees of this shape (num_tokens is then each tree's node budget), not chains."""
         self.model = model
         self.cache = model.new_cache(max_sequences, max_len)
         self.sparse_top_k = sparse_top_k
+        self.tree = tree
         self._seqs: dict[str, _DraftSeq] = {}
 
     def start(self, seq_id: str, context: Sequence[int]) -> None:
@@ -226,29 +235,84 @@ class ModelDrafter(Drafter):
         """`sparse` overrides the constructor's `sparse_top_k` for this call (a pooled endpoint
         serves sessions with either transport); top-k pairs still need `params.top_k > 0`."""
         seqs = [self._seqs[s] for s in seq_ids]
-        k = max(num_tokens, default=0)
-        sampled = not params.greedy
-        sparse = sampled and (self.sparse_top_k if sparse is None else sparse) and params.top_k > 0
-        V = self.model.config.vocab_size
-        probs = torch.zeros(len(seq_ids), k, V) if sampled and not sparse else None
-        topk_ids = torch.zeros(len(seq_ids), k, params.top_k, dtype=torch.long) if sparse else None
-        topk_probs = torch.zeros(len(seq_ids), k, params.top_k) if sparse else None
+        if self.tree is not None:
+            return self._propose_trees(seqs, num_tokens, params)
+        sparse = self.sparse_top_k if sparse is None else sparse
+        picker = DraftPicker(len(seq_ids), max(num_tokens, default=0), self.model.config.vocab_size, params,
+                             generator, sparse)
+        return picker.drafts(self._draft(seqs, num_tokens, picker.pick))
 
-        def pick(j: int, active: list[int], logits: torch.Tensor) -> torch.Tensor:
-            if sparse:
-                # Sample from exactly the k pairs that are sent, so q on the wire is the q used.
-                picked, topk_ids[active, j], topk_probs[active, j] = sample_top_k(
-                    logits_to_probs(logits, params), params.top_k, generator)
-                return picked
-            if sampled:
-                q = logits_to_probs(logits, params)  # [A, V]
-                probs[active, j] = q
-                return sample(q, generator)
-            return logits.argmax(-1)
-
+    def _draft(self, seqs: list[_DraftSeq], num_tokens: Sequence[int], pick: Pick) -> list[list[int]]:
         tokens = draft_steps(self.model, self.cache, [s.slot for s in seqs], [s.pending for s in seqs],
                              num_tokens, pick)
         for seq, n, drafted in zip(seqs, num_tokens, tokens):
             if n > 0:
                 seq.pending, seq.fed_drafts, seq.drafts = [], n - 1, tuple(drafted)
-        return Drafts(tokens=tokens, probs=probs, topk_ids=topk_ids, topk_probs=topk_probs)
+        return tokens
+
+    # -- trees ------------------------------------------------------------------------------------
+
+    def _propose_trees(self, seqs, budgets: Sequence[int], params: SamplingParams) -> Drafts:
+        tokens: list[list[int]] = [[] for _ in seqs]
+        parents: list[list[int]] = [[] for _ in seqs]
+        active = [b for b, n in enumerate(budgets) if n > 0]
+        if active:
+            act = [seqs[b] for b in active]
+            cands = [Candidates() for _ in act]
+
+            def expand(rows: list[int], picks: list[list[int]]) -> torch.Tensor:
+                logits = self._tree_expand([act[a] for a in rows], [cands[a] for a in rows], picks)
+                return tree_logprobs(logits, params)
+
+            first = tree_logprobs(self._tree_root(act), params)
+            trees = grow_trees(first, [budgets[b] for b in active], self.tree, expand, cands)
+            for a, b in enumerate(active):
+                tokens[b], parents[b] = trees[a]
+                self._drafted_tree(act[a], cands[a])
+        return Drafts(tokens=tokens, parents=parents)
+
+    def _tree_root(self, seqs: list) -> torch.Tensor:
+        """Feeds each sequence's pending tokens -> the logits for its next token [A, V]."""
+        logits = self.model.forward(self.cache, [s.slot for s in seqs], [s.pending for s in seqs])
+        for seq in seqs:
+            seq.pending = []
+        return logits
+
+    def _tree_expand(self, seqs: list, cands: list[Candidates], picks: list[list[int]]) -> torch.Tensor:
+        """Feeds the picked candidates of each sequence's tree -> the logits after each [A, T, V]."""
+        feeds = [[c.tokens[n] for n in pick] for c, pick in zip(cands, picks)]
+        parents = [c.feed(pick) for c, pick in zip(cands, picks)]
+        return self.model.forward(self.cache, [s.slot for s in seqs], feeds, all_logits=True, parents=parents)
+
+    def _drafted_tree(self, seq, cand: Candidates) -> None:
+        # The tree's K/V are dropped at the next observe (no accepted draft is kept: it is fed again).
+        seq.fed_drafts, seq.drafts = len(cand.fed_parents), ()
+
+
+class DraftPicker:
+    """How a model drafter picks its tokens from its logits, and the q it records for them: greedy, or
+    sampled from the target's transform of its logits with q kept dense, or as the top-k pairs sampled
+    from (so q on the wire is exactly the q used)."""
+
+    def __init__(self, batch: int, k: int, vocab_size: int, params: SamplingParams,
+                 generator: torch.Generator | None, sparse: bool):
+        self.params, self.generator = params, generator
+        self.sampled = not params.greedy
+        self.sparse = self.sampled and sparse and params.top_k > 0
+        self.probs = torch.zeros(batch, k, vocab_size) if self.sampled and not self.sparse else None
+        self.topk_ids = torch.zeros(batch, k, params.top_k, dtype=torch.long) if self.sparse else None
+        self.topk_probs = torch.zeros(batch, k, params.top_k) if self.sparse else None
+
+    def pick(self, j: int, active: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.sparse:
+            picked, self.topk_ids[active, j], self.topk_probs[active, j] = sample_top_k(
+                logits_to_probs(logits, self.params), self.params.top_k, self.generator)
+            return picked
+        if self.sampled:
+            q = logits_to_probs(logits, self.params)  # [A, V]
+            self.probs[active, j] = q
+            return sample(q, self.generator)
+        return logits.argmax(-1)
+
+    def drafts(self, tokens: list[list[int]]) -> Drafts:
+        return Drafts(tokens=tokens, probs=self.probs, topk_ids=self.topk_ids, topk_probs=self.topk_probs)

@@ -56,3 +56,12 @@ class KVCache:
         self.v[:, new, :, :length] = self.v[:, slot, :, :length]
         self.lengths[new] = length
         return new
+
+    def keep_path(self, slot: int, start: int, fed: list[int]) -> None:
+        """After a token tree was fed from position `start` (K/V in feed order): keep the fed tokens
+        at feed indices `fed` (an accepted path, ascending), moved to positions start, start + 1, ..."""
+        if fed != list(range(len(fed))):  # an accepted chain prefix is in place already
+            src = torch.tensor(fed, device=self.k.device) + start
+            self.k[:, slot, :, start : start + len(fed)] = self.k[:, slot, :, src]
+            self.v[:, slot, :, start : start + len(fed)] = self.v[:, slot, :, src]
+        self.lengths[slot] = start + len(fed)

@@ -18,6 +18,7 @@ from specpool.engine.config import ModelConfig
 from specpool.engine.device import default_device, resolve_dtype
 from specpool.engine.kv_cache import KVCache
 from specpool.engine.linear import Linear
+from specpool.engine.token_tree import attention_layout, is_chain, padded
 
 
 def rope_angles(config: ModelConfig) -> torch.Tensor:
@@ -65,6 +66,9 @@ class Llama:
         # A draft may score only a reduced vocabulary: its head row i is full-vocab token output_ids[i].
         self.output_ids = weights["output_ids"].to(self.device) if "output_ids" in weights else None
         self.norm = w("norm")
+        if config.feature_fed:
+            self.embed_norm, self.feature_norm = w("embed_norm"), w("feature_norm")
+            self.fc = Linear(w("fc"))  # [d, 2d]: (normed embedding, normed feature) -> the layers' input
         self.layers = []
         for i in range(config.n_layers):
             p = f"layers.{i}."
@@ -130,12 +134,27 @@ class Llama:
         slots: Sequence[int],
         tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
-    ) -> torch.Tensor:
+        features: bool = False,
+        fed_features: torch.Tensor | None = None,
+        parents: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens[b] to the sequence in slots[b]; advance its cache length.
 
         Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] (rows padded to T)
-        when `all_logits` (verify steps need a row per draft position).
+        when `all_logits` (verify steps need a row per draft position). With `features`, also the
+        last layer's hidden states before the final norm at every position, [B, T, d] in the model's
+        dtype: what a feature-fed draft head reads. A feature-fed model takes `fed_features` [B, T, d], the
+        feature that goes with each fed token (rows padded like the tokens).
+
+        `parents` feeds token trees (engine/token_tree.py): parents[b] is row b's whole tree so far, the
+        parent of each node (-1: a child of the prefix the tree hangs from), ending with the nodes this
+        call feeds (tokens[b]); the earlier ones are the row's last cached positions. A node sits at the
+        position of its depth past that prefix and sees only the prefix and its ancestors; K/V are
+        written in feed order (`KVCache.keep_path` moves an accepted path's into place), so a tree can
+        grow over several calls. None: every row is a chain.
         """
+        if self.config.feature_fed != (fed_features is not None):
+            raise ValueError("fed_features are required by a feature-fed model, and only by one")
         cfg = self.config
         B = len(slots)
         counts = [len(t) for t in tokens]
@@ -148,24 +167,39 @@ class Llama:
                 raise ValueError(f"slot {s}: {start + n} positions exceed the cache length {cache.max_len}")
 
         dev = self.device
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for b, row in enumerate(tokens):
-            ids[b, : counts[b]] = torch.as_tensor(row, dtype=torch.long)
+        ids = padded(tokens, T)
         offsets = torch.arange(T)
-        pos = torch.tensor(starts)[:, None] + offsets  # [B, T]
+        start_col = torch.tensor(starts)[:, None]  # [B, 1]
+        pos = start_col + offsets  # [B, T]: where each fed token's K/V go
         real = offsets[None, :] < torch.tensor(counts)[:, None]  # [B, T]
         write_slot = torch.where(real, torch.tensor(list(slots))[:, None], cache.scratch_slot)
         write_pos = torch.where(real, pos, offsets[None, :])
         kv_len = max(st + T for st in starts) if B > 1 else starts[0] + T
         kv_len = min(kv_len, cache.max_len)
+        tree = parents is not None and not all(is_chain(p) for p in parents)
+        if tree:
+            sizes = [len(p) for p in parents]
+            if any(n < c or st + c < n for n, c, st in zip(sizes, counts, starts)):
+                raise ValueError("a row's tree must end with its fed tokens and start within its cache")
+            n = max(sizes)
+            depth, anc = attention_layout(parents, n)  # [B, n], [B, n, n]
+            base = torch.tensor([st + c - size for st, c, size in zip(starts, counts, sizes)])[:, None]  # [B, 1]
+            node = (torch.tensor(sizes)[:, None] - torch.tensor(counts)[:, None] + offsets).clamp(max=n - 1)  # [B, T]
+            rel = torch.arange(kv_len)[None, None, :] - base[:, :, None]  # [B, 1, L]: tree index of a key
+            anc = anc.gather(1, node[:, :, None].expand(B, T, n))  # [B, T, n]: the fed nodes' rows
+            in_tree = anc.gather(-1, rel.clamp(0, n - 1).expand(B, T, kv_len))
+            visible = (rel < 0) | ((rel < n) & in_tree)  # [B, T, L]
+            pos = base + depth.gather(1, node)  # the positions RoPE sees
         ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
 
         # Rows may start at different positions: an additive mask says which cached keys each query
         # sees. A lone prefill from position 0 is plain causal attention and needs none.
-        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP
+        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP and not tree
         mask = None
-        if not causal_prefill and not (T == 1 and len(set(starts)) == 1):
-            visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+        if tree or not causal_prefill and not (T == 1 and len(set(starts)) == 1):
+            if not tree:
+                visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+            visible = visible.to(dev)
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]  # [B, 1, T, L]
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
@@ -178,6 +212,10 @@ class Llama:
         sin = self.rope_sin[rope_pos][:, :, None, :]
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)  # [B, T, d]
+        if fed_features is not None:
+            feats = fed_features.to(dev, self.dtype)
+            x = self.fc(torch.cat([F.rms_norm(x, (cfg.d_model,), self.embed_norm, cfg.norm_eps),
+                                   F.rms_norm(feats, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1))
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, (cfg.d_model,), layer["attn_norm"], cfg.norm_eps)
             qkv = layer["wqkv"](h).view(B, T, H + 2 * Hkv, D)
@@ -207,14 +245,14 @@ class Llama:
 
         for s, n in zip(slots, counts):
             cache.lengths[s] += n
+        hidden = x  # [B, T, d]: every position's, also when only the last logits are asked for
         if not all_logits:
             x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
-        x = F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)
-        logits = self.lm_head(x).float()
-        if self.output_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.output_ids, logits)
+        logits = self.lm_head(F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)).float()
+        if self.output_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, self.output_ids, logits)
+        return (logits, hidden) if features else logits
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -228,6 +266,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     weights = {"embed": randn(config.vocab_size, d, scale=1.0), "norm": 1 + randn(d, scale=0.1)}
     if not config.tie_embeddings:
         weights["lm_head"] = randn(config.vocab_size, d)
+    if config.feature_fed:
+        weights |= {"embed_norm": 1 + randn(d, scale=0.1), "feature_norm": 1 + randn(d, scale=0.1),
+                    "fc": randn(d, 2 * d)}
     for i in range(config.n_layers):
         p = f"layers.{i}."
         weights |= {

@@ -72,7 +72,12 @@ def measure_step_costs(
     slots = [cache.allocate() for _ in range(max(batch_sizes))]
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, model.config.vocab_size, (context_len,), generator=gen).tolist()
-    model.forward(cache, slots, [context] * len(slots))
+    def feed(rows: list[list[int]], **kwargs):
+        if model.config.feature_fed:  # a draft head: any features cost the same
+            kwargs["fed_features"] = torch.zeros(len(rows), len(rows[0]), model.config.d_model)
+        model.forward(cache, slots[: len(rows)], rows, **kwargs)
+
+    feed([context] * len(slots))
     cells = [(b, s) for b in batch_sizes for s in draft_lens]
     best = dict.fromkeys(cells, float("inf"))
     # Every cell is timed once per pass, so a slow spell of a shared machine slows all cells alike
@@ -80,7 +85,7 @@ def measure_step_costs(
     for rep in range(repeats + 1):
         for b, s in cells:
             start = time.perf_counter()
-            model.forward(cache, slots[:b], [context[: s + 1]] * b, all_logits=True)
+            feed([context[: s + 1]] * b, all_logits=True)
             elapsed = time.perf_counter() - start
             for slot in slots[:b]:
                 cache.truncate(slot, context_len)

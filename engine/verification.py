@@ -219,3 +219,63 @@ def verify_candidates(
         return torch.full_like(first, -1), drawn
     picked = _rows(tokens, first.clamp(max=c - 1))  # [B]
     return torch.where(hit, first, -1), torch.where(hit, picked, drawn)
+
+
+# --- token trees ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TreeVerifyResult:
+    accepted: Tensor  # [B] int64: nodes on the accepted path
+    next_token: Tensor  # [B] int64: the target's token after that path
+    path: Tensor  # [B, N] int64: the accepted nodes from the root down, -1 past `accepted`
+
+
+def verify_tree(
+    node_tokens: Tensor,
+    parents: Tensor,
+    num_nodes: Tensor,
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+) -> TreeVerifyResult:
+    """Deterministic token trees (engine/token_tree.py), walked from the root one level at a time: at
+    each node the children are candidates for the next token under the multi-candidate rule
+    (verify_candidates), so the emitted tokens are distributed exactly as p however the tree was
+    built, as long as siblings are distinct and the tree does not depend on this call's randomness.
+    A greedy target passes one-hot rows and gets the longest path of argmax tokens.
+
+    node_tokens [B, N], parents [B, N] (node indices, -1: a child of the root; padding may hold
+    anything), num_nodes [B], target_probs [B, N+1, V]: row 0 scores the root's next token, row i+1
+    node i's.
+    """
+    B, n = node_tokens.shape
+    dev = node_tokens.device
+    rows = torch.arange(B, device=dev)
+    nodes = torch.arange(n, device=dev)
+    valid = nodes < num_nodes[:, None]  # [B, N]
+    parent_row = torch.where(valid, parents + 1, -1)  # [B, N]: the target row of each node's parent
+    child_of = parent_row[:, None, :] == torch.arange(n + 1, device=dev)[None, :, None]  # [B, N+1, N]
+    counts = child_of.sum(-1)  # [B, N+1]
+    width = int(counts.max()) if n else 0
+    children = torch.where(child_of, nodes, n + nodes).argsort(-1)[..., :width]  # [B, N+1, C], by node index
+    tokens = torch.where(valid, node_tokens, 0)
+
+    at = torch.zeros(B, dtype=torch.long, device=dev)  # the target row of the node the walk is at
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    accepted = torch.zeros(B, dtype=torch.long, device=dev)
+    next_token = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.full((B, n), -1, dtype=torch.long, device=dev)
+    for _ in range(n + 1):  # a path is at most N nodes long; the last level only samples
+        cand = children[rows, at]  # [B, C]
+        num = torch.where(done, 0, counts[rows, at])
+        idx, token = verify_candidates(tokens.gather(1, cand), num, target_probs[rows, at], generator)
+        hit = (idx >= 0) & ~done
+        node = cand.gather(1, idx.clamp(min=0)[:, None]).squeeze(1) if width else at
+        path[rows[hit], accepted[hit]] = node[hit]
+        accepted += hit
+        next_token = torch.where(~hit & ~done, token, next_token)
+        done |= ~hit
+        at = torch.where(hit, node + 1, at)
+        if bool(done.all()):
+            break
+    return TreeVerifyResult(accepted, next_token, path)

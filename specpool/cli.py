@@ -79,19 +79,25 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specpool.engine.gguf_loader import default_model_path
-    from specpool.training.train_draft import TrainDraftConfig, run
 
     _set_threads(args.threads)
-    run(TrainDraftConfig(
-        target=Path(args.model) if args.model else default_model_path(),
-        out=Path(args.out),
-        work_dir=Path(args.work_dir),
-        data_minutes=args.data_minutes,
-        train_minutes=args.train_minutes,
-        layers=args.layers,
-        draft_vocab=args.draft_vocab,
-        dtype=args.dtype,
-    ))
+    common = {
+        "target": Path(args.model) if args.model else default_model_path(),
+        "out": Path(args.out or {"model": "models/smollm2-135m-draft", "head": "models/smollm2-135m-head"}[args.kind]),
+        "work_dir": Path(args.work_dir or {"model": ".cache/train-draft", "head": ".cache/train-head"}[args.kind]),
+        "data_minutes": args.data_minutes,
+        "train_minutes": args.train_minutes,
+        "draft_vocab": args.draft_vocab,
+        "dtype": args.dtype,
+    }
+    if args.kind == "head":
+        from specpool.training.train_head import TrainHeadConfig, run
+
+        run(TrainHeadConfig(**common))
+    else:
+        from specpool.training.train_draft import TrainDraftConfig, run
+
+        run(TrainDraftConfig(**common, layers=args.layers))
     return 0
 
 
@@ -111,6 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         modes=args.modes.split(","),
         draft_dir=Path(args.draft) if args.draft else None,
+        head_dir=Path(args.head) if args.head else None,
         datastore=Path(args.datastore) if args.datastore else None,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
@@ -167,14 +174,16 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
-                   help="ar, sd[:K], ngram[:K], sd-remote[:K], ngram-remote, ssd, ssd-pull, routed, routed-ar, "
-                        "hf-ar, hf-prompt-lookup, hf-assisted")
+                   help="ar, sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
+                        "(token trees of N nodes, default 8), sd-remote[:K], ngram-remote, ssd, ssd-pull, routed, "
+                        "routed-ar, hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",
                    help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
     b.add_argument("--cluster", default=None, help="routed modes: cluster config (default: cluster/default.yaml)")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
+    b.add_argument("--head", default="models/smollm2-135m-head", help="feature-fed head checkpoint directory")
     b.add_argument("--draft-dtype", default="bf16", choices=["auto", "fp32", "bf16"],
                    help="the draft model's weights (bf16: where the device computes it natively, else fp32)")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
@@ -188,12 +197,17 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     d.add_argument("--out", default="models/smollm2-135m-datastore.npz")
     d.set_defaults(func=cmd_build_datastore)
 
-    t = sub.add_parser("train-draft", help="distil a draft model from the target (resumable)")
-    t.add_argument("--out", default="models/smollm2-135m-draft", help="where the checkpoint and card go")
-    t.add_argument("--work-dir", default=".cache/train-draft", help="corpus and training state, for resuming")
-    t.add_argument("--data-minutes", type=float, default=14.0, help="budget for the target's answers + teacher pass")
-    t.add_argument("--train-minutes", type=float, default=30.0, help="distillation budget (total, across resumes)")
-    t.add_argument("--layers", type=int, default=4)
+    t = sub.add_parser("train-draft", help="distil a draft model or a feature-fed head from the target (resumable)")
+    t.add_argument("--kind", default="model", choices=["model", "head"],
+                   help="model: a small Llama draft; head: a one-layer head fed by the target's features")
+    t.add_argument("--out", default=None, help="where the checkpoint and card go (default: models/smollm2-135m-"
+                                               "draft for a model, models/smollm2-135m-head for a head)")
+    t.add_argument("--work-dir", default=None, help="data and training state, for resuming (default: "
+                                                    ".cache/train-draft or .cache/train-head)")
+    t.add_argument("--data-minutes", type=float, default=14.0,
+                   help="budget for the target's answers and the pass over them (teacher top-k or features)")
+    t.add_argument("--train-minutes", type=float, default=30.0, help="training budget (total, across resumes)")
+    t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192)
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None)

@@ -8,6 +8,8 @@ tests start a server under one with `python -m tests.twins KIND STRENGTH specpoo
   a misreported q (whether the target or the endpoint looks them up).
 - "leaky-residual": point-mass verification (n-gram and other deterministic drafts) leaves
   `strength` of the rejected token's mass in the residual instead of removing it.
+- "leaky-siblings": token-tree verification leaves `strength` of the tried siblings' mass in the
+  residual of the multi-candidate rule instead of removing it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from specpool.engine import verification as ver
 from specpool.engine.drafter import Drafts, ModelDrafter
 from specpool.engine.ssd import SsdDrafter
 
-KINDS = ("misreported-q", "misreported-cache-q", "leaky-residual")
+KINDS = ("misreported-q", "misreported-cache-q", "leaky-residual", "leaky-siblings")
 
 
 def temper(probs: Tensor, strength: float) -> Tensor:
@@ -84,6 +86,20 @@ def leaky_point_mass(strength: float):
     return verify_point_mass
 
 
+def leaky_candidates(strength: float):
+    real = ver.verify_candidates
+
+    def verify_candidates(candidate_tokens, num_candidates, target_probs, generator=None):
+        idx, token = real(candidate_tokens, num_candidates, target_probs, generator)
+        valid, tokens = ver._real_slots(candidate_tokens, num_candidates)
+        tried = torch.zeros_like(target_probs).scatter_add_(-1, tokens, valid.to(target_probs.dtype)) > 0
+        leaky = target_probs * torch.where(tried, strength, 1.0)  # the bug: tried tokens keep some mass
+        redrawn = ver._sample_next(target_probs, leaky, torch.zeros_like(idx, dtype=torch.bool), generator)
+        return idx, torch.where(idx >= 0, token, redrawn)
+
+    return verify_candidates
+
+
 @contextmanager
 def biased(kind: str, strength: float) -> Iterator[None]:
     with ExitStack() as stack:
@@ -92,6 +108,8 @@ def biased(kind: str, strength: float) -> Iterator[None]:
             stack.enter_context(mock.patch.object(SsdDrafter, "_sample", _misreporting_ssd_sample(strength)))
         elif kind == "misreported-cache-q":
             stack.enter_context(mock.patch.object(SsdDrafter, "_tree_decode", _misreporting_tree_decode(strength)))
+        elif kind == "leaky-siblings":
+            stack.enter_context(mock.patch.object(ver, "verify_candidates", leaky_candidates(strength)))
         elif kind == "leaky-residual":
             stack.enter_context(mock.patch.object(decoding, "verify_point_mass", leaky_point_mass(strength)))
         else:

@@ -14,6 +14,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,12 +29,11 @@ from specpool.engine.model import rope_angles
 from specpool.training.draft_data import Corpus
 
 
-def reduced_vocab(corpus: Corpus, size: int, always: list[int]) -> torch.Tensor:
-    """The `size` most frequent tokens of the corpus (teacher top-1s weigh in too), sorted ids."""
+def reduced_vocab(token_lists: Iterable[Sequence[int]], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent tokens of the lists, `always` included; sorted ids."""
     counts: Counter[int] = Counter()
-    for seq, top in zip(corpus.sequences, corpus.teacher_ids):
-        counts.update(seq)
-        counts.update(top[:, 0].tolist())
+    for tokens in token_lists:
+        counts.update(tokens)
     keep = set(always)
     for tok, _ in counts.most_common():
         if len(keep) >= size:
@@ -153,18 +153,30 @@ def distill_loss(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, m
     return loss, agree
 
 
+# One optimiser step's loss: -> (loss, top-1 agreement, tokens it covered).
+StepLoss = Callable[[], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def distill_step(model: DraftLM, batches: Batches, batch_size: int, bf16_autocast: bool) -> StepLoss:
+    def step():
+        tokens, ids, probs, mask = batches.sample(batch_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(tokens)
+        return (*distill_loss(logits, ids, probs, mask), int(mask.sum()))
+
+    return step
+
+
 def train(
-    model: DraftLM,
-    batches: Batches,
+    model: nn.Module,
+    step_loss: StepLoss,
     seconds: float,
     ckpt_path: Path,
-    batch_size: int = 8,
     lr: float = 1e-3,
     checkpoint_every_s: float = 120.0,
-    bf16_autocast: bool = False,
+    desc: str = "distil (s)",
 ) -> dict:
-    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget.
-    `bf16_autocast` where the CPU computes bf16 natively (engine.device.resolve_dtype decides)."""
+    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     state = {"elapsed": 0.0, "step": 0, "tokens": 0, "history": []}
@@ -178,7 +190,7 @@ def train(
     def save():
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt_path)
 
-    bar = tqdm(total=int(seconds), initial=int(state["elapsed"]), desc="distil (s)", unit="s")
+    bar = tqdm(total=int(seconds), initial=int(state["elapsed"]), desc=desc, unit="s")
     last_ckpt = time.monotonic()
     ema_loss = ema_agree = None
     while state["elapsed"] < seconds:
@@ -187,17 +199,14 @@ def train(
         warm = min(1.0, (state["step"] + 1) / 50)
         for g in opt.param_groups:
             g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-        tokens, ids, probs, mask = batches.sample(batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            logits = model(tokens)
-        loss, agree = distill_loss(logits, ids, probs, mask)
+        loss, agree, n_tokens = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
         state["step"] += 1
-        state["tokens"] += int(mask.sum())
+        state["tokens"] += n_tokens
         state["elapsed"] += time.monotonic() - t0
         ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
         ema_agree = agree.item() if ema_agree is None else 0.98 * ema_agree + 0.02 * agree.item()

@@ -16,11 +16,19 @@ from pathlib import Path
 import torch
 
 from specpool.engine.decoding import generate
-from specpool.engine.drafter import ModelDrafter
+from specpool.engine.drafter import Drafter, ModelDrafter
 from specpool.engine.gguf_loader import load_gguf
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-from specpool.training.distill import Batches, DraftLM, distill_loss, export, reduced_vocab, train
+from specpool.training.distill import (
+    Batches,
+    DraftLM,
+    distill_loss,
+    distill_step,
+    export,
+    reduced_vocab,
+    train,
+)
 from specpool.training.draft_data import (
     Corpus,
     build_prompts,
@@ -58,10 +66,10 @@ def _layer_ids(n_target: int, n_draft: int) -> list[int]:
     return list(range(min(n_draft, n_target)))
 
 
-def measure_acceptance(target: Llama, draft: Llama, prompts: list[list[int]], k: int, max_new: int) -> dict:
+def measure_acceptance(target: Llama, drafter: Drafter, prompts: list[list[int]], k: int, max_new: int) -> dict:
     """Greedy SD on held-out prompts: tokens per target step (bonus included) and output equality."""
     ar = generate(target, prompts, SamplingParams(), max_new)
-    sd = generate(target, prompts, SamplingParams(), max_new, ModelDrafter(draft, len(prompts), 1024), k)
+    sd = generate(target, prompts, SamplingParams(), max_new, drafter, k)
     return {
         "k": k,
         "mean_accept_len": round(statistics.mean(r.mean_accept_len for r in sd), 3),
@@ -95,7 +103,9 @@ def run(cfg: TrainDraftConfig) -> dict:
 
     full = load_gguf(cfg.target)
     control = [i for i, t in enumerate(full.token_types) if t == 3]
-    output_ids = reduced_vocab(corpus, cfg.draft_vocab, always=control)
+    # The corpus's tokens, and the teacher's top-1s too.
+    tops = (t[:, 0].tolist() for t in corpus.teacher_ids)
+    output_ids = reduced_vocab([*corpus.sequences, *tops], cfg.draft_vocab, always=control)
     coverage = statistics.mean(
         float(torch.isin(t[:, 0].long(), output_ids).float().mean()) for t in corpus.teacher_ids
     )
@@ -103,15 +113,9 @@ def run(cfg: TrainDraftConfig) -> dict:
     layer_ids = _layer_ids(full.config.n_layers, cfg.layers)
     model = DraftLM.from_target(full.config, full.weights, layer_ids, output_ids)
     eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
-    state = train(
-        model,
-        Batches(train_corpus, output_ids, full.config.vocab_size, cfg.window, cfg.seed),
-        cfg.train_minutes * 60,
-        cfg.work_dir / "train.pt",
-        batch_size=cfg.train_batch,
-        lr=cfg.lr,
-        bf16_autocast=target.dtype == torch.bfloat16,
-    )
+    batches = Batches(train_corpus, output_ids, full.config.vocab_size, cfg.window, cfg.seed)
+    step = distill_step(model, batches, cfg.train_batch, bf16_autocast=target.dtype == torch.bfloat16)
+    state = train(model, step, cfg.train_minutes * 60, cfg.work_dir / "train.pt", lr=cfg.lr)
     export(model, cfg.out, cfg.target.name)
 
     with torch.no_grad():
@@ -120,7 +124,7 @@ def run(cfg: TrainDraftConfig) -> dict:
         losses, agrees = zip(*(distill_loss(model(t), i, p, m) for t, i, p, m in (ev.sample(n) for _ in range(8))))
     target32, _ = Llama.from_gguf(cfg.target, dtype="fp32", device="cpu")
     draft = Llama.from_draft_checkpoint(cfg.out, full.weights["embed"], dtype="fp32", device="cpu")
-    acceptance = [measure_acceptance(target32, draft, held_out[:16], k, 96) for k in (2, 4, 6)]
+    acceptance = [measure_acceptance(target32, ModelDrafter(draft, 16, 1024), held_out[:16], k, 96) for k in (2, 4, 6)]
     report = {
         "target": cfg.target.name,
         "draft_layers_from_target": layer_ids,

@@ -9,6 +9,7 @@ first round drafted both slots and how often slot 2 and the bonus were reached.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafter import Drafts, ModelDrafter
+from specpool.engine.head import HeadDrafter
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specpool.engine.speculation_policy import FixedDraftLength
@@ -30,6 +32,8 @@ NEW = 4  # the first round drafts K: max_new_tokens - 1 (prefill) - 1 (the bonus
 PROMPT = [3, 1, 4, 1, 5]
 TARGET = Llama.random_init(tiny_config(vocab_size=V, d_model=16), seed=11)
 DRAFT = Llama.random_init(tiny_config(vocab_size=V, d_model=16, n_layers=1), seed=12)
+HEAD = Llama.random_init(dataclasses.replace(tiny_config(vocab_size=V, d_model=16, n_layers=1), feature_fed=True),
+                         seed=13)
 
 
 class GreedyDrafter(ModelDrafter):
@@ -187,6 +191,8 @@ PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
                        ("misreported-q", 0.04)),
     "point mass": (SamplingParams(temperature=2.5, top_p=0.9, seed=3), lambda: GreedyDrafter(TARGET, N, 16),
                    ("leaky-residual", 0.01)),
+    "feature-fed head, dense q": (SamplingParams(temperature=3.0, seed=5), lambda: HeadDrafter(HEAD, N, 16),
+                                  ("misreported-q", 0.12)),
 }
 
 

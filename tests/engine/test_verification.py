@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from specpool.engine.verification import (
     verify_greedy,
     verify_point_mass,
     verify_sparse,
+    verify_tree,
 )
 from tests.stats import TvCheck, check_tv, report, tv, tv_threshold
 from tests.twins import temper
@@ -172,6 +174,30 @@ def candidates_scenario(verifier: Callable, gen: torch.Generator) -> tuple[Tenso
     return token, sample(P[token], gen)
 
 
+def tree_scenario(verifier: Callable, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A two-level tree after X0: 3 root children (p's top 3, q's top 3, or random, as above), each with
+    p's (in the rows whose roots are p's) or q's 2 likeliest followers; half the rows keep a random prefix of the 9 nodes (still a tree)."""
+    kind = torch.arange(N) % 4
+    roots = torch.rand(N, V, generator=gen).argsort(-1)[:, :3]
+    roots = torch.where((kind < 2)[:, None], P[X0].topk(3).indices, roots)
+    roots = torch.where((kind == 2)[:, None], Q[X0].topk(3).indices, roots)
+    good = (kind < 2)[:, None, None]
+    leaves = torch.where(good, P[roots].topk(2).indices, Q[roots].topk(2).indices).reshape(N, 6)  # [N, 6]:
+    # the children of root child i at 2i and 2i + 1
+    tokens = torch.cat([roots, leaves], 1)  # [N, 9]
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 1, 2, 2]).expand(N, 9)
+    num = torch.where(torch.rand(N, generator=gen) < 0.5, 9, torch.randint(0, 9, (N,), generator=gen))
+    rows = P[torch.cat([torch.full((N, 1), X0), tokens], 1)]  # [N, 10, V]
+    rows = rows.masked_fill((torch.arange(10) > num[:, None])[..., None], float("nan"))  # never read
+    res = verifier(torch.where(torch.arange(9) < num[:, None], tokens, 0), parents, num, rows, gen)
+    assert float((res.accepted == 2).float().mean()) > 0.12, "the second level must be reached"
+    at = res.path.clamp(min=0)
+    first = torch.where(res.accepted >= 1, tokens.gather(1, at[:, :1]).squeeze(1), res.next_token)
+    second = torch.where(res.accepted >= 2, tokens.gather(1, at[:, 1:2]).squeeze(1),
+                         torch.where(res.accepted == 1, res.next_token, sample(P[first], gen)))
+    return first, second
+
+
 # --- deliberately biased verifiers (each a copy of the real one with one rule broken) -----------
 
 
@@ -238,6 +264,12 @@ def biased_candidates_keep_tried(candidate_tokens, num_candidates, target_probs,
     return idx, torch.where(idx >= 0, token, sample(target_probs, generator))
 
 
+def biased_tree_keep_tried(*args, **kwargs):
+    """The real tree walk with the candidates rule that keeps tried tokens in the residual."""
+    with mock.patch.object(ver, "verify_candidates", biased_candidates_keep_tried):
+        return verify_tree(*args, **kwargs)
+
+
 # --- statistical tests ---------------------------------------------------------------------------
 
 REAL = [
@@ -245,6 +277,7 @@ REAL = [
     ("sparse", verify_sparse, sparse_scenario),
     ("point_mass", verify_point_mass, point_mass_scenario),
     ("candidates", verify_candidates, candidates_scenario),
+    ("tree", verify_tree, tree_scenario),
 ]
 BIASED = [
     ("dense_residual_from_p", biased_dense_residual_from_p, dense_scenario),
@@ -254,6 +287,7 @@ BIASED = [
     ("point_mass_keep_rejected", biased_point_mass_keep_rejected, point_mass_scenario),
     ("candidates_unconditional", biased_candidates_unconditional, candidates_scenario),
     ("candidates_keep_tried", biased_candidates_keep_tried, candidates_scenario),
+    ("tree_keep_tried", biased_tree_keep_tried, tree_scenario),
 ]
 
 

@@ -1,0 +1,129 @@
+"""Token-tree speculation end to end on tiny models: greedy equals AR, and sampling is lossless.
+
+The statistical tests decode N sequences with a tree budget of 4 nodes in the first round and compare
+the joint distribution of generated tokens 1-3 with the exact one enumerated from the target. They
+check that the first round's trees really branched, that a second sibling was accepted (the path only
+trees have), and that paths two deep were accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpool.engine import token_tree
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.drafter import ModelDrafter
+from specpool.engine.head import HeadDrafter
+from specpool.engine.model import Llama
+from specpool.engine.sampling import SamplingParams, make_generator
+from specpool.engine.tree_drafting import TreeShape
+from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V
+from tests.engine.test_head import tiny_head, trained_tiny_head
+from tests.stats import cells, check_tv, exact_joint, report
+from tests.twins import biased
+
+N = 50_000  # fewer rows than the chain tests: growing trees is per-row Python
+SHAPE = TreeShape(branch=2, beam=2, max_depth=3)
+BUDGET = 4
+NEW = 6  # the first round's budget is 4: max_new_tokens - 1 (prefill) - 1 (the bonus's place)
+
+
+class Recording:
+    """Wraps a drafter and keeps every tree it proposed, in order (the first round's come first)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.trees, self.inputs = drafter, [], drafter.inputs
+
+    def start(self, seq_id, context, **inputs):
+        self.drafter.start(seq_id, context, **inputs)
+
+    def observe(self, seq_id, tokens, **inputs):
+        self.drafter.observe(seq_id, tokens, **inputs)
+
+    def release(self, seq_id):
+        self.drafter.release(seq_id)
+
+    def propose(self, seq_ids, num_tokens, params, generator):
+        drafts = self.drafter.propose(seq_ids, num_tokens, params, generator)
+        self.trees += [(t, p) for t, p in zip(drafts.tokens, drafts.parents) if t]
+        return drafts
+
+
+@pytest.mark.parametrize("kind", ["draft model", "head"])
+def test_greedy_tree_speculation_equals_ar(tiny_model, kind):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (4, 9, 2, 13)]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=24, stop_ids=[])
+    shape = TreeShape(branch=3, beam=2, max_depth=4)
+    for budget in (3, 8):
+        if kind == "head":
+            drafter = Recording(HeadDrafter(tiny_head(), 4, 64, tree=shape))
+        else:
+            draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=7)
+            drafter = Recording(ModelDrafter(draft, 4, 64, tree=shape))
+        spec = generate(tiny_model, prompts, SamplingParams(), 24, drafter, budget, stop_ids=[])
+        assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+        assert any(not token_tree.is_chain(p) for _, p in drafter.trees), "no tree branched"
+        assert max(len(t) for t, _ in drafter.trees) == budget
+
+
+def test_the_target_drafting_for_itself_accepts_its_greedy_path(tiny_model):
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=20, stop_ids=[])
+    drafter = ModelDrafter(tiny_model, 2, 64, tree=TreeShape(branch=2, beam=2, max_depth=6))
+    spec = generate(tiny_model, prompts, SamplingParams(), 20, drafter, 8, stop_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    # The likeliest path is always the target's own argmax path, and the budget reaches depth 4 or more.
+    assert all(r.mean_accept_len >= 4 for r in spec)
+
+
+def _check(name: str, params: SamplingParams, drafter: Recording):
+    results = generate(TARGET, [PROMPT] * N, params, max_new_tokens=NEW, drafter=drafter,
+                       num_draft_tokens=BUDGET, stop_ids=[], generator=make_generator(params.seed))
+    rounds = [r.rounds[0] for r in results]
+    shares = {
+        "branched": sum(not token_tree.is_chain(p) for _, p in drafter.trees[:N]) / N,
+        "second sibling": _second_sibling_share(results, drafter),
+        "depth 2": sum(a >= 2 for _, a in rounds) / N,
+    }
+    exact = exact_joint(TARGET, PROMPT, params, 1, 3)
+    return check_tv(name, cells([r.token_ids for r in results], 1, 3, V), exact), shares
+
+
+def _second_sibling_share(results, drafter: Recording) -> float:
+    """Rows whose first round accepted a root child that was not the tree's first."""
+    hits = 0
+    for r, (tokens, parents) in zip(results, drafter.trees[:N]):
+        roots = [t for t, p in zip(tokens, parents) if p == -1]
+        hits += r.rounds[0][1] >= 1 and r.token_ids[1] in roots[1:]
+    return hits / N
+
+
+PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
+    "draft-model tree": (SamplingParams(temperature=3.0, seed=6),
+                         lambda: ModelDrafter(DRAFT, N, 16, tree=SHAPE), ("leaky-siblings", 0.05)),
+    "head tree": (SamplingParams(temperature=2.0, top_p=0.95, seed=7),
+                  lambda: HeadDrafter(trained_tiny_head(TARGET), N, 16, tree=SHAPE), ("leaky-siblings", 0.02)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PATHS)
+def test_tree_speculation_is_lossless(name):
+    params, make_drafter, _ = PATHS[name]
+    result, shares = _check(name, params, Recording(make_drafter()))
+    report(result, **shares)
+    assert shares["branched"] == 1.0 and shares["second sibling"] > 0.02 and shares["depth 2"] > 0.1, shares
+    assert result.passed, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PATHS)
+def test_the_harness_catches_a_tree_twin(name):
+    params, make_drafter, (kind, strength) = PATHS[name]
+    with biased(kind, strength):
+        twin, shares = _check(f"{name}, {kind} {strength}", params, Recording(make_drafter()))
+    report(twin, twin=True, **shares)
+    assert not twin.passed, f"biased twin slipped through: {twin}"

@@ -1,0 +1,180 @@
+"""Train a feature-fed draft head (EAGLE style) on the target's cached features.
+
+The head is one Llama decoder layer whose input at position p fuses the embedding of token p+1 with
+the target's feature at p (its last hidden state before the final norm); its output predicts the
+feature at p+1, and the target's final norm plus a reduced-vocabulary head turn that into the next
+token. Past its first step the head drafts from its own predicted features, so training unrolls it
+the same way ("training-time test", EAGLE-3): step j's input feature at p is step j-1's output at
+p-1, and its attention sees the true prefix up to the anchor plus the predicted positions since.
+The soft labels are the target's own distributions, recomputed from the stored features.
+Its math is the runtime's (engine/model.py with `feature_fed`), so the exported weights load into
+`specpool.engine.model.Llama` unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from specpool.engine.config import ModelConfig
+from specpool.engine.model import rope_angles
+from specpool.training.distill import StepLoss
+from specpool.training.head_data import FeatureCorpus
+
+BLOCK = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+
+
+class HeadLM(nn.Module):
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, block: dict[str, torch.Tensor],
+                 norm: torch.Tensor, lm_head: torch.Tensor, output_ids: torch.Tensor, seed: int = 0):
+        super().__init__()
+        d = config.d_model
+        self.config = config
+        self.register_buffer("embed", embed.float(), persistent=False)  # frozen, shared with the target
+        self.register_buffer("output_ids", output_ids)
+        # The target's norm and head rows, frozen: the teacher's distribution from a stored feature.
+        self.register_buffer("teacher_norm", norm.float().clone(), persistent=False)
+        self.register_buffer("teacher_head", lm_head.float().clone(), persistent=False)
+        gen = torch.Generator().manual_seed(seed)
+        self.fc = nn.Parameter(torch.randn(d, 2 * d, generator=gen) * (2 * d) ** -0.5)
+        self.embed_norm = nn.Parameter(torch.ones(d))
+        self.feature_norm = nn.Parameter(torch.ones(d))
+        self.block = nn.ParameterDict({n: nn.Parameter(w.clone().float()) for n, w in block.items()})
+        self.norm = nn.Parameter(norm.clone().float())
+        self.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
+        angles = rope_angles(config)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    @classmethod
+    def from_target(cls, target_cfg: ModelConfig, target_weights: dict, output_ids: torch.Tensor) -> HeadLM:
+        """One layer initialised from the target's last; norm and head rows from the target's."""
+        config = ModelConfig(**(asdict(target_cfg) | {"n_layers": 1, "tie_embeddings": False, "feature_fed": True}))
+        last = target_cfg.n_layers - 1
+        block = {n: target_weights[f"layers.{last}.{n}"] for n in BLOCK}
+        embed = target_weights["embed"]
+        return cls(config, embed, block, target_weights["norm"], embed[output_ids], output_ids)
+
+    def teacher_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the reduced vocabulary, from its features [..., d]."""
+        cfg = self.config
+        return F.rms_norm(features, (cfg.d_model,), self.teacher_norm, cfg.norm_eps) @ self.teacher_head.T
+
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """tokens [B, P] (token p+1 of the window at p), features [B, P, d] (the target's at p) -> the
+        predicted features [B, P, d] of each of `steps` drafting steps; step j's row p predicts the
+        feature at p+1 from an anchor j-1 positions back."""
+        cfg = self.config
+        B, P = tokens.shape
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        cos, sin = self.cos[:P, None, :], self.sin[:P, None, :]
+        blk = self.block
+
+        def rope(x):
+            x0, x1 = x.unflatten(-1, (D // 2, 2)).unbind(-1)
+            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+        emb = F.rms_norm(F.embedding(tokens, self.embed), (cfg.d_model,), self.embed_norm, cfg.norm_eps)
+        pos = torch.arange(P)
+        keys, values, outputs = [], [], []
+        feed = features
+        for j in range(steps):
+            x = torch.cat([emb, F.rms_norm(feed, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1) @ self.fc.T
+            h = F.rms_norm(x, (cfg.d_model,), blk["attn_norm"], cfg.norm_eps)
+            q = rope((h @ blk["wq"].T).view(B, P, H, D)).transpose(1, 2)
+            keys.append(rope((h @ blk["wk"].T).view(B, P, Hkv, D)).transpose(1, 2))
+            values.append((h @ blk["wv"].T).view(B, P, Hkv, D).transpose(1, 2))
+            # Query (j, p), anchored at a = p - j: the true prefix up to a, and step s's entry at a + s.
+            anchor = pos[:, None] - j
+            visible = [pos[None, :] <= anchor] + [pos[None, :] == anchor + s for s in range(1, j + 1)]
+            attn = F.scaled_dot_product_attention(
+                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=torch.cat(visible, 1), enable_gqa=True)
+            x = x + attn.transpose(1, 2).reshape(B, P, H * D) @ blk["wo"].T
+            h = F.rms_norm(x, (cfg.d_model,), blk["ffn_norm"], cfg.norm_eps)
+            x = x + (F.silu(h @ blk["w_gate"].T) * (h @ blk["w_up"].T)) @ blk["w_down"].T
+            outputs.append(x)
+            # The next step's feature at p is this step's prediction made at p - 1.
+            feed = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        return outputs
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        return F.rms_norm(predicted, (cfg.d_model,), self.norm, cfg.norm_eps) @ self.lm_head.T
+
+    def runtime_weights(self) -> dict[str, torch.Tensor]:
+        """Weights under engine.model.Llama's names (embeddings excluded: they come from the target)."""
+        out = {"norm": self.norm, "lm_head": self.lm_head, "output_ids": self.output_ids, "fc": self.fc,
+               "embed_norm": self.embed_norm, "feature_norm": self.feature_norm}
+        out |= {f"layers.0.{n}": p for n, p in self.block.items()}
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def export(model: HeadLM, out_dir: Path, target_file: str, dtype=torch.bfloat16) -> None:
+    """models/<name>/: model.safetensors (bf16 weights, int64 output_ids) and config.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v if k == "output_ids" else v.to(dtype)) for k, v in model.runtime_weights().items()}
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    meta = {"config": asdict(model.config), "embeddings_from": target_file, "draft_vocab": len(model.output_ids),
+            "kind": "head"}
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class FeatureWindows:
+    """Windows of the feature corpus: tokens and features of up to `window` positions."""
+
+    def __init__(self, corpus: FeatureCorpus, window: int, seed: int):
+        self.windows = [(i, s) for i, seq in enumerate(corpus.sequences) for s in range(0, max(1, len(seq) - 2), window)]
+        self.corpus, self.window, self.rng = corpus, window, random.Random(seed)
+
+    def sample(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> input tokens [B, P] (token p+1), input features [B, P, d] (at p), target features [B, P, d]
+        (at p+1), mask [B, P]."""
+        return self.take(self.rng.sample(self.windows, batch))
+
+    def take(self, picks: list[tuple[int, int]]):
+        c = self.corpus
+        n = [min(self.window + 1, len(c.sequences[i]) - s) for i, s in picks]
+        P = max(n) - 1
+        d = c.features[0].shape[1]
+        tokens = torch.zeros(len(picks), P, dtype=torch.long)
+        feats = torch.zeros(len(picks), P, d)
+        nxt = torch.zeros(len(picks), P, d)
+        mask = torch.zeros(len(picks), P, dtype=torch.bool)
+        for b, ((i, s), m) in enumerate(zip(picks, n)):
+            tokens[b, : m - 1] = torch.tensor(c.sequences[i][s + 1 : s + m])
+            f = c.features[i][s : s + m].float()
+            feats[b, : m - 1], nxt[b, : m - 1] = f[:-1], f[1:]
+            mask[b, : m - 1] = True
+        return tokens, feats, nxt, mask
+
+
+def head_losses(model: HeadLM, tokens, feats, nxt, mask, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Soft cross-entropy to the target's distribution at each unrolled step (weights 0.8^j, EAGLE-3's);
+    -> (loss, top-1 agreement per step). Step j scores the positions with an anchor (p >= j)."""
+    teacher = model.teacher_logits(nxt).softmax(-1)  # [B, P, Vd]
+    top = teacher.argmax(-1)
+    loss, agree, weight = 0.0, [], 0.0
+    for j, predicted in enumerate(model.unrolled(tokens, feats, steps)):
+        m = mask.clone()
+        m[:, :j] = False
+        logits = model.logits(predicted)
+        loss = loss + 0.8**j * -(teacher * logits.log_softmax(-1)).sum(-1)[m].mean()
+        weight += 0.8**j
+        agree.append((logits.argmax(-1) == top)[m].float().mean())
+    return loss / weight, agree
+
+
+def head_step(model: HeadLM, windows: FeatureWindows, batch_size: int, steps: int) -> StepLoss:
+    def step():
+        tokens, feats, nxt, mask = windows.sample(batch_size)
+        loss, agree = head_losses(model, tokens, feats, nxt, mask, steps)
+        return loss, agree[0], int(mask.sum())
+
+    return step
