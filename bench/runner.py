@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
+from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
 from specpool.common.machine import machine_info
 from specpool.engine.decoding import generate
 from specpool.engine.device import resolve_dtype
@@ -78,15 +80,22 @@ class BenchConfig:
 Runner = Callable[[list[list[int]], SamplingParams, ModeTotals], None]
 
 
-def _ours(model: Llama, max_tokens: int, drafter_factory=None, k: int = 0, policy=None) -> Runner:
+def _ours(model: Llama, max_tokens: int, drafter_factory=None, k: int = 0, policy=None,
+          threads: int | None = None) -> Runner:
+    """In-process decoding; `threads`: torch's thread count while this mode runs (AR on fewer cores)."""
     # A policy learns acceptance across the whole workload, as a server's decoder does across requests.
     acceptance = AcceptanceEstimate() if policy is not None else None
 
     def run(prompts, params, totals):
         drafter = drafter_factory(len(prompts)) if drafter_factory else None
-        start = time.perf_counter()
-        results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy, acceptance=acceptance)
-        totals.seconds += time.perf_counter() - start
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            start = time.perf_counter()
+            results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy, acceptance=acceptance)
+            totals.seconds += time.perf_counter() - start
+        finally:
+            torch.set_num_threads(before)
         totals.target_steps = (totals.target_steps or 0) + sum(r.target_steps for r in results)
         for r in results:
             totals.new_tokens += len(r.token_ids)
@@ -105,6 +114,30 @@ def _hf(fn) -> Runner:
         totals.outputs.extend(out.token_ids)
 
     return run
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """The cores a mode's target and its drafter ran on: its speedup is honest only against AR on the
+    target's cores alone and against AR on every core the mode used."""
+
+    target_cores: int
+    cores: int  # every core the mode's processes could use, drafter included
+    layout: str
+
+
+def mode_hardware(mode: str, threads: int) -> Hardware:
+    name = mode.partition(":")[0]
+    machine = len(os.sched_getaffinity(0))
+    if name.startswith("ar@"):
+        n = int(name[3:])
+        return Hardware(n, n, f"in process, {n} threads")
+    if name in ("ssd", "ssd-pull"):
+        return Hardware(len(SSD_TARGET_CPUS), len(SSD_TARGET_CPUS) + len(SSD_ENDPOINT_CPUS), SSD_LAYOUT)
+    if name in REMOTE_MODES or name in ROUTED_METHODS:
+        return Hardware(threads, machine, f"target and endpoint processes, {threads} threads each, on all "
+                                          f"{machine} cores")
+    return Hardware(threads, threads, f"in process, {threads} threads shared by target and drafter")
 
 
 def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, routed=None) -> dict[str, Runner]:
@@ -134,6 +167,8 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             target_costs = cached_step_costs(model, cfg.model_path.name)
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
+        elif name.startswith("ar@"):
+            runners[mode] = _ours(model, cfg.max_tokens, threads=int(name[3:]))
         elif name == "sd":
             policy = None if k else SpeculationPolicy(
                 target_costs, draft_costs=cached_step_costs(draft, str(cfg.draft_dir)), max_draft=8
@@ -162,6 +197,12 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             runners[mode] = _hf_runner(name, cfg, batch_size)
         else:
             raise ValueError(f"unknown mode {mode!r}")
+    # AR on the cores of every mode that used fewer, or more, than the bench's own threads.
+    threads = torch.get_num_threads()
+    for mode in list(runners):
+        hw = mode_hardware(mode, threads)
+        for n in {hw.target_cores, hw.cores} - {threads}:
+            runners.setdefault(f"ar@{n}", _ours(model, cfg.max_tokens, threads=n))
     return runners
 
 
@@ -247,6 +288,12 @@ def _reference(mode: str, modes) -> str:
     return "ar"
 
 
+def _ar_speed(totals: dict[str, ModeTotals], cores: int, threads: int) -> float | None:
+    """AR's tokens/s on this many cores in the same run (`ar` runs on the bench's threads)."""
+    ref = totals.get("ar" if cores == threads else f"ar@{cores}")
+    return ref.new_tokens / ref.seconds if ref and ref.seconds else None
+
+
 def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remote, routed) -> list[dict]:
     rows = []
     for b in cfg.batch_sizes:
@@ -260,9 +307,12 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
             # machine's slow spells and warm caches then fall on every mode alike).
             for mode in order[c % len(order):] + order[: c % len(order)]:
                 runners[mode](chunk, params, totals[mode])
+        threads = torch.get_num_threads()
         for mode, t in totals.items():
             ref = totals.get(_reference(mode, totals))
             tps = t.new_tokens / t.seconds
+            hw = mode_hardware(mode, threads)
+            on_target, on_all = (_ar_speed(totals, n, threads) for n in (hw.target_cores, hw.cores))
             row = {
                 "mode": mode,
                 "batch_size": b,
@@ -277,6 +327,12 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 # verify-step time / mean accepted length: the time per token if drafting cost nothing
                 "draft_free_bound_s": round(t.verify_seconds / t.new_tokens, 5) if t.verify_seconds else None,
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
+                "target_cores": hw.target_cores,
+                "cores_used": hw.cores,
+                "hardware": hw.layout,
+                # AR on the target's cores alone, and on every core this mode used (drafter included)
+                "speedup_vs_ar_target_cores": round(tps / on_target, 3) if on_target else None,
+                "speedup_vs_ar_all_cores": round(tps / on_all, 3) if on_all else None,
                 "outputs_match_ar": None,
                 "near_ties": None,
                 "fallback_rounds": t.fallback_rounds,
@@ -299,8 +355,10 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
 def print_table(report: dict) -> None:
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
             ("draft_free_bound_s", 8), ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5),
-            ("speedup_vs_ar", 7), ("outputs_match_ar", 6), ("near_ties", 5)]
-    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "match", "ties"]
+            ("speedup_vs_ar", 7), ("cores_used", 5), ("speedup_vs_ar_target_cores", 7),
+            ("speedup_vs_ar_all_cores", 7), ("outputs_match_ar", 6), ("near_ties", 5)]
+    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "cores",
+             "vs-tgt", "vs-all", "match", "ties"]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
     for row in report["results"]:
         cells = []

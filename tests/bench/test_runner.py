@@ -9,7 +9,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-DRAFT = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-draft"
+MODELS = Path(__file__).resolve().parents[2] / "models"
+DRAFT, HEAD = MODELS / "smollm2-135m-draft", MODELS / "smollm2-135m-head"
 
 
 def test_bench_reports_every_mode_and_matches_ar(tmp_path):
@@ -19,10 +20,12 @@ def test_bench_reports_every_mode_and_matches_ar(tmp_path):
         + json.dumps({"messages": [{"role": "user", "content": "Name two prime numbers."}]}) + "\n"
     )
     out = tmp_path / "report.json"
-    modes = "ar,ngram,ngram:4" + (",sd:3" if (DRAFT / "model.safetensors").exists() else "")
+    modes = "ar,ar@1,ngram,ngram:4" + (",sd:3,sd-tree:5" if (DRAFT / "model.safetensors").exists() else "")
+    modes += ",head:3,head-tree:5" if (HEAD / "model.safetensors").exists() else ""
     subprocess.run(
         [sys.executable, "-m", "specpool.cli", "bench", "--workload", str(workload), "--max-tokens", "16",
-         "--batch-sizes", "1,2", "--modes", modes, "--draft", str(DRAFT), "--datastore", "", "--json", str(out)],
+         "--batch-sizes", "1,2", "--modes", modes, "--draft", str(DRAFT), "--head", str(HEAD), "--datastore", "",
+         "--json", str(out), "--threads", "2"],
         check=True, timeout=900,
     )
     report = json.loads(out.read_text())
@@ -37,6 +40,12 @@ def test_bench_reports_every_mode_and_matches_ar(tmp_path):
             assert r["speedup_vs_ar"] == 1.0 and r["mean_accept_len"] == 1.0
         else:
             assert r["mean_accept_len"] >= 1.0
+        # In process, target and drafter share the bench's 2 threads: both AR baselines are `ar`.
+        cores = 1 if r["mode"] == "ar@1" else 2
+        assert (r["target_cores"], r["cores_used"]) == (cores, cores)
+        assert r["speedup_vs_ar_target_cores"] == r["speedup_vs_ar_all_cores"]
+        if r["mode"] != "ar@1":
+            assert r["speedup_vs_ar_all_cores"] == r["speedup_vs_ar"]
 
 
 def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):

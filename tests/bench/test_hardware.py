@@ -1,0 +1,24 @@
+"""Each bench mode states the cores its target and drafter used, so its speedups are taken against
+AR on the same cores."""
+
+import os
+
+from specpool.bench.runner import mode_hardware
+
+
+def test_in_process_modes_share_the_bench_threads():
+    for mode in ("ar", "sd", "sd:3", "ngram", "head:4", "head-tree:8", "sd-tree"):
+        hw = mode_hardware(mode, 2)
+        assert (hw.target_cores, hw.cores) == (2, 2), mode
+
+
+def test_ssd_is_compared_with_ar_on_its_target_core_and_on_both_cores():
+    hw = mode_hardware("ssd", 2)
+    assert (hw.target_cores, hw.cores) == (1, 2)
+    assert "cpus" in hw.layout
+
+
+def test_servers_on_every_core_are_compared_with_ar_on_every_core():
+    hw = mode_hardware("sd-remote", 2)
+    assert (hw.target_cores, hw.cores) == (2, len(os.sched_getaffinity(0)))
+    assert mode_hardware("ar@1", 2).cores == 1
