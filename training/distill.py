@@ -42,6 +42,15 @@ def reduced_vocab(token_lists: Iterable[Sequence[int]], size: int, always: list[
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
+def add_output_and_rope(module: nn.Module, config: ModelConfig, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """A trainable draft's final norm and reduced head (from the target's), and its RoPE tables."""
+    module.norm = nn.Parameter(norm.clone().float())
+    module.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
+    angles = rope_angles(config)
+    module.register_buffer("cos", angles.cos().float(), persistent=False)
+    module.register_buffer("sin", angles.sin().float(), persistent=False)
+
+
 class DraftBlock(nn.Module):
     def __init__(self, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -56,11 +65,7 @@ class DraftLM(nn.Module):
         self.register_buffer("embed", embed.float(), persistent=False)  # frozen, shared with the target
         self.register_buffer("output_ids", output_ids)
         self.blocks = nn.ModuleList(DraftBlock(b) for b in blocks)
-        self.norm = nn.Parameter(norm.clone().float())
-        self.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
-        angles = rope_angles(config)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        add_output_and_rope(self, config, norm, lm_head)
 
     @classmethod
     def from_target(cls, target_cfg: ModelConfig, target_weights: dict, layer_ids: list[int], output_ids):

@@ -24,8 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specpool.engine.config import ModelConfig
-from specpool.engine.model import rope_angles
-from specpool.training.distill import StepLoss
+from specpool.training.distill import StepLoss, add_output_and_rope
 from specpool.training.head_data import FeatureCorpus
 
 BLOCK = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
@@ -47,11 +46,7 @@ class HeadLM(nn.Module):
         self.embed_norm = nn.Parameter(torch.ones(d))
         self.feature_norm = nn.Parameter(torch.ones(d))
         self.block = nn.ParameterDict({n: nn.Parameter(w.clone().float()) for n, w in block.items()})
-        self.norm = nn.Parameter(norm.clone().float())
-        self.lm_head = nn.Parameter(lm_head.clone().float())  # [Vd, d]
-        angles = rope_angles(config)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        add_output_and_rope(self, config, norm, lm_head)
 
     @classmethod
     def from_target(cls, target_cfg: ModelConfig, target_weights: dict, output_ids: torch.Tensor) -> HeadLM:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,17 +143,27 @@ def run(cfg: TrainDraftConfig) -> dict:
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "wall_seconds_this_run": round(time.monotonic() - started),
     }
-    (cfg.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_card(report, cfg.out / "CARD.md")
+    return save_report(report, cfg.out, write_card)
+
+
+def save_report(report: dict, out: Path, write_card: Callable[[dict, Path], None]) -> dict:
+    """training_report.json and CARD.md in the checkpoint's folder; the figures on stdout."""
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_card(report, out / "CARD.md")
     print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
     return report
 
 
-def write_card(report: dict, path: Path) -> None:
-    rows = "\n".join(
+def acceptance_rows(report: dict) -> str:
+    """The card's table rows of the held-out acceptance figures."""
+    return "\n".join(
         f"| {a['k']} | {a['mean_accept_len']} | {a['accepted_per_drafted']} | {a['outputs_match_ar']} |"
         for a in report["heldout_acceptance_greedy"]
     )
+
+
+def write_card(report: dict, path: Path) -> None:
+    rows = acceptance_rows(report)
     c = report["config"]
     path.write_text(f"""# Draft model for {report['target']}
 

@@ -7,7 +7,6 @@ where it stopped; a larger --train-minutes continues training the same head.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from specpool.training.distill import reduced_vocab, train
 from specpool.training.draft_data import build_prompts, generate_answers, stdlib_functions
 from specpool.training.head import FeatureWindows, HeadLM, export, head_step
 from specpool.training.head_data import FeatureCorpus, target_features
-from specpool.training.train_draft import HELD_OUT, measure_acceptance
+from specpool.training.train_draft import HELD_OUT, acceptance_rows, measure_acceptance, save_report
 
 
 def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float, gen_batch: int,
@@ -124,17 +123,11 @@ def run(cfg: TrainHeadConfig) -> dict:
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "wall_seconds_this_run": round(time.monotonic() - started),
     }
-    (cfg.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_card(report, cfg.out / "CARD.md")
-    print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2))
-    return report
+    return save_report(report, cfg.out, write_card)
 
 
 def write_card(report: dict, path: Path) -> None:
-    rows = "\n".join(
-        f"| {a['k']} | {a['mean_accept_len']} | {a['accepted_per_drafted']} | {a['outputs_match_ar']} |"
-        for a in report["heldout_acceptance_greedy"]
-    )
+    rows = acceptance_rows(report)
     agree = ", ".join(f"step {j + 1}: {a:.1%}" for j, a in enumerate(report["heldout_top1_agreement_by_step"]))
     c = report["config"]
     path.write_text(f"""# Feature-fed draft head for {report['target']}
