@@ -51,6 +51,7 @@ def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float
 
 @dataclass(frozen=True, slots=True)
 class TrainHeadConfig:
+    # A deliberate parallel of TrainDraftConfig: the fields both share mean the same (the CLI fills either).
     target: Path
     out: Path
     work_dir: Path

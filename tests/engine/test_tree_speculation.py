@@ -109,6 +109,7 @@ PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
 }
 
 
+# These two follow test_decoding's lossless and twin tests on purpose: the same harness, over trees.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PATHS)
 def test_tree_speculation_is_lossless(name):
