@@ -240,10 +240,9 @@ class Decoder:
     def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None):
         """The target's forward over the batch -> (logits, its features [B, T, d] when the drafter reads
         them, else None)."""
-        slots = [s.slot for s in batch]
-        if self._wants_features:
-            return self.model.forward(self.cache, slots, feed, all_logits=all_logits, features=True, parents=parents)
-        return self.model.forward(self.cache, slots, feed, all_logits=all_logits, parents=parents), None
+        out = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=all_logits,
+                                 features=self._wants_features, parents=parents)
+        return out if self._wants_features else (out, None)
 
     @staticmethod
     def _inputs(hidden: torch.Tensor | None, row: int, fed: list[int]) -> dict:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.engine.sampling import SamplingParams, logits_to_probs
+
 
 @dataclass(frozen=True, slots=True)
 class TreeShape:
@@ -103,11 +105,9 @@ def grow_trees(first: torch.Tensor, budgets: Sequence[int], shape: TreeShape, ex
     return [cand.best(n) if n > 0 else ([], []) for cand, n in zip(rows, budgets)]
 
 
-def tree_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
+def tree_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """What a tree's scores are made of: the draft's log-probabilities under the sampler's transform
     (temperature, top-k, top-p), or at temperature 1 for a greedy target."""
-    from specpool.engine.sampling import logits_to_probs
-
     if params.greedy:
         return logits.float().log_softmax(-1)
     return logits_to_probs(logits, params).log()
