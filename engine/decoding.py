@@ -50,6 +50,7 @@ class GenerationResult:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per target step
+    branch_rounds: int = 0  # token trees: rounds whose accepted path left the first-child chain
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -355,6 +356,9 @@ class Decoder:
                 if d.parents is not None:
                     outcome = verify_tree_round(d, logits[rows], params, self._generator(params))
                     paths = [row[:a] for row, a in zip(outcome.path.tolist(), outcome.accepted.tolist())]
+                    for r, parents, path in zip(rows, d.parents, paths):
+                        branched = path != token_tree.first_children(parents)[: len(path)]
+                        batch[r].result.branch_rounds += branched
                 else:
                     outcome = verify_round(d, logits[rows], params, self._generator(params))
                     paths = [list(range(a)) for a in outcome.accepted.tolist()]

@@ -101,6 +101,9 @@ class Drafter(Protocol):
     # `propose` takes `sparse=` (q as top-k pairs, else dense rows) per call: one drafter then serves
     # sequences of either transport.
     sparse_q_per_call: bool = False
+    # `propose` takes `tree=` per call: a TreeShape grows token trees of num_tokens nodes each, None
+    # drafts chains (or, for a drafter built with a shape, trees of that one).
+    grows_trees: bool = False
     # It works while the target verifies (SSD pre-speculates the likely outcomes): the caller calls
     # `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead.
     prespeculates: bool = False
@@ -203,6 +206,7 @@ class ModelDrafter(Drafter):
     """
 
     sparse_q_per_call = True
+    grows_trees = True
 
     def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True,
                  tree: TreeShape | None = None):
@@ -231,12 +235,15 @@ class ModelDrafter(Drafter):
         seq.pending.extend(tokens[keep:])
         seq.fed_drafts, seq.drafts = 0, ()
 
-    def propose(self, seq_ids, num_tokens, params, generator, *, sparse: bool | None = None) -> Drafts:
-        """`sparse` overrides the constructor's `sparse_top_k` for this call (a pooled endpoint
-        serves sessions with either transport); top-k pairs still need `params.top_k > 0`."""
+    def propose(self, seq_ids, num_tokens, params, generator, *, sparse: bool | None = None,
+                tree: TreeShape | None = None) -> Drafts:
+        """`sparse` and `tree` override the constructor's `sparse_top_k` and `tree` for this call (a
+        pooled endpoint serves sessions of either transport and shape); top-k pairs still need
+        `params.top_k > 0`."""
         seqs = [self._seqs[s] for s in seq_ids]
-        if self.tree is not None:
-            return self._propose_trees(seqs, num_tokens, params)
+        tree = tree or self.tree
+        if tree is not None:
+            return self._propose_trees(seqs, num_tokens, params, tree)
         sparse = self.sparse_top_k if sparse is None else sparse
         picker = DraftPicker(len(seq_ids), max(num_tokens, default=0), self.model.config.vocab_size, params,
                              generator, sparse)
@@ -252,7 +259,7 @@ class ModelDrafter(Drafter):
 
     # -- trees ------------------------------------------------------------------------------------
 
-    def _propose_trees(self, seqs, budgets: Sequence[int], params: SamplingParams) -> Drafts:
+    def _propose_trees(self, seqs, budgets: Sequence[int], params: SamplingParams, shape: TreeShape) -> Drafts:
         tokens: list[list[int]] = [[] for _ in seqs]
         parents: list[list[int]] = [[] for _ in seqs]
         active = [b for b, n in enumerate(budgets) if n > 0]
@@ -265,7 +272,7 @@ class ModelDrafter(Drafter):
                 return tree_logprobs(logits, params)
 
             first = tree_logprobs(self._tree_root(act), params)
-            trees = grow_trees(first, [budgets[b] for b in active], self.tree, expand, cands)
+            trees = grow_trees(first, [budgets[b] for b in active], shape, expand, cands)
             for a, b in enumerate(active):
                 tokens[b], parents[b] = trees[a]
                 self._drafted_tree(act[a], cands[a])

@@ -25,6 +25,7 @@ import torch
 
 from specpool.engine.device import cpu_class
 from specpool.engine.model import Llama
+from specpool.engine.tree_drafting import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -241,18 +242,36 @@ class SpeculationPolicy:
     # break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16 (measured
     # on an AVX-512 AMD EPYC only; benchmarks record the margin they ran with).
     min_gain: float = 1.1
+    # A remote drafter's round trip beyond its drafting (wire, serialisation), measured by the caller.
+    round_s: float = 0.0
+    # The share of rounds whose drafting is on the critical path: SSD's misses (its hits were drafted
+    # while the target verified).
+    drafting_share: float = 1.0
+    # The drafter grows token trees of this shape (the draft length is then the node budget): a draft
+    # forward per level, the root's one token then up to `beam` nodes a level, not one per token.
+    tree: TreeShape | None = None
 
     def step_time(self, batch_size: int, draft_len: int, fill: float = 1.0) -> float:
         """Expected seconds of a round offering draft_len positions per sequence, when the drafter fills
         a share `fill` of the offers: with no row drafted, the target runs a plain step."""
-        drafting = 0.0
-        if self.draft_costs is not None and draft_len > 0:
-            drafting = draft_len * self.draft_costs(batch_size, 0)  # one 1-token draft step per token
+        if draft_len <= 0:
+            return self.target_costs(batch_size, 0)
+        drafting = self.round_s
+        if self.draft_costs is not None:
+            drafting += self.drafting_share * self.drafting_time(batch_size, draft_len)
         verify = self.target_costs(batch_size, draft_len)
         if fill < 1.0 and draft_len > 0:
             none_drafted = (1.0 - fill) ** batch_size
             verify = (1 - none_drafted) * verify + none_drafted * self.target_costs(batch_size, 0)
         return verify + drafting
+
+    def drafting_time(self, batch_size: int, draft_len: int) -> float:
+        """Seconds of the draft forwards that make drafts of this length (chains: one 1-token step a token)."""
+        if self.tree is None:
+            return draft_len * self.draft_costs(batch_size, 0)
+        levels = min(draft_len, self.tree.max_depth)
+        width = min(self.tree.beam, draft_len)
+        return self.draft_costs(batch_size, 0) + (levels - 1) * self.draft_costs(batch_size, width - 1)
 
     def choose(self, batch_size: int, acceptance: Expected | float, catch_up: float = 0.0,
                remaining: float = float("inf"), fill: float = 1.0) -> int:

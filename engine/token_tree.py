@@ -82,3 +82,25 @@ def attention_layout(fed_parents: Sequence[Sequence[int]], width: int) -> tuple[
         anc[:, u] |= anc[rows, at] & has[:, None]
         depth[:, u] = torch.where(has, depth[rows, at] + 1, 0)
     return depth, anc
+
+
+def first_children(parents: Sequence[int]) -> list[int]:
+    """The tree's first-child chain: from the root, each node's earliest child (the drafter's likeliest)."""
+    path, node = [], -1
+    while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+def matched_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list[int]:
+    """The nodes the target accepted, given the tokens it emitted after the tree: the longest path
+    whose tokens are a prefix of `emitted` (siblings are distinct, so there is one)."""
+    path, node = [], -1
+    for token in emitted:
+        child = next((i for i, (p, t) in enumerate(zip(parents, tokens)) if p == node and t == token), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path

@@ -25,6 +25,12 @@ class TreeShape:
     beam: int = 4  # nodes expanded per level
     max_depth: int = 8
 
+    @property
+    def fed_room(self) -> int:
+        """Draft-cache positions a growing tree may take past the sequence: the beam fed per level
+        below the first (the last level's candidates are never fed)."""
+        return self.beam * (self.max_depth - 1)
+
 
 @dataclass(slots=True)
 class Candidates:

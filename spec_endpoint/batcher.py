@@ -62,16 +62,17 @@ class _Want:
     num: int
 
 
-GroupKey = tuple[str, Method, SamplingParams | None, bool]
+GroupKey = tuple[str, Method, SamplingParams | None, bool, bool]
 
 
 def group_key(session: Session, drafter: Drafter, dense: bool) -> GroupKey:
-    """Sequences drafted by one propose call. The seed never matters (the endpoint samples from its
-    own generator); greedy drafts ignore the sampler; deterministic (n-gram) drafts ignore it altogether."""
+    """Sequences drafted by one propose call: one model, drafter kind and draft shape (chain or tree).
+    The seed never matters (the endpoint samples from its own generator); greedy drafts ignore the
+    sampler; deterministic (n-gram) drafts ignore it altogether."""
     if drafter.deterministic:
-        return (session.model, session.kind, None, False)
+        return (session.model, session.kind, None, False, session.tree)
     params = SamplingParams() if session.params.greedy else dataclasses.replace(session.params, seed=None)
-    return (session.model, session.kind, params, dense)
+    return (session.model, session.kind, params, dense, session.tree)
 
 
 class Batcher:
@@ -278,12 +279,14 @@ class Batcher:
 
     def _draft(self, key: GroupKey, wants: list[_Want]) -> float:
         """One propose call for a group; -> its seconds."""
-        model, kind, params, dense = key
+        model, kind, params, dense, tree = key
         drafters = self.drafters.get(model)
         drafter = drafters.drafter(kind)
         ids = [w.session.key.drafter_id for w in wants]
         nums = [w.num for w in wants]
         q_form = {"sparse": not dense} if drafter.sparse_q_per_call else {}
+        if tree:
+            q_form["tree"] = drafters.tree_shape
         start = time.monotonic()  # the busy window's clock (self.clock times leases, and tests fake it)
         try:
             drafts = drafter.propose(ids, nums, params or SamplingParams(), drafters.generator, **q_form)
@@ -308,6 +311,8 @@ class Batcher:
             tokens = drafts.tokens[b]
             out = w.work.results[w.index]
             out.tokens = list(tokens)
+            parents = drafts.parents[b] if drafts.parents is not None else None
+            out.parents = list(parents or [])
             n = len(tokens)
             if drafts.topk_ids is not None:
                 out.sparse_k = drafts.topk_ids.shape[-1]
@@ -317,7 +322,7 @@ class Batcher:
                 w.work.dense[w.index] = drafts.probs[b, :n].float()
             w.work.draft_seconds += end - start
             out.from_cache = drafter.served_from_cache(w.session.key.drafter_id)
-            w.session.record_drafts(tokens)
+            w.session.record_drafts(tokens, parents)
             tenant = w.session.key.tenant
             self.sessions.count(tenant, drafted=n)
             self.metrics.drafted.labels(self.metrics.tenants.of(tenant), model).inc(n)

@@ -8,6 +8,7 @@ whose speculation policy charges drafting time with them.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,27 @@ from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import make_generator
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
 from specpool.engine.ssd import SsdDrafter
+from specpool.engine.suffix_store import SuffixStore, SuffixStores
+from specpool.engine.tree_drafting import TreeShape
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_DIR = Path("models/smollm2-135m-draft")
 DEFAULT_DATASTORE = Path("models/smollm2-135m-datastore.npz")
+# The trees tree sessions get (--tree-shape): where the draft is unsure it branches 4 ways, 4 nodes a
+# level, 8 deep.
+TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=8)
+
+
+def tree_shape(text: str) -> TreeShape:
+    """`BRANCH,BEAM,DEPTH` (--tree-shape), each >= 1."""
+    try:
+        branch, beam, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BRANCH,BEAM,DEPTH, e.g. 4,4,8") from None
+    if min(branch, beam, depth) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each of BRANCH,BEAM,DEPTH must be >= 1")
+    return TreeShape(branch, beam, depth)
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,6 +103,10 @@ class LoadOptions:
     step_cost_dir: Path | None = None
     ssd: dict | None = None  # SsdDrafter options
     dtype: str = "bf16"
+    tree_shape: TreeShape = TREE_SHAPE
+    suffix_tokens: int = 50_000  # per tenant's suffix store (0: none)
+    suffix_stores: int = 16  # stores per model: the least recently used tenant's is dropped beyond
+    suffix_shared: frozenset[str] = frozenset()  # tenants that opted in to one store shared between them
 
 
 @dataclass(slots=True)
@@ -99,6 +120,9 @@ class ModelDrafters:
     model: ModelDrafter | None = None
     ssd: SsdDrafter | None = None  # the same draft model with a speculation cache of its own
     draft_costs: StepCosts | None = None
+    tree_shape: TreeShape = TREE_SHAPE
+    suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
+    suffix_shared: frozenset[str] = frozenset()
     generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
 
     @property
@@ -106,6 +130,12 @@ class ModelDrafters:
         if self.model:
             return (Method.DRAFT_MODEL, Method.SSD, Method.NGRAM)
         return (Method.NGRAM,)
+
+    def suffix_store(self, tenant: str) -> SuffixStore | None:
+        """The tenant's suffix store: its own, or the one the opted-in tenants share (never another's)."""
+        if self.suffix is None:
+            return None
+        return self.suffix.for_tenant(self.name, tenant, share=tenant in self.suffix_shared)
 
     @property
     def best(self) -> Method:
@@ -128,7 +158,9 @@ class ModelDrafters:
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
-        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len)
+        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len,
+                       tree_shape=options.tree_shape, suffix_shared=options.suffix_shared,
+                       suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None)
         if spec.draft_dir is not None:
             draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=options.dtype,
                                                 device=str(device))
@@ -142,7 +174,9 @@ class ModelDrafters:
                 log.warning("--drafter %s: --max-len %d exceeds the draft's context %d; sessions are capped at %d",
                             spec.name, max_len, draft.config.max_context, draft.config.max_context)
                 max_len = drafters.max_len = draft.config.max_context
-            drafters.model = ModelDrafter(draft, max_sequences=options.max_sessions, max_len=max_len)
+            # A tree session's growing tree takes draft-cache positions past the session's own tokens.
+            drafters.model = ModelDrafter(draft, max_sequences=options.max_sessions,
+                                          max_len=max_len + drafters.tree_shape.fed_room)
             # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
             # a bonus token and its own drafts: without that room a session near max_len failed the

@@ -72,6 +72,10 @@ class Endpoint:
                                config.batch_window_s)
         self._streams: set[RoundStream] = set()
         self._stop = threading.Event()
+        self._documents = 0  # suffix-store documents opened: each n-gram session's gets a fresh id
+        stores = [d.suffix for d in drafters.models.values() if d.suffix is not None]
+        self.metrics.suffix_tokens.set_function(lambda: self._locked(lambda: sum(s.num_tokens for s in stores)))
+        self.metrics.suffix_stores.set_function(lambda: self._locked(lambda: sum(len(s) for s in stores)))
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -154,20 +158,27 @@ class Endpoint:
                               f"capacity: tenant {tenant!r} holds its maximum of {per_tenant} sessions on this "
                               "endpoint (--max-sessions-per-tenant); close finished ones or draft locally")
         drafter = drafters.drafter(kind)
+        if spec.tree and not drafter.grows_trees:
+            return OpenResult(spec.request_id, False, f"{path}.tree: the {kind.value} drafter proposes chains only; "
+                              "open the session without tree, or with the draft_model or ngram drafter")
         if drafter.cache is not None and drafter.cache.free_slots == 0:
             return OpenResult(spec.request_id, False,
                               f"capacity: all {drafter.cache.max_slots} {kind.value} KV slots for "
                               f"{drafters.name} are in use")
         if index is not None:
             drafters.ngram.add_index(key.drafter_id, index)
+            store = drafters.suffix_store(tenant)
+            if store is not None:  # a fresh document each open: a re-opened session re-sends its context
+                self._documents += 1
+                drafters.ngram.attach_store(key.drafter_id, store, f"{key.drafter_id}#{self._documents}")
         else:
             drafter.start(key.drafter_id, spec.context)
         self.metrics.tenants.admit(tenant)
         now = self.clock()
         self.sessions.add(Session(
             key=key, model=drafters.name, kind=kind, params=spec.params,
-            dense=q_travels_dense(spec.params, kind, spec.transport is Transport.DENSE),
-            lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context), push=spec.push,
+            dense=not spec.tree and q_travels_dense(spec.params, kind, spec.transport is Transport.DENSE),
+            lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context), push=spec.push, tree=spec.tree,
         ))
         return OpenResult(spec.request_id, True, drafter=kind)
 
@@ -231,6 +242,11 @@ class Endpoint:
         return self.channels.offer(tenant)
 
     # -- capacity ------------------------------------------------------------------------------
+
+    def _locked(self, read: Callable[[], float]) -> float:
+        """A figure of drafter state read from another thread (a metrics scrape): under the engine lock."""
+        with self.lock:
+            return read()
 
     def capacity(self) -> CapacityReport:
         models = tuple(

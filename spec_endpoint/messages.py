@@ -31,6 +31,7 @@ class SessionSpec:
     drafter: Method | None = None  # None: the model's best (draft model, else n-gram); never Method.NONE
     transport: Transport = Transport.AUTO
     push: bool = False  # SSD: stream outcome tables to the target as soon as they are built
+    tree: bool = False  # drafts are token trees of num_draft_tokens nodes
     refused: str = ""  # why the decoder refused it unread (its context is then empty): the open result's error
 
 
@@ -78,6 +79,7 @@ class Round:
 class SequenceDrafts:
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # a tree's (sessions opened with tree); empty: a chain
     sparse_k: int = 0  # > 0: sparse_ids/sparse_probs hold k pairs per draft
     sparse_ids: list[int] = field(default_factory=list)
     sparse_probs: list[float] = field(default_factory=list)

@@ -116,6 +116,11 @@ class EndpointMetrics:
         self.ssd_forks = Gauge("specpool_spec_ssd_forks_per_sequence",
                                "Forks per sequence now: as many as fit in the verify time", ["model"], registry=r)
         self._backups_seen: dict[tuple[str, str], int] = {}
+        # n-gram sessions' online suffix stores (engine.suffix_store), every model's: read at scrape time.
+        self.suffix_tokens = Gauge("specpool_spec_suffix_store_tokens", "Tokens held by the tenants' suffix stores",
+                                   registry=r)
+        self.suffix_stores = Gauge("specpool_spec_suffix_stores", "Suffix stores held (one per tenant and model, "
+                                   "one per model for the tenants that share)", registry=r)
 
     def observe_prespeculation(self, model: str, ssd) -> None:
         """After a pre-speculation pass of `ssd` (the drafter that pre-speculates: engine.ssd.SsdDrafter)."""

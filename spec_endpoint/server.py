@@ -20,7 +20,7 @@ from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
 from specpool.spec_endpoint import wire
-from specpool.spec_endpoint.drafters import DrafterSpec, HostedDrafters, LoadOptions
+from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions, tree_shape
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
@@ -145,6 +145,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Saguaro rescaling of the draft's top tokens when sampling (1: none; lower: more hits)")
     parser.add_argument("--ssd-backup", default="auto", choices=["auto", "neural", "fast"],
                         help="on a cache miss: draft now (neural), n-gram (fast), or chosen from measurements")
+    parser.add_argument("--tree-shape", type=tree_shape, default=TREE_SHAPE, metavar="BRANCH,BEAM,DEPTH",
+                        help="the token trees of tree sessions: children per expanded node, nodes expanded per "
+                             "level, levels (default %(default)s)")
+    parser.add_argument("--suffix-store-tokens", type=int, default=50_000,
+                        help="n-gram sessions draft from an online suffix store of their tenant's recent prompts and "
+                             "outputs, of at most this many tokens per tenant (about 2 KB each; 0: none)")
+    parser.add_argument("--suffix-stores", type=int, default=16,
+                        help="suffix stores per model; beyond, the least recently used tenant's is dropped")
+    parser.add_argument("--share-suffix-store", action="append", default=[], metavar="TENANT",
+                        help="this tenant opts in to one suffix store shared with every other tenant named here "
+                             "(repeatable; a tenant not named never reads or shapes another's drafts)")
     parser.add_argument("--lease-s", type=float, default=30.0, help="idle session lease when the target sends 0")
     parser.add_argument("--max-lease-s", type=float, default=120.0,
                         help="the longest idle session lease; longer requested leases are clamped to it")
@@ -182,11 +193,12 @@ def main(args: argparse.Namespace) -> int:
 
     serving.setup_logging(args.log_level)
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),
-                        ("--max-lease-s", args.max_lease_s), ("--max-round-streams", args.max_round_streams)):
+                        ("--max-lease-s", args.max_lease_s), ("--max-round-streams", args.max_round_streams),
+                        ("--suffix-stores", args.suffix_stores)):
         if value <= 0:
             raise SystemExit(f"{flag} must be > 0; got {value}")
     for flag, value in (("--max-sessions-per-tenant", args.max_sessions_per_tenant),
-                        ("--tenant-labels", args.tenant_labels)):
+                        ("--tenant-labels", args.tenant_labels), ("--suffix-store-tokens", args.suffix_store_tokens)):
         if value < 0:
             raise SystemExit(f"{flag} must be >= 0; got {value}")
     if args.lease_s > args.max_lease_s:
@@ -202,7 +214,9 @@ def main(args: argparse.Namespace) -> int:
     ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,
            "saguaro_c": args.saguaro_c, "backup": args.ssd_backup}
     # The engine thread drafts; torch work on this thread would leave it a second OpenMP pool.
-    options = LoadOptions(args.max_sessions, args.max_len, device, ssd=ssd, dtype=args.dtype)
+    options = LoadOptions(args.max_sessions, args.max_len, device, ssd=ssd, dtype=args.dtype, tree_shape=args.tree_shape,
+                          suffix_tokens=args.suffix_store_tokens, suffix_stores=args.suffix_stores,
+                          suffix_shared=frozenset(args.share_suffix_store))
     drafters = off_main_thread(lambda: HostedDrafters.load(specs, options))
 
     # Each attached target's Rounds stream holds a server thread for as long as it is attached.

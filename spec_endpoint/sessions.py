@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specpool.engine import token_tree
 from specpool.engine.drafter import accepted_prefix
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ class Session:
     lease_s: float
     expires_at: float
     length: int  # tokens the drafter knows: context plus every reported new token
+    tree: bool = False  # its drafts are token trees
     last_drafts: tuple[int, ...] = ()  # sent in the previous round, awaiting their outcome
+    last_parents: tuple[int, ...] | None = None  # their tree's parents (None: a chain)
     needs_tokens: bool = False  # drafted since the last new tokens: the next draft needs some
     push: bool = False  # SSD: outcome tables go to the target as soon as they are built
     stream: object = None  # the Rounds stream it last came on: where its push tables go
@@ -53,16 +56,20 @@ class Session:
 
     def record_outcome(self, new_tokens: Sequence[int]) -> int:
         """The target's new tokens verify the drafts sent last: -> how many of them it accepted."""
-        accepted = accepted_prefix(self.last_drafts, new_tokens)
-        self.last_drafts = ()
+        if self.last_parents is None:
+            accepted = accepted_prefix(self.last_drafts, new_tokens)
+        else:
+            accepted = len(token_tree.matched_path(self.last_drafts, self.last_parents, new_tokens))
+        self.last_drafts, self.last_parents = (), None
         self.accepted += accepted
         self.length += len(new_tokens)
         if new_tokens:
             self.needs_tokens = False
         return accepted
 
-    def record_drafts(self, tokens: Sequence[int]) -> None:
+    def record_drafts(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> None:
         self.last_drafts = tuple(tokens)
+        self.last_parents = None if parents is None else tuple(parents)
         self.drafted += len(tokens)
         self.needs_tokens = True
 

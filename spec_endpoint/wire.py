@@ -64,6 +64,7 @@ def open_request_from(msg: pb.OpenSessionsRequest, max_len: int, tenant: str) ->
             drafter=drafter,
             transport=_TRANSPORT_FROM_PB[s.transport],
             push=s.push,
+            tree=s.tree,
         ))
     return OpenRequest(tenant, msg.target_model, msg.lease_s, tuple(sessions))
 
@@ -95,8 +96,8 @@ def round_from(msg: pb.RoundRequest, tenant: str | None = None) -> Round:
 def round_response_to(result: RoundResult) -> pb.RoundResponse:
     sequences = []
     for s in result.sequences:
-        out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, dense_on_channel=s.dense, error=s.error,
-                                from_cache=s.from_cache)
+        out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, parents=s.parents, dense_on_channel=s.dense,
+                                error=s.error, from_cache=s.from_cache)
         if s.sparse_k:
             out.sparse.CopyFrom(sparse_q_to_pb(s.sparse_ids, s.sparse_probs, s.sparse_k))
         sequences.append(out)

@@ -12,17 +12,18 @@ class SpeculationChoice:
     method: Method
     remote: bool  # drafted on the speculation endpoint; False: on this target (its n-gram index)
     max_draft_tokens: int = 0  # the request's own cap on drafts per round (0: none)
+    tree: bool = False  # token trees of a round's draft budget in nodes, not chains
 
     @staticmethod
-    def of(method: Method | None, has_endpoint: bool, max_draft_tokens: int = 0) -> SpeculationChoice:
+    def of(method: Method | None, has_endpoint: bool, max_draft_tokens: int = 0, tree: bool = False) -> SpeculationChoice:
         """A request's method (None: the server's default, the draft model). Without an endpoint every
         speculating method drafts with the target's own n-gram index."""
         method = Method.DRAFT_MODEL if method is None else method
         if method is Method.NONE:
             return SpeculationChoice(Method.NONE, False, max_draft_tokens)
         if not has_endpoint:
-            return SpeculationChoice(Method.NGRAM, False, max_draft_tokens)
-        return SpeculationChoice(method, True, max_draft_tokens)
+            return SpeculationChoice(Method.NGRAM, False, max_draft_tokens, tree)
+        return SpeculationChoice(method, True, max_draft_tokens, tree)
 
     @property
     def label(self) -> str:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from specpool.common.speculation import drafter_to_pb, sampling_to_pb
+from specpool.engine import token_tree
 from specpool.engine.drafter import Drafts
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import StepCosts
@@ -17,22 +18,32 @@ from specpool.v1 import speculation_pb2 as pb
 
 # A row's draft distribution: dense [K, V], sparse (ids [K, k], probs [K, k]), or None (a point mass).
 Q = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+# A row's drafts: tokens, their q, and a token tree's parents (None: a chain).
+Row = tuple[list[int], Q, list[int] | None]
 
 
 def session_spec(seq_id: str, context: list[int], choice: SpeculationChoice, params: SamplingParams,
                  push: bool) -> pb.SessionSpec:
     # No seed: the endpoint draws its drafts from its own stream; verification stays lossless.
     return pb.SessionSpec(request_id=seq_id, context=context, drafter=drafter_to_pb(choice.method), push=push,
-                          sampling=sampling_to_pb(replace(params, seed=None)))
+                          sampling=sampling_to_pb(replace(params, seed=None)), tree=choice.tree)
 
 
-def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int) -> str:
+def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int,
+             parents: list[int] | None = None) -> str:
     """Why an endpoint's drafts for one sequence cannot be verified ('' when they can). Checked here:
     in verification a bad id or shape would fail every sequence of the batch, not only this one."""
     if len(tokens) > asked:
         return f"{len(tokens)} drafts where {asked} were asked"
     if any(not 0 <= t < vocab_size for t in tokens):
         return f"a draft token outside the vocabulary [0, {vocab_size})"
+    if parents is not None:
+        if q_sent:
+            return "a token tree with a draft distribution (tree nodes are deterministic)"
+        try:
+            token_tree.check_tree(tokens, parents)
+        except ValueError as e:
+            return f"a malformed token tree ({e})"
     if q_sent and q is None:
         return "its draft distribution is malformed"
     if isinstance(q, torch.Tensor):
@@ -59,30 +70,39 @@ def draft_costs(capacity: pb.Capacity, target_model: str) -> StepCosts | None:
     return None
 
 
-def assemble(rows: list[tuple[list[int], Q]], params: SamplingParams) -> Drafts:
+def assemble(rows: list[Row], params: SamplingParams) -> Drafts:
     """One Drafts for a sampling group whose rows came from different sources.
 
-    Rows drafted deterministically (n-gram, fallback) are written as a one-hot q, which the
-    dense and sparse rules verify exactly as the point-mass rule does.
+    Rows drafted deterministically (n-gram, fallback, trees) are written as a one-hot q, which the
+    dense and sparse rules verify exactly as the point-mass rule does. Trees are verified as trees
+    unless another row of the group carries a q (the tree rule takes none): they then send their
+    first-child chain, a deterministic chain.
     """
-    tokens = [t for t, _ in rows]
-    if params.greedy or all(q is None for _, q in rows):
+    sampled = not params.greedy and any(q is not None for _, q, _ in rows)
+    if any(p is not None for _, _, p in rows):
+        if not sampled:
+            return Drafts(tokens=[t for t, _, _ in rows],
+                          parents=[p if p is not None else token_tree.chain(len(t)) for t, _, p in rows])
+        rows = [(t, q, None) if p is None else ([t[i] for i in token_tree.first_children(p)], None, None)
+                for t, q, p in rows]
+    tokens = [t for t, _, _ in rows]
+    if not sampled:
         return Drafts(tokens=tokens)
     k_max = max((len(t) for t in tokens), default=0)
-    if any(isinstance(q, torch.Tensor) for _, q in rows):
-        vocab = next(q.shape[-1] for _, q in rows if isinstance(q, torch.Tensor))
+    if any(isinstance(q, torch.Tensor) for _, q, _ in rows):
+        vocab = next(q.shape[-1] for _, q, _ in rows if isinstance(q, torch.Tensor))
         probs = torch.zeros(len(rows), k_max, vocab)
-        for b, (t, q) in enumerate(rows):
+        for b, (t, q, _) in enumerate(rows):
             if isinstance(q, torch.Tensor):
                 probs[b, : len(t)] = q
             elif t:
                 probs[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
         return Drafts(tokens=tokens, probs=probs)
     # Sparse: every row shares the sampler's top-k; one-hot rows repeat their token with weight 0.
-    k = max(q[0].shape[-1] for _, q in rows if q is not None)  # rows pad to the widest (weight 0)
+    k = max(q[0].shape[-1] for _, q, _ in rows if q is not None)  # rows pad to the widest (weight 0)
     ids = torch.zeros(len(rows), k_max, k, dtype=torch.long)
     weights = torch.zeros(len(rows), k_max, k)
-    for b, (t, q) in enumerate(rows):
+    for b, (t, q, _) in enumerate(rows):
         if q is not None:
             ids[b, : len(t), : q[0].shape[-1]], weights[b, : len(t), : q[0].shape[-1]] = q
         elif t:

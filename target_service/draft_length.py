@@ -3,6 +3,7 @@ drafters now running (or a fixed length), then each request's own cap."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from specpool.common.speculation import Method
@@ -20,8 +21,10 @@ from specpool.v1 import speculation_pb2 as pb
 
 class TargetDraftLength:
     """engine.speculation_policy.DraftLength over the client's sequences. With measured costs, the
-    draft model is charged only while a running sequence drafts with it (n-gram drafting, local or
-    remote, costs the target nothing measurable); without them, `fixed` tokens a round."""
+    draft model is charged only while a running sequence drafts with it (n-gram drafting costs the
+    target nothing measurable), SSD only for the share of rounds it misses, and every remote round its
+    measured wire time: so no batch size speculates where that is predicted slower than plain
+    decoding. Without costs, `fixed` tokens a round."""
 
     def __init__(self, client: SpeculationClient, target_costs: StepCosts | None, fixed: int = 0):
         self.client = client
@@ -30,9 +33,10 @@ class TargetDraftLength:
         self.fixed = FixedDraftLength(fixed)
         if target_costs is not None:
             self.free = SpeculationPolicy(target_costs, max_draft=16)
-            # SSD drafts off the critical path: a hit's drafts are ready, a miss's backup is chosen by the
-            # endpoint from measured times. Charging it as the draft model stopped it drafting (0.09 drafts
-            # a round on HumanEval), and drafts longer than the draft model's best only lengthen its tree.
+            # SSD drafts off the critical path on a hit: only misses pay for drafting (charged with the
+            # draft model's costs once known). Charging every round stopped it drafting (0.09 drafts a
+            # round on HumanEval); charging none made it draft at batch 16, at 0.57x AR. Drafts longer
+            # than the draft model's best only lengthen its tree.
             self.ssd = SpeculationPolicy(target_costs, max_draft=8)
         self.max_draft = self.free.max_draft if self.free is not None else fixed
         self._draft_model: SpeculationPolicy | None = None
@@ -58,7 +62,11 @@ class TargetDraftLength:
         if self.free is None:
             return self.fixed
         if Method.DRAFT_MODEL in remote and self.draft_model is not None:
-            return self.draft_model
-        if Method.SSD in remote:
-            return self.ssd
-        return self.free
+            policy = self.draft_model
+        elif Method.SSD in remote:
+            draft = self.draft_model
+            policy = self.ssd if draft is None else dataclasses.replace(
+                draft, max_draft=self.ssd.max_draft, drafting_share=1.0 - self.client.ssd_hit_ratio.value)
+        else:
+            policy = self.free
+        return dataclasses.replace(policy, round_s=self.client.wire_s.value) if remote else policy

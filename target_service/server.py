@@ -36,7 +36,7 @@ from specpool.common.serving import (
     serve_until_signal,
     setup_logging,
 )
-from specpool.common.speculation import MAX_DRAFT_TOKENS, method_from_pb, sampling_from_pb
+from specpool.common.speculation import MAX_DRAFT_TOKENS, Method, method_from_pb, sampling_from_pb
 from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
@@ -172,9 +172,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
             abort_invalid(context, "speculation.max_draft_tokens",
                           f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
+        if r.speculation.tree and method is Method.SSD:
+            abort_invalid(context, "speculation.tree", "SSD drafts chains; ask for draft_model or ngram with tree")
         if params.top_k >= self.vocab_size:  # keeps every token: the same sampler as no truncation
             params = replace(params, top_k=0)
-        speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens)
+        speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
+                                           r.speculation.tree)
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
             max_tokens=r.max_tokens, stop_ids=list(r.stop_token_ids) or ([] if r.ignore_eos else None), n=n,
@@ -244,6 +247,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
                     mean_accept_len=res.mean_accept_len, fallback_rounds=req.counts[i].fallback_rounds,
                     cache_hits=req.counts[i].cache_hits, cache_lookups=req.counts[i].cache_lookups,
+                    branch_rounds=res.branch_rounds,
                 ),
             ))
         first = (req.first_token_at - req.submitted_at) if req.first_token_at else 0.0

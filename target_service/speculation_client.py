@@ -28,14 +28,17 @@ from specpool.engine.drafter import DraftRequest, Drafts, accepted_prefix
 from specpool.engine.ngram import NgramDrafter
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import StepCosts
+from specpool.engine.tree_drafting import TreeShape
 from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
-from specpool.target_service.codec import Q, assemble, draft_costs, unusable
+from specpool.target_service.codec import Row, assemble, draft_costs, unusable
 from specpool.target_service.connection import Connection
 from specpool.target_service.fallback import DeadlineBreaker, Fallback
 from specpool.target_service.sessions import Session, Sessions
 from specpool.v1 import speculation_pb2 as pb
 
 log = logging.getLogger("specpool.target.speculation")
+
+LOCAL_TREE = TreeShape(max_depth=8)  # the local n-gram drafter's trees (of its shape, only the depth matters)
 
 
 class SpeculationObserver(Protocol):
@@ -54,6 +57,17 @@ class SpeculationObserver(Protocol):
         """An SSD sequence ended: its outcome-table hits and lookups."""
 
 
+@dataclass
+class RunningMean:
+    """An exponentially weighted mean of a measured figure, `value` (the prior) until measured."""
+
+    value: float
+    weight: float = 0.05
+
+    def add(self, x: float) -> None:
+        self.value += self.weight * (x - self.value)
+
+
 @dataclass(frozen=True)
 class _InFlight:
     """A round on the wire: box is None when it needs no reply (every draft came from SSD tables)."""
@@ -62,7 +76,7 @@ class _InFlight:
     round_id: int
     box: object | None  # queue.Queue of the reply
     asked: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
-    resolved: dict[str, tuple[list[int], Q]]  # drafts already known (SSD table hits)
+    resolved: dict[str, Row]  # drafts already known (SSD table hits)
 
 
 @dataclass
@@ -119,6 +133,9 @@ class SpeculationClient:
         self.reattach_s = reattach_s
         self.sessions = Sessions(tenant, target_model, lease_s, ssd_push, reattach_s)
         self.capacity: pb.Capacity | None = None  # the last attached endpoint's, kept while detached
+        # What the draft-length policy charges remote rounds: their time beyond drafting, and SSD's hits.
+        self.wire_s = RunningMean(0.0)
+        self.ssd_hit_ratio = RunningMean(0.5)
         self._configured: dict[str, tuple[SpeculationChoice, SamplingParams]] = {}
         self._conn: Connection | None = None
         self._round_id = 0
@@ -229,14 +246,17 @@ class SpeculationClient:
             for seq_id, n in zip(r.seq_ids, r.num_tokens):
                 seq = self.sessions.get(seq_id)
                 if seq is None:  # left while its round was out (cancelled): the decoder drops its row
-                    rows.append(([], None))
+                    rows.append(([], None, None))
                     continue
                 if seq_id in remote:
                     rows.append(remote[seq_id])
                 elif n <= 0:
-                    rows.append(([], None))
+                    rows.append(([], None, None))
+                elif seq.choice.tree:
+                    tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)
+                    rows.append((tokens, None, parents))
                 else:
-                    rows.append((self.local.draft(seq_id, n), None))
+                    rows.append((self.local.draft(seq_id, n), None, None))
                 seq.drafts = list(rows[-1][0])
             out.append(assemble(rows, r.params))
         return out
@@ -276,7 +296,7 @@ class SpeculationClient:
             return None
         self._round_id += 1
         request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id)
-        resolved: dict[str, tuple[list[int], Q]] = {}
+        resolved: dict[str, Row] = {}
         asking = []
         for s, n in ready:
             seq = self.sessions[s]
@@ -293,7 +313,7 @@ class SpeculationClient:
                     num_draft_tokens=len(tokens) if resolution == pb.ROUND_RESOLUTION_TABLE_HIT else 0,
                     drafts_in_use=tokens if resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS else [],
                 ))
-                resolved[s] = (tokens, q)
+                resolved[s] = (tokens, q, None)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
         if not asking:
             conn.send(request)
@@ -306,11 +326,13 @@ class SpeculationClient:
 
     @staticmethod
     def _can_draft(conn: Connection, seq: Session) -> bool:
-        """Its session is open, and a dense q (the endpoint's choice, spec_endpoint.sessions) has a channel."""
-        return seq.opened and (conn.dense_ready or not q_travels_dense(seq.params, seq.choice.method))
+        """Its session is open, and a dense q (the endpoint's choice, spec_endpoint.sessions) has a channel.
+        Trees carry no q."""
+        dense = not seq.choice.tree and q_travels_dense(seq.params, seq.choice.method)
+        return seq.opened and (conn.dense_ready or not dense)
 
-    def _receive(self, pending: DraftRound) -> dict[str, tuple[list[int], Q]]:
-        """Waits (until the round's deadline) for its reply -> seq_id -> (tokens, q) of remote drafts."""
+    def _receive(self, pending: DraftRound) -> dict[str, Row]:
+        """Waits (until the round's deadline) for its reply -> seq_id -> (tokens, q, parents) of remote drafts."""
         flight = pending.in_flight
         if flight is None:
             return {}
@@ -321,6 +343,8 @@ class SpeculationClient:
         # Timed to the reply's arrival: the decoder may have stepped other sequences before collecting it.
         waited = (reply.arrived_at if reply else time.monotonic()) - pending.sent_at
         self.observer.round_trip(waited, reply.response.draft_seconds if reply else 0.0)
+        if reply is not None:
+            self.wire_s.add(max(0.0, waited - reply.response.draft_seconds))
         if reply is None:
             if conn.broken.is_set():
                 self._detach(conn)
@@ -351,14 +375,20 @@ class SpeculationClient:
             elif d.HasField("sparse"):
                 q = sparse_q_from_pb(d.sparse, len(d.tokens))
             q_sent = d.dense_on_channel or d.HasField("sparse")
-            problem = unusable(list(d.tokens), q, asked[d.request_id], q_sent, self.vocab_size)
+            # A tree session's drafts are a tree, even a one-node one; a chain session's never are.
+            parents = list(d.parents) if seq.choice.tree else None
+            if d.parents and parents is None:
+                problem = "a token tree for a chain session"
+            else:
+                problem = unusable(list(d.tokens), q, asked[d.request_id], q_sent, self.vocab_size, parents)
             if problem:
                 log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.request_id, problem)
                 self._fall_back(Fallback.BAD_REPLY, [d.request_id])
                 continue
-            drafts[d.request_id] = (list(d.tokens), q)
-            if seq.choice.method is Method.SSD and d.tokens:
+            drafts[d.request_id] = (list(d.tokens), q, parents)
+            if seq.choice.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
                 seq.cache_hits += d.from_cache
+                self.ssd_hit_ratio.add(float(d.from_cache))
         return drafts
 
     def _resolve_from_table(self, conn: Connection, seq_id: str, seq: Session, n: int):
@@ -386,7 +416,9 @@ class SpeculationClient:
                     log.warning("endpoint's table for %s is unusable (%s); asking instead", seq_id, problem)
                     return None
                 seq.cache_hits += 1
+                self.ssd_hit_ratio.add(1.0)
                 return pb.ROUND_RESOLUTION_TABLE_HIT, tokens, q
         if table.fast_backup:
+            self.ssd_hit_ratio.add(0.0)
             return pb.ROUND_RESOLUTION_LOCAL_DRAFTS, self.local.draft(seq_id, n), None
         return None

@@ -14,6 +14,7 @@ tests start a server under one with `python -m tests.twins KIND STRENGTH specpoo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -40,8 +41,8 @@ def _misreporting_propose(strength: float):
 
     def propose(self, *args, **kwargs) -> Drafts:
         d = real(self, *args, **kwargs)
-        return Drafts(tokens=d.tokens, probs=None if d.probs is None else temper(d.probs, strength),
-                      topk_ids=d.topk_ids, topk_probs=None if d.topk_probs is None else temper(d.topk_probs, strength))
+        return dataclasses.replace(d, probs=None if d.probs is None else temper(d.probs, strength),
+                                   topk_probs=None if d.topk_probs is None else temper(d.topk_probs, strength))
 
     return propose
 

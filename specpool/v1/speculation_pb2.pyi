@@ -38,20 +38,22 @@ ROUND_RESOLUTION_TABLE_HIT: RoundResolution
 ROUND_RESOLUTION_LOCAL_DRAFTS: RoundResolution
 
 class SessionSpec(_message.Message):
-    __slots__ = ("request_id", "context", "sampling", "drafter", "transport", "push")
+    __slots__ = ("request_id", "context", "sampling", "drafter", "transport", "push", "tree")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context: _containers.RepeatedScalarFieldContainer[int]
     sampling: _target_pb2.SamplingParams
     drafter: DrafterKind
     transport: DistributionTransport
     push: bool
-    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_target_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., transport: _Optional[_Union[DistributionTransport, str]] = ..., push: _Optional[bool] = ...) -> None: ...
+    tree: bool
+    def __init__(self, request_id: _Optional[str] = ..., context: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_target_pb2.SamplingParams, _Mapping]] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., transport: _Optional[_Union[DistributionTransport, str]] = ..., push: _Optional[bool] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionsRequest(_message.Message):
     __slots__ = ("tenant", "target_model", "lease_s", "sessions")
@@ -132,20 +134,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, k: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceDrafts(_message.Message):
-    __slots__ = ("request_id", "tokens", "sparse", "dense_on_channel", "error", "from_cache")
+    __slots__ = ("request_id", "tokens", "sparse", "dense_on_channel", "error", "from_cache", "parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_ON_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sparse: SparseDistribution
     dense_on_channel: bool
     error: str
     from_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ..., dense_on_channel: _Optional[bool] = ..., error: _Optional[str] = ..., from_cache: _Optional[bool] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseDistribution, _Mapping]] = ..., dense_on_channel: _Optional[bool] = ..., error: _Optional[str] = ..., from_cache: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OutcomeEntry(_message.Message):
     __slots__ = ("accepted", "bonus", "tokens", "sparse")

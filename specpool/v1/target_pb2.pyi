@@ -33,12 +33,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationPreference(_message.Message):
-    __slots__ = ("method", "max_draft_tokens")
+    __slots__ = ("method", "max_draft_tokens", "tree")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     method: SpeculationMethod
     max_draft_tokens: int
-    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    tree: bool
+    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_draft_tokens: _Optional[int] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -99,7 +101,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("method", "target_steps", "drafted_tokens", "accepted_tokens", "mean_accept_len", "fallback_rounds", "cache_hits", "cache_lookups")
+    __slots__ = ("method", "target_steps", "drafted_tokens", "accepted_tokens", "mean_accept_len", "fallback_rounds", "cache_hits", "cache_lookups", "branch_rounds")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class SpeculationStats(_message.Message):
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     method: str
     target_steps: int
     drafted_tokens: int
@@ -116,7 +119,8 @@ class SpeculationStats(_message.Message):
     fallback_rounds: int
     cache_hits: int
     cache_lookups: int
-    def __init__(self, method: _Optional[str] = ..., target_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accept_len: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_lookups: _Optional[int] = ...) -> None: ...
+    branch_rounds: int
+    def __init__(self, method: _Optional[str] = ..., target_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accept_len: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., branch_rounds: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("index", "token_ids", "text", "finish_reason", "speculation")

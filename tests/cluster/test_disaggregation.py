@@ -64,10 +64,14 @@ def start_endpoint(gguf: Path, draft: Path | None, *extra: str, port: int = 0,
     return start_server("spec", args)
 
 
-def start_target(gguf: Path, endpoint: ServerProcess, tenant: str, *extra: str) -> ServerProcess:
-    return start_server(tenant, ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
-                                 "--spec-endpoint", endpoint.address, "--tenant", tenant, "--datastore", "",
-                                 *ONE_THREAD, *extra])
+def start_target(gguf: Path, endpoint: ServerProcess, tenant: str, *extra: str,
+                 twin: tuple[str, float] | None = None) -> ServerProcess:
+    """`twin`: run the target (its verifier) with a deliberate bias of tests/twins.py (kind, strength)."""
+    args = ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
+            "--spec-endpoint", endpoint.address, "--tenant", tenant, "--datastore", "", *ONE_THREAD, *extra]
+    if twin is not None:
+        return start_server(f"{tenant}-twin", [twin[0], str(twin[1]), *args], module="tests.twins")
+    return start_server(tenant, args)
 
 
 # -- two tenants, one endpoint, the real model ------------------------------------------------------

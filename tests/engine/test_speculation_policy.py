@@ -1,5 +1,6 @@
 """The hardware-aware draft length: from measured (or given) step costs and acceptance."""
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,21 @@ def test_draft_model_cost_shortens_the_budget():
     # By hand, batch 1, alpha 0.8: s=3 gives E=2.952 over 0.03075+0.03 s = 48.6 tok/s, s=4 gives
     # 3.362/0.071 = 47.4, s=2 gives 2.44/0.0505 = 48.3: s=3 is best.
     assert costly.choose(1, 0.8) == 3
+
+
+def test_a_remote_rounds_wire_time_and_ssds_misses_are_charged():
+    draft = StepCosts((1, 16), (0, 16), ((0.01, 0.01), (0.02, 0.02)))
+    remote = SpeculationPolicy(COSTS, draft_costs=draft)
+    assert remote.step_time(1, 3) == pytest.approx(COSTS(1, 3) + 3 * 0.01)
+    assert remote.step_time(1, 0) == COSTS(1, 0)  # plain decoding pays neither
+    slow_wire = dataclasses.replace(remote, round_s=0.05)
+    assert slow_wire.step_time(1, 3) == pytest.approx(remote.step_time(1, 3) + 0.05)
+    assert remote.choose(1, 0.8) == 3 and slow_wire.choose(1, 0.8) == 0  # the round trip eats the gain
+    # SSD: only misses draft on the critical path. With every hit it drafts like a free drafter; with
+    # none, like the draft model, which at batch 16 does not pay.
+    ssd = [dataclasses.replace(remote, drafting_share=1 - hit) for hit in (1.0, 0.0)]
+    assert ssd[0].choose(1, 0.8) == SpeculationPolicy(COSTS).choose(1, 0.8)
+    assert ssd[1].choose(16, 0.6) == 0
 
 
 def test_draft_model_starts_only_when_its_catch_up_pays_back():

@@ -33,6 +33,14 @@ def test_helpers():
     assert token_tree.is_chain(token_tree.chain(4)) and not token_tree.is_chain(PARENTS)
     with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
         token_tree.check_parents([-1, 1])
+    assert token_tree.first_children(PARENTS) == [0, 2]
+
+
+def test_the_matched_path_follows_emitted_tokens_through_siblings():
+    tokens, parents = [7, 8, 9, 3, 9], [-1, -1, 0, 1, 1]  # 7 -> 9; 8 -> 3, 9
+    assert token_tree.matched_path(tokens, parents, [8, 9, 5]) == [1, 4]
+    assert token_tree.matched_path(tokens, parents, [7, 3]) == [0]  # 3 is a child of 8, not of 7
+    assert token_tree.matched_path(tokens, parents, [5]) == []
 
 
 @pytest.mark.parametrize("batch_shape", ["alone", "beside a chain"])

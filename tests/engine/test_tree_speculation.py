@@ -16,8 +16,10 @@ from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.head import HeadDrafter
+from specpool.engine.hybrid_drafter import HybridTreeDrafter
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, make_generator
+from specpool.engine.suffix_store import SuffixStore
 from specpool.engine.tree_drafting import TreeShape
 from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V
 from tests.engine.test_head import tiny_head, trained_tiny_head
@@ -67,6 +69,20 @@ def test_greedy_tree_speculation_equals_ar(tiny_model, kind):
         assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
         assert any(not token_tree.is_chain(p) for _, p in drafter.trees), "no tree branched"
         assert max(len(t) for t, _ in drafter.trees) == budget
+
+
+def test_hybrid_trees_come_from_the_suffix_store_where_it_is_sure_and_equal_ar(tiny_model):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (4, 9, 2, 13)]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=40, stop_ids=[])
+    draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=7)
+    store = SuffixStore(max_tokens=10_000)
+    drafter = HybridTreeDrafter(ModelDrafter(draft, 4, 128, tree=TreeShape(branch=3, beam=2, max_depth=4)), store)
+    spec = generate(tiny_model, prompts, SamplingParams(), 40, drafter, 6, stop_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    # A random tiny model falls into loops: the store drafts those, the draft model the rest.
+    assert drafter.store_rounds > 0 and drafter.model_rounds > 0
+    assert all(store.count((p + r.token_ids)[:12]) == 1 for p, r in zip(prompts, spec))  # the documents stay
 
 
 def test_the_target_drafting_for_itself_accepts_its_greedy_path(tiny_model):

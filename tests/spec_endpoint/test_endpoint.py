@@ -16,6 +16,7 @@ import torch
 from specpool.common import serving
 from specpool.common.speculation import Method
 from specpool.common.tensor_channel import LoopbackChannel
+from specpool.engine import token_tree
 from specpool.engine.config import tiny_config
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.gguf_loader import load_gguf, save_gguf
@@ -63,11 +64,11 @@ class FakeClock:
         return self.now
 
 
-def make_endpoint(files, max_sessions: int = 4, clock=time.monotonic) -> Endpoint:
+def make_endpoint(files, max_sessions: int = 4, clock=time.monotonic, **options) -> Endpoint:
     gguf, draft, costs = files
     drafters = HostedDrafters.load(
         [DrafterSpec(MODEL, gguf, draft)],
-        LoadOptions(max_sessions=max_sessions, max_len=128, device=torch.device("cpu"), step_cost_dir=costs),
+        LoadOptions(max_sessions=max_sessions, max_len=128, device=torch.device("cpu"), step_cost_dir=costs, **options),
     )
     return Endpoint(drafters, EndpointConfig(max_sessions=max_sessions, lease_s=30.0, endpoint_id="test"), clock=clock)
 
@@ -221,6 +222,94 @@ def test_ngram_sessions_draft_from_their_own_context(files):
     assert open_one(endpoint, "a", "n", [1, 2, 3, 4, 1, 2], drafter=Method.NGRAM).drafter is Method.NGRAM
     result = round_trip(endpoint, endpoint.open_stream(), "a", ("n", [], 2))
     assert result.sequences[0].tokens == [3, 4]
+
+
+def test_tree_sessions_get_the_model_drafters_trees_and_count_a_sibling_path(files):
+    gguf, draft_dir, _ = files
+    endpoint = make_endpoint(files)
+    assert open_one(endpoint, "a", "t", CONTEXTS[0], tree=True).ok
+    assert open_one(endpoint, "a", "c", CONTEXTS[1]).ok  # a chain session beside it: its own propose call
+    shape = endpoint.drafters.get(MODEL).tree_shape
+    reference = ModelDrafter(
+        Llama.from_draft_checkpoint(draft_dir, load_gguf(gguf, only={"embed"}).weights["embed"], dtype="bf16",
+                                    device="cpu"),
+        max_sequences=1, max_len=128, tree=shape,
+    )
+    reference.start("t", CONTEXTS[0])
+    stream = endpoint.open_stream()
+    # More nodes than the shape's depth: the tree must branch even where the draft is sure.
+    first = round_trip(endpoint, stream, "a", ("t", [], 12), ("c", [], 3))
+    tree, chain = first.sequences
+    want = reference.propose(["t"], [12], GREEDY, None)
+    assert (tree.tokens, tree.parents) == (want.tokens[0], want.parents[0])
+    token_tree.check_tree(tree.tokens, tree.parents)
+    assert not token_tree.is_chain(tree.parents), "the tree never branched"
+    assert len(chain.tokens) == 3 and chain.parents == []
+    assert endpoint.metrics.value("specpool_spec_draft_batches_total") == 2
+
+    # The target accepts the second child of the root and that node's first child, then a token of its own.
+    second = next(i for i, p in enumerate(tree.parents) if p == -1 and i > 0)
+    child = next((i for i, p in enumerate(tree.parents) if p == second), None)
+    path = [second] if child is None else [second, child]
+    emitted = [tree.tokens[i] for i in path]
+    leaf = path[-1]
+    taken = {tree.tokens[i] for i, p in enumerate(tree.parents) if p == leaf}
+    emitted.append(next(t for t in range(V) if t not in taken))
+    reference.observe("t", emitted)
+    again = round_trip(endpoint, stream, "a", ("t", emitted, 12), round_id=2).sequences[0]
+    want = reference.propose(["t"], [12], GREEDY, None)
+    assert (again.tokens, again.parents) == (want.tokens[0], want.parents[0])
+    stats = {t.tenant: t for t in endpoint.capacity().tenants}
+    assert stats["a"].accepted_tokens == len(path)
+
+
+def test_sampled_tree_sessions_need_no_tensor_channel(files):
+    endpoint = make_endpoint(files)
+    dense_sampler = SamplingParams(temperature=1.0)  # a chain session would send dense q on the channel
+    assert open_one(endpoint, "a", "t", CONTEXTS[0], dense_sampler, tree=True).ok
+    out = round_trip(endpoint, endpoint.open_stream(), "a", ("t", [], 4)).sequences[0]
+    assert out.error == "" and not out.dense and len(out.tokens) == 4 and len(out.parents) == 4
+
+
+def test_a_tree_session_is_refused_for_a_chain_only_drafter(files):
+    endpoint = make_endpoint(files)
+    result = open_one(endpoint, "a", "s", CONTEXTS[0], drafter=Method.SSD, tree=True)
+    assert not result.ok and result.error.startswith("sessions[0].tree: the ssd drafter proposes chains only")
+    assert endpoint.capacity().active_sessions == 0
+
+
+def test_ngram_tree_sessions_merge_every_continuation(files):
+    endpoint = make_endpoint(files)
+    context = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2]  # after "1 2": "3 4", "5 6", "3 7"
+    assert open_one(endpoint, "a", "n", context, drafter=Method.NGRAM, tree=True).ok
+    result = round_trip(endpoint, endpoint.open_stream(), "a", ("n", [], 4)).sequences[0]
+    # "3" follows twice, so it is the first child, with both of its continuations; then "5".
+    assert (result.tokens, result.parents) == ([3, 5, 7, 4], [-1, -1, 0, 0])
+
+
+SECRET = [50, 51, 52, 53, 54, 55, 56, 57]  # a tenant's text: after "50 51" comes "52 53 ..."
+
+
+def test_ngram_sessions_draft_from_their_tenants_earlier_requests_and_never_anothers(files):
+    endpoint = make_endpoint(files, max_sessions=8, suffix_shared=frozenset({"c", "d"}))
+    stream = endpoint.open_stream()
+    for tenant in ("a", "c"):  # each writes SECRET into its store, through a request that ends
+        assert open_one(endpoint, tenant, "first", [9, 9, *SECRET[:4]], drafter=Method.NGRAM).ok
+        round_trip(endpoint, stream, tenant, ("first", SECRET[4:], 0))
+        assert endpoint.close_sessions(tenant, ["first"]) == 1
+
+    def drafts(tenant: str, tree: bool = False) -> list[int]:
+        assert open_one(endpoint, tenant, "later", [7, 50, 51], drafter=Method.NGRAM, tree=tree).ok
+        return round_trip(endpoint, stream, tenant, ("later", [], 4)).sequences[0].tokens
+
+    assert drafts("a") == [52, 53, 54, 55]  # its own earlier request: nothing of it is in this context
+    assert drafts("a", tree=True) == [52, 53, 54, 55]
+    assert drafts("b") == []  # another tenant's text never shapes its drafts
+    assert drafts("d") == [52, 53, 54, 55]  # c and d opted in to share: d drafts from c's text
+    assert drafts("e") == []
+    # Stores: a, b, e and the shared one; their tokens: the two first requests' 10, five later ones' 3.
+    assert endpoint.metrics.value("specpool_spec_suffix_stores") == 4
+    assert endpoint.metrics.value("specpool_spec_suffix_store_tokens") == 2 * 10 + 5 * 3
 
 
 def test_ssd_rounds_that_failed_every_sessions_prespeculation_are_answered_per_sequence(files):

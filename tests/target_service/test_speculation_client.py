@@ -14,9 +14,9 @@ from specpool.common.speculation import Method, sparse_q_from_pb
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.ngram import NgramDrafter
 from specpool.engine.sampling import SamplingParams
-from specpool.engine.speculation_policy import AcceptanceEstimate, Running
+from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.codec import session_spec, unusable
+from specpool.target_service.codec import assemble, session_spec, unusable
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.fallback import Fallback
 from specpool.target_service.speculation_client import SpeculationClient
@@ -152,7 +152,8 @@ def test_a_session_spec_names_its_drafter_and_sends_no_seed():
     spec = session_spec("s", [1, 2], SpeculationChoice(Method.SSD, True),
                         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=42), push=True)
     assert spec.drafter == pb.DRAFTER_KIND_SSD and spec.push and list(spec.context) == [1, 2]
-    assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed")
+    assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed") and not spec.tree
+    assert session_spec("t", [1], SpeculationChoice(Method.NGRAM, True, tree=True), SamplingParams(), False).tree
 
 
 def test_a_q_row_mismatched_to_its_tokens_is_refused():
@@ -164,6 +165,22 @@ def test_a_q_row_mismatched_to_its_tokens_is_refused():
     assert "shape" in unusable([4, 5], torch.zeros(3, VOCAB), 3, True, VOCAB)
     assert "vocabulary" in unusable([4, VOCAB], None, 3, False, VOCAB)
     assert "were asked" in unusable([4, 5, 6, 7], None, 3, False, VOCAB)
+
+
+def test_trees_are_checked_and_verified_as_trees_unless_a_q_row_shares_their_group():
+    assert unusable([4, 5, 6], None, 3, False, VOCAB, parents=[-1, -1, 0]) == ""
+    assert "malformed token tree" in unusable([4, 4], None, 3, False, VOCAB, parents=[-1, -1])
+    assert "malformed token tree" in unusable([4, 5], None, 3, False, VOCAB, parents=[-1])
+    assert "deterministic" in unusable([4], torch.ones(1, VOCAB) / VOCAB, 3, True, VOCAB, parents=[-1])
+    tree = ([4, 5, 6], None, [-1, -1, 0])
+    sampled = SamplingParams(temperature=1.0, top_k=2)
+    both = assemble([tree, ([7, 8], None, None)], sampled)
+    assert both.tokens == [[4, 5, 6], [7, 8]] and both.parents == [[-1, -1, 0], [-1, 0]]
+    # Beside a row with q the tree rule cannot run: the tree sends its first-child chain, a point mass.
+    q_row = ([7], (torch.tensor([[7, 8]]), torch.tensor([[0.6, 0.4]])), None)
+    mixed = assemble([tree, q_row], sampled)
+    assert mixed.parents is None and mixed.tokens == [[4, 6], [7]]
+    assert mixed.topk_probs[0, :2, 0].tolist() == [1.0, 1.0]
 
 
 # -- draft length: the policy owns the caps ----------------------------------------------------
@@ -179,6 +196,33 @@ def test_the_draft_length_applies_each_requests_cap_and_none_drafts_nothing():
     batch = [Running(s, 0, 10) for s in "abc"]
     assert length.max_draft == 4
     assert length.lengths(batch, AcceptanceEstimate()) == [4, 2, 0]
+
+
+def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
+    """A target that turns compute-bound at batch 16, a draft model a third of its step: SSD with no
+    hits, or any remote drafter behind a slow wire, must not speculate there; SSD that always hits
+    drafts like a free drafter."""
+    target = StepCosts((1, 16), (0, 4, 8), ((0.03, 0.031, 0.033), (0.04, 0.15, 0.30)))
+    client = client_for(None, Recorder())
+    client.capacity = pb.Capacity(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+        batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.01, 0.012, 0.02, 0.03]))])
+    for method in (Method.SSD, Method.DRAFT_MODEL, Method.NGRAM):
+        for i in range(16):
+            client.configure(f"{method}{i}", SpeculationChoice(method, True), SamplingParams())
+            client.start(f"{method}{i}", [1, 2, 3])
+    length = TargetDraftLength(client, target)
+    acceptance = AcceptanceEstimate(prior_alpha=0.6, prior_weight=1e9)  # fixed at alpha 0.6
+
+    def chosen(method: Method, batch: int) -> int:
+        return length.lengths([Running(f"{method}{i}", 0, 100) for i in range(batch)], acceptance)[0]
+
+    client.ssd_hit_ratio.value = 1.0
+    assert chosen(Method.SSD, 1) == length.free.choose(1, 0.6) > 0
+    client.ssd_hit_ratio.value = 0.0
+    assert chosen(Method.SSD, 16) == chosen(Method.DRAFT_MODEL, 16) == 0
+    assert chosen(Method.NGRAM, 1) > 0
+    client.wire_s.value = 0.05  # a round trip longer than a target step
+    assert chosen(Method.NGRAM, 1) == chosen(Method.DRAFT_MODEL, 1) == 0
 
 
 # -- failing open ---------------------------------------------------------------------------------
