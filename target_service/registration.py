@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,8 +43,11 @@ class HeartbeatFields:
         running, queued = self.scheduler.load()
         expected = self.decoder.acceptance.expected_tokens
         batch = running + 1  # what admitting one more request would run at
-        draft_policy = self.draft_policy_fn()
+        draft_policy, free_policy = self.draft_policy_fn(), self.free_policy
         has_endpoint = bool(self.client and self.client.address)
+        if has_endpoint:  # a planned method drafts on the endpoint: each round pays its measured wire time
+            wire = self.client.wire_s.value
+            draft_policy, free_policy = (p and dataclasses.replace(p, round_s=wire) for p in (draft_policy, free_policy))
         methods = [Method.NGRAM]
         if has_endpoint and self.client.healthy:
             methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
@@ -57,7 +61,7 @@ class HeartbeatFields:
             "spec_endpoint": self.client.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
             "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, expected), 4),
-            "predicted_speedup_ngram": round(predicted_speedup(self.free_policy, batch, expected), 4),
+            "predicted_speedup_ngram": round(predicted_speedup(free_policy, batch, expected), 4),
             "methods": [m.value for m in methods],
         }
 
