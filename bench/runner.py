@@ -6,7 +6,9 @@ shared machine falls on all modes alike.
 Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar).
 
 Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
-sd:K and ngram:K (fixed draft length K); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
+sd:K and ngram:K (fixed draft length K); head[:K] (the feature-fed head); sd-tree[:N] and head-tree[:N]
+(token trees of N nodes, or of the policy's budget); head-suffix[:N] (trees from a suffix store over the
+workload's prompts and outputs where it is sure, else the head's: engine/hybrid_drafter.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
 the modes through servers in bench/remote.py. routed is compared with routed-ar (AR through the
 same router and servers) when both run, so the router's planning is what the ratio measures;
 routed-ar itself with in-process ar.
@@ -31,10 +33,12 @@ from specpool.engine.decoding import generate
 from specpool.engine.device import resolve_dtype
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.head import HeadDrafter
+from specpool.engine.hybrid_drafter import HybridDraftLength, HybridTreeDrafter, ModelShare
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
+from specpool.engine.suffix_store import SuffixStore
 from specpool.engine.tree_drafting import TreeShape
 
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)
@@ -66,7 +70,7 @@ class BenchConfig:
     modes: list[str]
     draft_dir: Path | None
     datastore: Path | None
-    head_dir: Path | None = None  # the feature-fed head (modes head, head-tree)
+    head_dir: Path | None = None  # the feature-fed head (modes head, head-tree, head-suffix)
     dtype: str = "auto"  # the target's
     draft_dtype: str = "bf16"  # the draft model's (bf16 where native: its speed matters, its q is sent exactly)
     seed: int = 0
@@ -153,7 +157,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
                                 " or pass --datastore '' to use the per-request index alone")
     datastore = SuffixArrayDatastore.load(cfg.datastore) if cfg.datastore else None
     head = None
-    if any(m.split(":")[0] in ("head", "head-tree") for m in cfg.modes):
+    if any(m.split(":")[0] in ("head", "head-tree", "head-suffix") for m in cfg.modes):
         if cfg.head_dir is None or not (cfg.head_dir / "model.safetensors").exists():
             raise FileNotFoundError(f"modes head/head-tree need a head checkpoint (`specpool train-draft --kind "
                                     f"head`); none at {cfg.head_dir}")
@@ -163,7 +167,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
     target_costs = None
     for mode in cfg.modes:
         name, _, k = mode.partition(":")
-        if name in ("sd", "ngram", "head") and not k and target_costs is None:
+        if name in ("sd", "ngram", "head", "sd-tree", "head-tree", "head-suffix") and not k and target_costs is None:
             target_costs = cached_step_costs(model, cfg.model_path.name)
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
@@ -181,11 +185,18 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
                 target_costs, draft_costs=cached_step_costs(head, str(cfg.head_dir)), max_draft=8
             )
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: HeadDrafter(head, b, max_len), int(k or 0), policy)
-        elif name in ("sd-tree", "head-tree"):  # k: the node budget of every tree (default 8)
-            make = HeadDrafter if name == "head-tree" else ModelDrafter
-            source = head if name == "head-tree" else draft
-            runners[mode] = _ours(model, cfg.max_tokens, lambda b, make=make, source=source: make(
-                source, b, max_len, tree=TREE_SHAPE), int(k or 8))
+        elif name in ("sd-tree", "head-tree", "head-suffix"):  # k: every tree's node budget (none: the policy's)
+            make = ModelDrafter if name == "sd-tree" else HeadDrafter
+            source, source_dir = (draft, cfg.draft_dir) if name == "sd-tree" else (head, cfg.head_dir)
+            policy = None if k else SpeculationPolicy(
+                target_costs, draft_costs=cached_step_costs(source, str(source_dir)), max_draft=16, tree=TREE_SHAPE)
+            factory = lambda b, make=make, source=source: make(source, b, max_len, tree=TREE_SHAPE)
+            if name == "head-suffix":  # one store for the whole workload, as a server's tenant has
+                store, share = SuffixStore(max_tokens=200_000), ModelShare()
+                factory = lambda b, model_drafter=factory, store=store, share=share: HybridTreeDrafter(
+                    model_drafter(b), store, share=share)
+                policy = policy and HybridDraftLength(policy, share)
+            runners[mode] = _ours(model, cfg.max_tokens, factory, int(k or 0), policy)
         elif name == "ngram":
             policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
             runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)

@@ -23,7 +23,6 @@ from specpool.engine.speculation_policy import (
     DraftLength,
     FixedDraftLength,
     Running,
-    SpeculationPolicy,
 )
 from specpool.engine.verification import (
     TreeVerifyResult,
@@ -449,7 +448,7 @@ def generate(
     num_draft_tokens: int = 0,
     stop_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
-    policy: SpeculationPolicy | None = None,
+    policy: DraftLength | None = None,
     acceptance: AcceptanceEstimate | None = None,
 ) -> list[GenerationResult]:
     """Decode all prompts together (ragged batch); speculate with `drafter` when given.

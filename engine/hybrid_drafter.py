@@ -11,24 +11,39 @@ verifies them with the tree rule whatever the sampler.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from itertools import count
 
 from specpool.engine.drafter import Drafter, Drafts, ModelDrafter
+from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy
 from specpool.engine.suffix_store import SuffixStore
+
+
+@dataclasses.dataclass
+class ModelShare:
+    """The share of drafted rows whose tree the model grew: a moving average, `value` (a prior) at first."""
+
+    value: float = 0.5
+
+    def add(self, model_rows: int, rows: int) -> None:
+        self.value += 0.1 * (model_rows / rows - self.value)
 
 
 class HybridTreeDrafter(Drafter):
     """Trees from `store` when it expects `threshold` accepted tokens or more, else from `model` (a
-    ModelDrafter or HeadDrafter built with a TreeShape); `num_tokens` is each tree's node budget."""
+    ModelDrafter or HeadDrafter built with a TreeShape); `num_tokens` is each tree's node budget.
+    `share`: where it reports how many rows the model drafted (HybridDraftLength reads it)."""
 
     _documents = count()  # document ids unique across drafters sharing one store
 
-    def __init__(self, model: ModelDrafter, store: SuffixStore, threshold: float = 1.5, min_prob: float = 0.05):
+    def __init__(self, model: ModelDrafter, store: SuffixStore, threshold: float = 1.5, min_prob: float = 0.05,
+                 share: ModelShare | None = None):
         if model.tree is None:
             raise ValueError("the model drafter must grow trees (give it a TreeShape)")
         self.model, self.store = model, store
         self.threshold, self.min_prob = threshold, min_prob
+        self.share = share or ModelShare()
         self.inputs = model.inputs
         self.store_rounds = self.model_rounds = 0  # rows drafted by each source
         self._docs: dict[str, tuple[str, list[int]]] = {}  # seq_id -> (its document, its tokens)
@@ -60,6 +75,9 @@ class HybridTreeDrafter(Drafter):
                 self.store_rounds += 1
             elif n > 0:
                 from_model.append(b)
+        drafted = sum(n > 0 for n in num_tokens)
+        if drafted:
+            self.share.add(len(from_model), drafted)
         if from_model:
             grown = self.model.propose([seq_ids[b] for b in from_model], [num_tokens[b] for b in from_model],
                                        params, generator)
@@ -67,3 +85,20 @@ class HybridTreeDrafter(Drafter):
                 tokens[b], parents[b] = grown.tokens[i], grown.parents[i]
             self.model_rounds += len(from_model)
         return Drafts(tokens=tokens, parents=parents)
+
+
+@dataclasses.dataclass
+class HybridDraftLength:
+    """The draft-length policy of a hybrid drafter: the model's drafting is charged only for the
+    share of rows the model drafts (the store's trees cost no forward)."""
+
+    policy: SpeculationPolicy
+    share: ModelShare
+
+    @property
+    def max_draft(self) -> int:
+        return self.policy.max_draft
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        charged = dataclasses.replace(self.policy, drafting_share=self.share.value)
+        return charged.lengths(batch, acceptance)

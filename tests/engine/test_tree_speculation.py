@@ -16,9 +16,10 @@ from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.drafter import ModelDrafter
 from specpool.engine.head import HeadDrafter
-from specpool.engine.hybrid_drafter import HybridTreeDrafter
+from specpool.engine.hybrid_drafter import HybridDraftLength, HybridTreeDrafter, ModelShare
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams, make_generator
+from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy, StepCosts
 from specpool.engine.suffix_store import SuffixStore
 from specpool.engine.tree_drafting import TreeShape
 from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V
@@ -83,6 +84,26 @@ def test_hybrid_trees_come_from_the_suffix_store_where_it_is_sure_and_equal_ar(t
     # A random tiny model falls into loops: the store drafts those, the draft model the rest.
     assert drafter.store_rounds > 0 and drafter.model_rounds > 0
     assert all(store.count((p + r.token_ids)[:12]) == 1 for p, r in zip(prompts, spec))  # the documents stay
+
+
+def test_the_hybrids_policy_charges_the_model_only_for_the_rows_it_drafts():
+    target = StepCosts((1,), (0, 4, 8), ((0.03, 0.033, 0.036),))
+    head = StepCosts((1,), (0, 8), ((0.01, 0.012),))
+    policy = SpeculationPolicy(target, draft_costs=head, max_draft=8, tree=TreeShape(4, 4, 6))
+    share = ModelShare()
+    batch, acceptance = [Running("a", 0, 100)], AcceptanceEstimate(prior_alpha=0.6, prior_weight=1e9)
+    share.value = 0.0  # the store drafts every row: as free as n-gram drafting
+    assert HybridDraftLength(policy, share).lengths(batch, acceptance) == SpeculationPolicy(target).lengths(
+        batch, acceptance)
+    share.value = 1.0
+    assert HybridDraftLength(policy, share).lengths(batch, acceptance) == policy.lengths(batch, acceptance)
+    store = SuffixStore(max_tokens=100)
+    drafter = HybridTreeDrafter(ModelDrafter(Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=7), 1, 64,
+                                             tree=TreeShape(2, 2, 3)), store, share=share)
+    store.extend("earlier", [1, 2, 3, 4, 1, 2, 3, 4])
+    drafter.start("s", [9, 1, 2])
+    drafter.propose(["s"], [3], SamplingParams(), None)  # the store is sure of "3 4 1": the model sits out
+    assert drafter.store_rounds == 1 and share.value == 0.9
 
 
 def test_the_target_drafting_for_itself_accepts_its_greedy_path(tiny_model):
