@@ -93,8 +93,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     if args.kind == "head":
         from specpool.training.train_head import TrainHeadConfig, run
 
-        run(TrainHeadConfig(**common))
+        run(TrainHeadConfig(**common, source_text_tokens=args.source_text_tokens))
     else:
+        if args.source_text_tokens:
+            raise ValueError("--source-text-tokens trains a head: it needs --kind head")
         from specpool.training.train_draft import TrainDraftConfig, run
 
         run(TrainDraftConfig(**common, layers=args.layers))
@@ -175,7 +177,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
                    help="ar, sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
-                        "(token trees of N nodes, default 8), sd-remote[:K], ngram-remote, ssd, ssd-pull, routed, "
+                        "(token trees of N nodes; none: the policy's budget), head-suffix[:N] (the suffix store's trees "
+                        "where it is sure, else the head's), sd-remote[:K], ngram-remote, ssd, ssd-pull, routed, "
                         "routed-ar, hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
@@ -207,6 +210,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t.add_argument("--data-minutes", type=float, default=14.0,
                    help="budget for the target's answers and the pass over them (teacher top-k or features)")
     t.add_argument("--train-minutes", type=float, default=30.0, help="training budget (total, across resumes)")
+    t.add_argument("--source-text-tokens", type=int, default=0,
+                   help="a head's extra training text: about N tokens of stdlib source, read by the target "
+                        "(one pass, no generation); the held-out split stays the target's answers")
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192)
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
