@@ -93,10 +93,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     if args.kind == "head":
         from specpool.training.train_head import TrainHeadConfig, run
 
-        run(TrainHeadConfig(**common, source_text_tokens=args.source_text_tokens))
+        run(TrainHeadConfig(**common))
     else:
-        if args.source_text_tokens:
-            raise ValueError("--source-text-tokens trains a head: it needs --kind head")
         from specpool.training.train_draft import TrainDraftConfig, run
 
         run(TrainDraftConfig(**common, layers=args.layers))
@@ -210,9 +208,6 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t.add_argument("--data-minutes", type=float, default=14.0,
                    help="budget for the target's answers and the pass over them (teacher top-k or features)")
     t.add_argument("--train-minutes", type=float, default=30.0, help="training budget (total, across resumes)")
-    t.add_argument("--source-text-tokens", type=int, default=0,
-                   help="a head's extra training text: about N tokens of stdlib source, read by the target "
-                        "(one pass, no generation); the held-out split stays the target's answers")
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192)
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")

@@ -1,8 +1,7 @@
 """`specpool train-draft --kind head`: the feature-fed draft head, resumable at every stage.
 
 Stages write into --work-dir: answers.pt (the target's answers), features.pt (its features at every
-position), source_features.pt (its features over stdlib source, with --source-text-tokens) and
-head_train.pt (head, optimiser and clock). Re-running with the same --work-dir resumes
+position) and head_train.pt (head, optimiser and clock). Re-running with the same --work-dir resumes
 where it stopped; a larger --train-minutes continues training the same head.
 """
 
@@ -21,7 +20,7 @@ from specpool.engine.model import Llama
 from specpool.training.distill import reduced_vocab, train
 from specpool.training.draft_data import build_prompts, generate_answers, stdlib_functions
 from specpool.training.head import FeatureWindows, HeadLM, export, head_step
-from specpool.training.head_data import FeatureCorpus, source_chunks, target_features
+from specpool.training.head_data import FeatureCorpus, target_features
 from specpool.training.train_draft import HELD_OUT, acceptance_rows, measure_acceptance, save_report
 
 
@@ -50,24 +49,6 @@ def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float
     return corpus, held_out
 
 
-def source_corpus(target: Llama, tokenizer, work_dir: Path, n_tokens: int, chunk: int, seed: int,
-                  exclude: list[str]) -> FeatureCorpus:
-    """The target's features over about n_tokens of stdlib source (none when 0), with the functions of
-    the `exclude` texts cut out."""
-    path = work_dir / "source_features.pt"
-    if path.exists():
-        corpus = FeatureCorpus.load(path)
-        print(f"source text: {len(corpus.sequences)} chunks, {corpus.num_tokens} tokens (from {path})")
-        return corpus
-    if n_tokens <= 0:
-        return FeatureCorpus([], [], [])
-    chunks = source_chunks(tokenizer, n_tokens, chunk, seed, exclude)
-    print(f"source text: {len(chunks)} chunks, {sum(map(len, chunks))} tokens")
-    corpus = FeatureCorpus(chunks, [0] * len(chunks), target_features(target, chunks))
-    corpus.save(path)
-    return corpus
-
-
 @dataclass(frozen=True, slots=True)
 class TrainHeadConfig:
     # A deliberate parallel of TrainDraftConfig: the fields both share mean the same (the CLI fills either).
@@ -85,10 +66,6 @@ class TrainHeadConfig:
     lr: float = 1e-3
     seed: int = 0
     dtype: str = "bf16"  # the target's in the data pass (bf16 where native)
-    # Stdlib source appended to the training text (after the held-out split, so the held-out figures
-    # stay on-policy), in chunks of up to source_chunk tokens.
-    source_text_tokens: int = 0
-    source_chunk: int = 512
 
 
 @torch.no_grad()
@@ -119,14 +96,10 @@ def run(cfg: TrainHeadConfig) -> dict:
                                       cfg.max_new_tokens, cfg.seed)
     full = load_gguf(cfg.target)
     control = [i for i, t in enumerate(full.token_types) if t == 3]
-    eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
-    eval_prompts = [seq[:n] for seq, n in zip(eval_corpus.sequences, eval_corpus.prompt_lens)]
-    source = source_corpus(target, tokenizer, cfg.work_dir, cfg.source_text_tokens, cfg.source_chunk, cfg.seed,
-                           exclude=[tokenizer.decode(p) for p in held_out + eval_prompts])
-    output_ids = reduced_vocab(corpus.sequences + source.sequences, cfg.draft_vocab, always=control)
+    output_ids = reduced_vocab(corpus.sequences, cfg.draft_vocab, always=control)
     head = HeadLM.from_target(full.config, full.weights, output_ids)
-    step = head_step(head, FeatureWindows(train_corpus + source, cfg.window, cfg.seed), cfg.train_batch,
-                     cfg.unrolled_steps)
+    eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
+    step = head_step(head, FeatureWindows(train_corpus, cfg.window, cfg.seed), cfg.train_batch, cfg.unrolled_steps)
     state = train(head, step, cfg.train_minutes * 60, cfg.work_dir / "head_train.pt", lr=cfg.lr, desc="head (s)")
     export(head, cfg.out, cfg.target.name)
 
@@ -141,8 +114,6 @@ def run(cfg: TrainHeadConfig) -> dict:
         "draft_vocab": len(output_ids),
         "corpus_sequences": len(corpus.sequences),
         "corpus_tokens": corpus.num_tokens,
-        "source_text_sequences": len(source.sequences),
-        "source_text_tokens": source.num_tokens,
         "heldout_sequences": len(eval_corpus.sequences),
         "train_steps": state["step"],
         "train_tokens": state["tokens"],
@@ -160,12 +131,6 @@ def write_card(report: dict, path: Path) -> None:
     rows = acceptance_rows(report)
     agree = ", ".join(f"step {j + 1}: {a:.1%}" for j, a in enumerate(report["heldout_top1_agreement_by_step"]))
     c = report["config"]
-    source = ""
-    if report.get("source_text_tokens"):
-        source = (f" Then stdlib source text (not the target's; its features only), cut into chunks of up to"
-                  f" {c['source_chunk']} tokens, without the held-out prompts' functions:"
-                  f" {report['source_text_sequences']} chunks, {report['source_text_tokens']} tokens.")
-    flags = f" --source-text-tokens {c['source_text_tokens']}" if c.get("source_text_tokens") else ""
     path.write_text(f"""# Feature-fed draft head for {report['target']}
 
 An EAGLE-style head trained by `specpool train-draft --kind head` (training/head.py): one Llama
@@ -178,7 +143,7 @@ draft it reads its own predicted features. It shares the target's tokenizer and 
 - **Init**: the target's last layer, final norm and head rows; the fusing layer at random.
 - **Data**: the target's own answers (greedy and sampled at T=0.8, top-p 0.95) to prompts built
   from Python standard-library functions (train-draft's text; no benchmark workload), and the
-  target's features at every position: {report['corpus_sequences']} sequences, {report['corpus_tokens']} tokens.{source}
+  target's features at every position: {report['corpus_sequences']} sequences, {report['corpus_tokens']} tokens.
 - **Training**: soft cross-entropy to the target's distribution (recomputed from its stored
   features, over the reduced vocabulary) at each of {c['unrolled_steps']} unrolled drafting steps, weighted
   0.8^step; AdamW lr {c['lr']}, batch {c['train_batch']} x {c['window']}, {report['train_steps']} steps,
@@ -192,5 +157,5 @@ Greedy speculative decoding (chains) on 16 held-out stdlib prompts, 96 new token
 |---|---|---|---|
 {rows}
 
-Reproduce: `specpool train-draft --kind head --out {c['out']} --data-minutes {c['data_minutes']} --train-minutes {c['train_minutes']}{flags}`
+Reproduce: `specpool train-draft --kind head --out {c['out']} --data-minutes {c['data_minutes']} --train-minutes {c['train_minutes']}`
 """)
