@@ -8,7 +8,6 @@ whose speculation policy charges drafting time with them.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,17 +32,6 @@ DEFAULT_DATASTORE = Path("models/smollm2-135m-datastore.npz")
 # The trees tree sessions get (--tree-shape): where the draft is unsure it branches 4 ways, 4 nodes a
 # level, 8 deep.
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=8)
-
-
-def tree_shape(text: str) -> TreeShape:
-    """`BRANCH,BEAM,DEPTH` (--tree-shape), each >= 1."""
-    try:
-        branch, beam, depth = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected BRANCH,BEAM,DEPTH, e.g. 4,4,8") from None
-    if min(branch, beam, depth) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: each of BRANCH,BEAM,DEPTH must be >= 1")
-    return TreeShape(branch, beam, depth)
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 

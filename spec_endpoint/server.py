@@ -19,8 +19,9 @@ from specpool.common import serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
+from specpool.engine.tree_drafting import TreeShape
 from specpool.spec_endpoint import wire
-from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions, tree_shape
+from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.v1 import speculation_pb2 as pb
 from specpool.v1 import speculation_pb2_grpc as pb_grpc
@@ -117,6 +118,17 @@ def add_to_server(server: grpc.Server, endpoint: Endpoint, credentials: Security
     """Registers the servicer, health (live, not yet ready) and reflection on a built server."""
     pb_grpc.add_SpeculationServiceServicer_to_server(SpeculationServicer(endpoint, credentials), server)
     return serving.add_health_and_reflection(server, [SERVICE_NAME])
+
+
+def tree_shape(text: str) -> TreeShape:
+    """`BRANCH,BEAM,DEPTH` (--tree-shape), each >= 1."""
+    try:
+        branch, beam, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BRANCH,BEAM,DEPTH, e.g. 4,4,8") from None
+    if min(branch, beam, depth) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each of BRANCH,BEAM,DEPTH must be >= 1")
+    return TreeShape(branch, beam, depth)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

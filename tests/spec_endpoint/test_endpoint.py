@@ -22,8 +22,9 @@ from specpool.engine.drafter import ModelDrafter
 from specpool.engine.gguf_loader import load_gguf, save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
+from specpool.engine.tree_drafting import TreeShape
 from specpool.spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
-from specpool.spec_endpoint.drafters import DrafterSpec, HostedDrafters, LoadOptions
+from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.spec_endpoint.messages import (
     OpenRequest,
@@ -526,6 +527,10 @@ def test_flags_and_drafter_specs():
     assert (args.port, args.metrics_port, args.max_sessions, args.max_len, args.lease_s, args.channel_host) == (
         50060, 9460, 64, 2048, 30.0, "127.0.0.1")
     assert (args.max_sessions_per_tenant, args.max_lease_s, args.tenant_labels) == (0, 120.0, 64)
+    assert (args.tree_shape, args.suffix_store_tokens, args.share_suffix_store) == (TREE_SHAPE, 50_000, [])
+    assert parser.parse_args(["--tree-shape", "2,3,5"]).tree_shape == TreeShape(2, 3, 5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tree-shape", "2,0,5"])
     assert [DrafterSpec.parse(d).name for d in args.drafter] == ["a", "b"]
     spec = DrafterSpec.parse("m=/x/t.gguf,draft=/d,datastore=/s.npz")
     assert (spec.name, spec.target_gguf, spec.draft_dir, spec.datastore) == ("m", Path("/x/t.gguf"), Path("/d"),
