@@ -61,12 +61,17 @@ class TargetDraftLength:
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:
             return self.fixed
+        wire = self.client.wire_s.value
         if Method.DRAFT_MODEL in remote and self.draft_model is not None:
             policy = self.draft_model
         elif Method.SSD in remote:
+            # A hit's drafts were made while the target verified and, pushed, are already here: only
+            # misses wait for the endpoint's drafting and the round trip.
+            miss = 1.0 - self.client.ssd_hit_ratio.value
             draft = self.draft_model
             policy = self.ssd if draft is None else dataclasses.replace(
-                draft, max_draft=self.ssd.max_draft, drafting_share=1.0 - self.client.ssd_hit_ratio.value)
+                draft, max_draft=self.ssd.max_draft, drafting_share=miss)
+            wire *= miss
         else:
             policy = self.free
-        return dataclasses.replace(policy, round_s=self.client.wire_s.value) if remote else policy
+        return dataclasses.replace(policy, round_s=wire) if remote else policy

@@ -223,6 +223,8 @@ def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
     assert chosen(Method.NGRAM, 1) > 0
     client.wire_s.value = 0.05  # a round trip longer than a target step
     assert chosen(Method.NGRAM, 1) == chosen(Method.DRAFT_MODEL, 1) == 0
+    client.ssd_hit_ratio.value = 1.0  # pushed hits never wait for the wire
+    assert chosen(Method.SSD, 1) == length.free.choose(1, 0.6) > 0
 
 
 # -- failing open ---------------------------------------------------------------------------------
