@@ -216,7 +216,7 @@ class SsdDrafter(Drafter):
                 f = fanout[min(k, len(fanout) - 1)] if k < K else fanout[-1]
                 banned = seq.drafts[k] if k < K else -1
                 for b in [t for t in seq.rows[k].tolist() if t != banned][:f]:
-                    if self.cache.free_slots == 0:
+                    if len(forks) >= self.cache.free_slots:  # each fork takes a slot in _tree_decode
                         break
                     forks.append((seq, (k, b), base + k))
         if forks:
@@ -320,6 +320,8 @@ class SsdDrafter(Drafter):
         draft model's loop over every fork of every sequence, each sampled as its sequence asks."""
         built = []
         for seq, (k, bonus), prefix in forks:
+            if (k, bonus) in seq.forks:  # pre-speculated again for the same drafts: its old fork's slot goes back
+                self.cache.release(seq.forks[(k, bonus)].slot)
             fork = seq.forks[(k, bonus)] = Fork(self.cache.fork(seq.slot, prefix), bonus, [], [], None, None)
             built.append((seq, fork))
         groups = {params: [i for i, (s, _) in enumerate(built) if s.params == params]
