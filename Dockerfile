@@ -29,7 +29,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
 COPY . .
 RUN pip install --no-deps -e . \
  && python -c "from specpool.engine.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \
- && test -f models/smollm2-135m-datastore.npz && test -d models/smollm2-135m-draft
+ && test -f models/smollm2-135m-datastore.npz && test -d models/smollm2-135m-draft && test -d models/smollm2-135m-head
 
 # Unprivileged; HOME holds ~/.cache/specpool (targets' measured step costs; the chart mounts a volume there).
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/specpool specpool

@@ -39,7 +39,7 @@ class RouterSpec:
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
     name: str = "spec"  # "": the name in its certificate
-    drafters: tuple[str, ...] = ()  # NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]; empty: the default model's
+    drafters: tuple[str, ...] = ()  # NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]; empty: the default model's
     max_sessions: int | None = 32  # None (here and below): the server's own default
     threads: int | None = 1
     cpus: tuple[int, ...] | None = None

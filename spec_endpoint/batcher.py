@@ -228,8 +228,13 @@ class Batcher:
                 "session closed"
             )
             return None
-        accepted = session.record_outcome(seq.new_tokens)
         drafter = drafters.drafter(session.kind)
+        inputs, problem = self._inputs(work.round, i, session, drafter, drafters.feature_dim)
+        if problem:
+            self.drop(session)
+            out.error = f"{problem}; session closed"
+            return None
+        accepted = session.record_outcome(seq.new_tokens)
         adopts = seq.resolution == "local_drafts" and drafter.prespeculates
         if adopts:  # pre-speculation feeds them, with every session's forks of that drafter
             error = local_drafts_error(seq, drafters.vocab_size)
@@ -239,7 +244,7 @@ class Batcher:
                 return None
         # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
         drafter.outcome_arrived(session.key.drafter_id, work.arrived)
-        drafter.observe(session.key.drafter_id, seq.new_tokens)
+        drafter.observe(session.key.drafter_id, seq.new_tokens, **inputs)
         session.stream = work.stream
         if adopts:
             # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
@@ -276,6 +281,34 @@ class Batcher:
                 return None
             work.vocab_size = drafters.vocab_size
         return _Want(work, i, session, drafter, n)
+
+    @staticmethod
+    def _inputs(round: Round, i: int, session: Session, drafter: Drafter, feature_dim: int) -> tuple[dict, str]:
+        """What a feature-fed drafter observes with sequence i's new tokens -> (observe's keyword arguments,
+        why the session must close). Its first round starts the drafter with the context's features."""
+        seq = round.sequences[i]
+        if "features" not in drafter.inputs:
+            if seq.num_features:
+                return {}, f"sequences[{i}].num_features: {seq.num_features}, but this session's drafter reads none"
+            return {}, ""
+        if round.features_error:
+            return {}, round.features_error
+        context = session.unstarted_context
+        expected = len(seq.new_tokens) + (len(context) - 1 if context is not None else 0)
+        if seq.num_features != expected:
+            why = "one per new token" + (", and per context token but the last in a session's first round"
+                                         if context is not None else "")
+            return {}, f"sequences[{i}].num_features: {seq.num_features}, expected {expected} ({why})"
+        if round.feature_dim != feature_dim:
+            return {}, f"feature_dim: {round.feature_dim}, but this model's drafter reads features of {feature_dim}"
+        features = seq.features
+        if context is not None:
+            try:
+                drafter.start(session.key.drafter_id, context, features=features[: len(context) - 1])
+            except RuntimeError as e:  # every KV slot is taken (opens count only started sessions)
+                return {}, f"capacity: {e}"
+            session.unstarted_context, features = None, features[len(context) - 1 :]
+        return {"features": features}, ""
 
     def _draft(self, key: GroupKey, wants: list[_Want]) -> float:
         """One propose call for a group; -> its seconds."""

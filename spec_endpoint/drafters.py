@@ -1,9 +1,10 @@
 """Which drafters this endpoint hosts: target model name -> its draft model and n-gram drafter.
 
-Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]` flags.
-A draft model reads the target's input embeddings from the target GGUF (the checkpoint omits
-them) and gets a fixed number of KV slots; its measured step costs are published to targets,
-whose speculation policy charges drafting time with them.
+Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`
+flags. A draft model or head reads the target's input embeddings from the target GGUF (the checkpoint
+omits them) and gets a fixed number of KV slots; the draft model's measured step costs are published
+to targets, whose speculation policy charges drafting time with them. A head (EAGLE style) reads the
+target's features too, which its sessions send with every round.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.engine.drafter import Drafter, ModelDrafter
-from specpool.engine.gguf_loader import default_model_path, load_gguf, model_name
+from specpool.engine.gguf_loader import GGUFModel, default_model_path, load_gguf, model_name
+from specpool.engine.head import HeadDrafter
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
 from specpool.engine.sampling import make_generator
@@ -28,6 +30,7 @@ from specpool.engine.tree_drafting import TreeShape
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_DIR = Path("models/smollm2-135m-draft")
+DEFAULT_HEAD_DIR = Path("models/smollm2-135m-head")
 DEFAULT_DATASTORE = Path("models/smollm2-135m-datastore.npz")
 # The trees tree sessions get (--tree-shape): where the draft is unsure it branches 4 ways, 4 nodes a
 # level, 8 deep.
@@ -43,36 +46,39 @@ class DrafterSpec:
     target_gguf: Path
     draft_dir: Path | None = None
     datastore: Path | None = None
+    head_dir: Path | None = None
 
     @classmethod
     def parse(cls, text: str) -> DrafterSpec:
-        """`NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]`; NAME may be left out (`TARGET_GGUF,...`):
+        """`NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`; NAME may be left out (`TARGET_GGUF,...`):
         the name is then the GGUF file name without .gguf, as targets report it."""
         head, *options = text.split(",")
         name, sep, gguf = head.partition("=")
         if not sep:
             name, gguf = "", head
         if not gguf:
-            raise ValueError(f"--drafter {text!r}: expected NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]")
+            raise ValueError(f"--drafter {text!r}: expected NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]")
         extra: dict[str, Path] = {}
         for option in options:
             key, sep, value = option.partition("=")
-            if not sep or key not in ("draft", "datastore") or not value:
-                raise ValueError(f"--drafter {text!r}: unknown option {option!r} (draft=DIR, datastore=NPZ)")
+            if not sep or key not in ("draft", "head", "datastore") or not value:
+                raise ValueError(f"--drafter {text!r}: unknown option {option!r} (draft=DIR, head=DIR, datastore=NPZ)")
             extra[key] = Path(value)
         return cls(
             name=name or model_name(gguf),
             target_gguf=Path(gguf),
             draft_dir=extra.get("draft"),
             datastore=extra.get("datastore"),
+            head_dir=extra.get("head"),
         )
 
     @classmethod
     def default(cls) -> DrafterSpec:
-        """The default target with the project's own draft model and datastore (paths relative to
+        """The default target with the project's own draft model, head and datastore (paths relative to
         the current directory, else to this source checkout)."""
         gguf = default_model_path()
-        return cls(model_name(gguf), gguf, _existing(DEFAULT_DRAFT_DIR), _existing(DEFAULT_DATASTORE))
+        return cls(model_name(gguf), gguf, _existing(DEFAULT_DRAFT_DIR), _existing(DEFAULT_DATASTORE),
+                   _existing(DEFAULT_HEAD_DIR))
 
 
 def _existing(relative: Path) -> Path:
@@ -105,8 +111,10 @@ class ModelDrafters:
     vocab_size: int
     ngram: NgramDrafter
     max_len: int = 2048  # tokens a session may hold (context and reported tokens), every drafter kind
+    feature_dim: int = 0  # the width of the target's features, which a head reads
     model: ModelDrafter | None = None
-    ssd: SsdDrafter | None = None  # the same draft model with a speculation cache of its own
+    head: HeadDrafter | None = None
+    ssd: SsdDrafter | None = None  # the draft model with a speculation cache of its own
     draft_costs: StepCosts | None = None
     tree_shape: TreeShape = TREE_SHAPE
     suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
@@ -115,9 +123,10 @@ class ModelDrafters:
 
     @property
     def kinds(self) -> tuple[Method, ...]:
-        if self.model:
-            return (Method.DRAFT_MODEL, Method.SSD, Method.NGRAM)
-        return (Method.NGRAM,)
+        """What sessions may ask for; the first is what they get when they name none."""
+        kinds = [m for m, d in ((Method.DRAFT_MODEL, self.model), (Method.HEAD, self.head), (Method.SSD, self.ssd))
+                 if d is not None]
+        return (*kinds, Method.NGRAM)
 
     def suffix_store(self, tenant: str) -> SuffixStore | None:
         """The tenant's suffix store: its own, or the one the opted-in tenants share (never another's)."""
@@ -138,6 +147,10 @@ class ModelDrafters:
             if self.model is None:
                 raise KeyError(f"{self.name} has no draft model")
             return self.model
+        if kind is Method.HEAD:
+            if self.head is None:
+                raise KeyError(f"{self.name} has no draft head")
+            return self.head
         return self.ngram
 
     @classmethod
@@ -149,36 +162,50 @@ class ModelDrafters:
         drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len,
                        tree_shape=options.tree_shape, suffix_shared=options.suffix_shared,
                        suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None)
-        if spec.draft_dir is not None:
-            draft = Llama.from_draft_checkpoint(spec.draft_dir, target.weights["embed"], dtype=options.dtype,
-                                                device=str(device))
-            if draft.config.vocab_size != vocab:
-                raise ValueError(
-                    f"--drafter {spec.name}: draft {spec.draft_dir} has vocabulary {draft.config.vocab_size}, "
-                    f"target {spec.target_gguf} has {vocab}"
-                )
-            if max_len > draft.config.max_context:
-                # No session may outgrow the draft's positions (the n-gram drafter's too: one cap per model).
-                log.warning("--drafter %s: --max-len %d exceeds the draft's context %d; sessions are capped at %d",
-                            spec.name, max_len, draft.config.max_context, draft.config.max_context)
-                max_len = drafters.max_len = draft.config.max_context
-            # A tree session's growing tree takes draft-cache positions past the session's own tokens.
-            drafters.model = ModelDrafter(draft, max_sequences=options.max_sessions,
+        drafters.feature_dim = target.config.d_model
+        models = {kind: _load_draft(spec, kind, path, target, options)
+                  for kind, path in (("draft", spec.draft_dir), ("head", spec.head_dir)) if path is not None}
+        for model in models.values():
+            if max_len > model.config.max_context:
+                # No session may outgrow a draft's positions (the n-gram drafter's too: one cap per model).
+                log.warning("--drafter %s: --max-len %d exceeds a draft's context %d; sessions are capped at %d",
+                            spec.name, max_len, model.config.max_context, model.config.max_context)
+                max_len = drafters.max_len = model.config.max_context
+        if models:
+            drafters.generator = make_generator(None, device)
+        # A tree session's growing tree takes draft-cache positions past the session's own tokens.
+        if "head" in models:
+            drafters.head = HeadDrafter(models["head"], max_sequences=options.max_sessions,
+                                        max_len=max_len + drafters.tree_shape.fed_room)
+        if "draft" in models:
+            drafters.model = ModelDrafter(models["draft"], max_sequences=options.max_sessions,
                                           max_len=max_len + drafters.tree_shape.fed_room)
+            drafters.draft_costs = cached_step_costs(models["draft"], str(spec.draft_dir),
+                                                     cache_dir=options.step_cost_dir)
             # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
             # a bonus token and its own drafts: without that room a session near max_len failed the
             # pre-speculation of every SSD session in its step.
             ssd = {"max_sequences": 16, "fork_slots": 128} | (options.ssd or {})
-            drafters.ssd = SsdDrafter(draft, max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1, ngram=NgramDrafter(datastore),
-                                      **ssd)
-            drafters.draft_costs = cached_step_costs(draft, str(spec.draft_dir), cache_dir=options.step_cost_dir)
-            drafters.generator = make_generator(None, device)
+            drafters.ssd = SsdDrafter(models["draft"], max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1,
+                                      ngram=NgramDrafter(datastore), **ssd)
         log.info(
             "drafters for %s: %s (vocab %d%s)", spec.name, ", ".join(k.value for k in drafters.kinds), vocab,
             f", datastore {len(datastore)} tokens" if datastore else "",
         )
         return drafters
+
+
+def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel, options: LoadOptions) -> Llama:
+    """A draft model or head checkpoint, with the target's embeddings; its vocabulary must be the target's."""
+    model = Llama.from_draft_checkpoint(path, target.weights["embed"], dtype=options.dtype, device=str(options.device))
+    if model.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--drafter {spec.name}: {kind} {path} has vocabulary {model.config.vocab_size}, "
+                         f"target {spec.target_gguf} has {target.config.vocab_size}")
+    if kind == "head" and not model.config.feature_fed:
+        raise ValueError(f"--drafter {spec.name}: head={path} is not a draft head (train one with "
+                         "`specpool train-draft --kind head`); pass a draft model as draft=DIR")
+    return model
 
 
 class HostedDrafters:

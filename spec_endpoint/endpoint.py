@@ -7,6 +7,7 @@ expiring sessions take it, so a KV slot never changes hands mid-forward.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -14,8 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from specpool.common.errors import FieldError, StatusCode
 from specpool.common.speculation import Method, q_travels_dense
+from specpool.common.tensor_channel import ChannelError
 from specpool.spec_endpoint.batcher import Batcher
 from specpool.spec_endpoint.channels import TenantChannels
 from specpool.spec_endpoint.drafters import HostedDrafters, ModelDrafters
@@ -39,6 +43,10 @@ if TYPE_CHECKING:
     from specpool.engine.ngram import NgramIndex
 
 log = logging.getLogger(__name__)
+
+# The most feature values one round may declare (float16: 128 MiB): a larger declaration is refused before
+# anything is allocated for it.
+MAX_ROUND_FEATURE_VALUES = 1 << 26
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +179,8 @@ class Endpoint:
             if store is not None:  # a fresh document each open: a re-opened session re-sends its context
                 self._documents += 1
                 drafters.ngram.attach_store(key.drafter_id, store, f"{key.drafter_id}#{self._documents}")
-        else:
+        reads_features = "features" in drafter.inputs
+        if index is None and not reads_features:  # a feature-fed drafter starts with the first round's features
             drafter.start(key.drafter_id, spec.context)
         self.metrics.tenants.admit(tenant)
         now = self.clock()
@@ -179,8 +188,9 @@ class Endpoint:
             key=key, model=drafters.name, kind=kind, params=spec.params,
             dense=not spec.tree and q_travels_dense(spec.params, kind, spec.transport is Transport.DENSE),
             lease_s=lease_s, expires_at=now + lease_s, length=len(spec.context), push=spec.push, tree=spec.tree,
+            unstarted_context=spec.context if reads_features else None,
         ))
-        return OpenResult(spec.request_id, True, drafter=kind)
+        return OpenResult(spec.request_id, True, drafter=kind, reads_features=reads_features)
 
     def close_sessions(self, tenant: str, request_ids: Sequence[str]) -> int:
         closed = 0
@@ -228,6 +238,45 @@ class Endpoint:
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.batcher.submit(stream, round)
+
+    def receive_features(self, round: Round) -> Round:
+        """The round with each sequence's rows of the feature tensor that follows it on the tenant's tensor
+        channel. Called on the stream's own reader thread, in the order its rounds arrive: a slow or
+        silent sender holds up only its own stream. A round whose features cannot be read carries
+        `features_error` (its feature-reading sessions close, and the target re-opens them); the channel
+        is dropped then too, since what is left on it is out of step."""
+        if not any(s.num_features for s in round.sequences):
+            return round
+        total = sum(max(s.num_features, 0) for s in round.sequences)
+        problem = ""
+        bad = next((i for i, s in enumerate(round.sequences) if s.num_features < 0), None)
+        if bad is not None:
+            problem = f"sequences[{bad}].num_features: {round.sequences[bad].num_features} is negative"
+        elif round.feature_dim <= 0:
+            problem = f"feature_dim: {round.feature_dim}; name the width of the features that follow"
+        elif total * round.feature_dim > MAX_ROUND_FEATURE_VALUES:
+            problem = (f"num_features: {total} rows of {round.feature_dim} exceed the {MAX_ROUND_FEATURE_VALUES} "
+                       "values a round may carry; send fewer sessions' features a round")
+        channel = None if problem else self.channels.get(round.tenant)
+        if not problem and channel is None:
+            problem = "features need a tensor channel: call OpenTensorChannel"
+        features = None
+        if not problem:
+            try:
+                features = channel.recv((total, round.feature_dim), torch.float16)
+            except ChannelError as e:
+                problem = f"features: receiving them failed ({e})"
+        if features is not None and not torch.isfinite(features).all():
+            problem = "features: non-finite values"
+        if problem:
+            log.warning("round %d of tenant %s: %s", round.round_id, round.tenant, problem)
+            self.channels.drop(round.tenant)
+            return dataclasses.replace(round, features_error=problem)
+        rows, sequences = 0, []
+        for s in round.sequences:
+            sequences.append(dataclasses.replace(s, features=features[rows : rows + s.num_features]))
+            rows += s.num_features
+        return dataclasses.replace(round, sequences=tuple(sequences))
 
     def end_stream(self, stream: RoundStream) -> None:
         """The stream's input ended: answer its queued rounds, then end it."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specpool.common.speculation import Method
@@ -54,6 +54,7 @@ class OpenResult:
     ok: bool
     error: str = ""
     drafter: Method | None = None
+    reads_features: bool = False  # the target sends its features with this session's rounds
 
 
 RESOLUTIONS = ("ask", "table_hit", "local_drafts")  # SequenceRound.resolution; anything else is refused
@@ -66,6 +67,8 @@ class SequenceRound:
     num_draft_tokens: int
     resolution: str = "ask"  # SSD push: "table_hit" / "local_drafts" when the target drafted itself (RESOLUTIONS)
     drafts_in_use: tuple[int, ...] = ()  # with "local_drafts"
+    num_features: int = 0  # its rows of the round's feature tensor
+    features: Any = None  # torch.Tensor [num_features, feature_dim], once received from the tensor channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,8 @@ class Round:
     tenant: str
     round_id: int
     sequences: tuple[SequenceRound, ...]
+    feature_dim: int = 0  # of the feature tensor that follows on the tensor channel
+    features_error: str = ""  # why its features could not be received: the sessions that read them close
 
 
 @dataclass(slots=True)

@@ -89,7 +89,7 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
         try:
             for msg in request_iterator:
                 try:
-                    self.endpoint.submit(stream, wire.round_from(msg, tenant))
+                    self.endpoint.submit(stream, self.endpoint.receive_features(wire.round_from(msg, tenant)))
                 except FieldError as e:
                     stream.fail(e)
                     break  # still ended below: the batcher forgets the stream (its round clock) there
@@ -137,9 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50060, help="gRPC port (0: pick a free one)")
     parser.add_argument("--metrics-port", type=int, default=9460, help="Prometheus /metrics port (0: pick)")
     parser.add_argument(
-        "--drafter", action="append", default=[], metavar="NAME=TARGET_GGUF[,draft=DIR][,datastore=NPZ]",
+        "--drafter", action="append", default=[], metavar="NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]",
         help="drafters for one target model (repeatable); default: SmolLM2-135M-Instruct with "
-             "models/smollm2-135m-draft and models/smollm2-135m-datastore.npz",
+             "models/smollm2-135m-draft, models/smollm2-135m-head and models/smollm2-135m-datastore.npz",
     )
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")
     parser.add_argument("--max-sessions-per-tenant", type=int, default=0,
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else default_device()
     specs = [DrafterSpec.parse(text) for text in args.drafter] or [DrafterSpec.default()]
     for spec in specs:
-        for path in (spec.target_gguf, spec.draft_dir, spec.datastore):
+        for path in (spec.target_gguf, spec.draft_dir, spec.head_dir, spec.datastore):
             if path is not None and not Path(path).exists():
                 raise SystemExit(f"--drafter {spec.name}: {path} does not exist")
     ssd = {"max_sequences": args.ssd_sessions, "fork_slots": args.ssd_fork_slots, "fork_budget": args.ssd_fork_budget,

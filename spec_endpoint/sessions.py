@@ -50,6 +50,8 @@ class Session:
     stream: object = None  # the Rounds stream it last came on: where its push tables go
     drafted: int = 0
     accepted: int = 0
+    # A feature-fed drafter's session until its first round brings the context's features: the context.
+    unstarted_context: tuple[int, ...] | None = None
 
     def renew(self, now: float) -> None:
         self.expires_at = now + self.lease_s
@@ -80,6 +82,8 @@ class TenantTotals:
 
     drafted: int = 0
     accepted: int = 0
+    # A feature-fed drafter's session until its first round brings the context's features: the context.
+    unstarted_context: tuple[int, ...] | None = None
 
 
 class SessionTable:

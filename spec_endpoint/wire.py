@@ -73,7 +73,7 @@ def open_response_to(results: list[OpenResult]) -> pb.OpenSessionsResponse:
     return pb.OpenSessionsResponse(sessions=[
         pb.OpenedSession(
             request_id=r.request_id, ok=r.ok, error=r.error,
-            drafter=drafter_to_pb(r.drafter),
+            drafter=drafter_to_pb(r.drafter), reads_features=r.reads_features,
         )
         for r in results
     ])
@@ -87,9 +87,11 @@ def round_from(msg: pb.RoundRequest, tenant: str | None = None) -> Round:
         round_id=msg.round_id,
         sequences=tuple(
             SequenceRound(s.request_id, tuple(s.new_tokens), s.num_draft_tokens,
-                          _RESOLUTION_FROM_PB.get(s.resolution, str(s.resolution)), tuple(s.drafts_in_use))
+                          _RESOLUTION_FROM_PB.get(s.resolution, str(s.resolution)), tuple(s.drafts_in_use),
+                          s.num_features)
             for s in msg.sequences
         ),
+        feature_dim=msg.feature_dim,
     )
 
 

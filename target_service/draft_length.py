@@ -62,7 +62,9 @@ class TargetDraftLength:
         if self.free is None:
             return self.fixed
         wire = self.client.wire_s.value
-        if Method.DRAFT_MODEL in remote and self.draft_model is not None:
+        if remote & {Method.DRAFT_MODEL, Method.HEAD} and self.draft_model is not None:
+            # The head is charged the draft model's costs: the endpoint publishes no others, and a
+            # one-layer head costs less than the four-layer draft, so this never predicts a gain it lacks.
             policy = self.draft_model
         elif Method.SSD in remote:
             # A hit's drafts were made while the target verified and, pushed, are already here: only

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 
 from specpool.engine.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
@@ -38,6 +39,27 @@ class Session:
     cache_lookups: int = 0  # SSD rounds with an outcome to look up
     cache_hits: int = 0
     pending: list[int] = field(default_factory=list)  # emitted since its last round was sent
+    # The target's features at every context position but the last, as float16 chunks, for a session whose
+    # drafter may read them (a head's; SSD's with a head). None: not kept.
+    features: list[torch.Tensor] | None = None
+    reads_features: bool = False  # the endpoint session's drafter reads them: each round sends its new rows
+    unsent: list[torch.Tensor] = field(default_factory=list)  # chunks the endpoint session has not had yet
+
+    def keep_features(self, features: torch.Tensor | None) -> None:
+        """features [n, d] of the n tokens just added to the context (float16: half the bytes, and the
+        drafter normalises them; values past float16's range saturate)."""
+        if self.features is None or features is None:
+            return
+        chunk = features.detach().float().clamp(-65504.0, 65504.0).to(torch.float16).cpu()
+        self.features.append(chunk)
+        self.unsent.append(chunk)
+
+    def take_unsent(self) -> torch.Tensor | None:
+        """The feature rows the endpoint session still needs, marked sent; None when it reads none."""
+        if not self.reads_features or not self.unsent:
+            return None
+        rows, self.unsent = torch.cat(self.unsent), []
+        return rows
 
 
 class OutcomeTables:
@@ -160,6 +182,9 @@ class Sessions:
                 seq.opened = opened.ok
                 if opened.ok:
                     seq.pending = seq.context[seq.opened_at :]  # emitted while the open was in flight
+                    # Its first round sends the features of the whole context (but the last token).
+                    seq.reads_features = opened.reads_features and seq.features is not None
+                    seq.unsent = list(seq.features or [])
                 else:
                     seq.retry_at = time.monotonic() + self.reattach_s
                     log.debug("endpoint declined %s: %s", opened.request_id, opened.error)

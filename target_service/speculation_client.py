@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+import torch
 
 from specpool.common.security import Security
 from specpool.common.speculation import Method, q_travels_dense, sparse_q_from_pb
+from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafter import DraftRequest, Drafts, accepted_prefix
 from specpool.engine.ngram import NgramDrafter
 from specpool.engine.sampling import SamplingParams
@@ -39,6 +41,9 @@ from specpool.v1 import speculation_pb2 as pb
 log = logging.getLogger("specpool.target.speculation")
 
 LOCAL_TREE = TreeShape(max_depth=8)  # the local n-gram drafter's trees (of its shape, only the depth matters)
+# Methods whose endpoint drafter may read the target's features (a head; SSD where it runs on one): their
+# sessions keep them, and send them once the endpoint says it reads them (OpenedSession.reads_features).
+FEATURE_METHODS = (Method.HEAD, Method.SSD)
 
 
 class SpeculationObserver(Protocol):
@@ -104,6 +109,8 @@ class DraftRound:
 
 class SpeculationClient:
     """A Drafter (engine.drafter protocol, with `propose_groups`) that drafts on a remote endpoint."""
+
+    inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them
 
     def __init__(
         self,
@@ -206,15 +213,22 @@ class SpeculationClient:
         """A started sequence's choice."""
         return self.sessions[seq_id].choice
 
-    def start(self, seq_id: str, context: Sequence[int]) -> None:
+    def start(self, seq_id: str, context: Sequence[int], features: torch.Tensor | None = None) -> None:
+        """features [len(context) - 1, d]: the target's at every context position but the last."""
         choice, params = self._configured.pop(seq_id, (LOCAL_NGRAM, SamplingParams()))
-        self.sessions.add(seq_id, Session(list(context), params, choice))
+        session = Session(list(context), params, choice)
+        if choice.remote and choice.method in FEATURE_METHODS:
+            session.features = []
+            session.keep_features(features)
+        self.sessions.add(seq_id, session)
         self.local.start(seq_id, context)
 
-    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
+        """features [len(tokens), d]: the target's at the position before each token."""
         seq = self.sessions[seq_id]
         seq.context.extend(tokens)
         seq.pending.extend(tokens)
+        seq.keep_features(features)
         self.local.observe(seq_id, tokens)
 
     def release(self, seq_id: str) -> None:
@@ -298,38 +312,61 @@ class SpeculationClient:
         request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id)
         resolved: dict[str, Row] = {}
         asking = []
+        features = []
         for s, n in ready:
             seq = self.sessions[s]
             ssd = seq.choice.method is Method.SSD and not probing
             found = self._resolve_from_table(conn, s, seq, n) if ssd else None
             if found is None:
-                request.sequences.append(pb.SequenceRound(request_id=s, new_tokens=seq.pending,
-                                                          num_draft_tokens=max(n, 0)))
+                msg = pb.SequenceRound(request_id=s, new_tokens=seq.pending, num_draft_tokens=max(n, 0))
                 asking.append((s, n))
             else:
                 resolution, tokens, q = found
-                request.sequences.append(pb.SequenceRound(
+                msg = pb.SequenceRound(
                     request_id=s, new_tokens=seq.pending, resolution=resolution,
                     num_draft_tokens=len(tokens) if resolution == pb.ROUND_RESOLUTION_TABLE_HIT else 0,
                     drafts_in_use=tokens if resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS else [],
-                ))
+                )
                 resolved[s] = (tokens, q, None)
+            rows = seq.take_unsent()
+            if rows is not None:
+                msg.num_features = rows.shape[0]
+                features.append(rows)
+            request.sequences.append(msg)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
+        if features:
+            request.feature_dim = features[0].shape[1]
         if not asking:
             conn.send(request)
-            return _InFlight(conn, request.round_id, None, {}, resolved)
-        if probing:
+            flight = _InFlight(conn, request.round_id, None, {}, resolved)
+        elif probing:
             conn.probe(request)
             self._fall_back(Fallback.BREAKER_OPEN, [s for s, _ in asking])
+            flight = None
+        else:
+            flight = _InFlight(conn, request.round_id, conn.send_round(request), dict(asking), resolved)
+        if features and not self._send_features(conn, torch.cat(features)):
+            self._fall_back(Fallback.ENDPOINT_FAILED, [s for s, _ in asking])
             return None
-        return _InFlight(conn, request.round_id, conn.send_round(request), dict(asking), resolved)
+        return flight
+
+    def _send_features(self, conn: Connection, rows: torch.Tensor) -> bool:
+        """The round's feature rows, after its message, on the tensor channel; a broken channel detaches
+        the connection (the next one pairs a fresh channel, and sessions re-open with all their features)."""
+        try:
+            conn.tensor.send(rows)
+        except ChannelError as e:
+            log.warning("sending features to the endpoint failed: %s; re-attaching", e)
+            self._detach(conn)
+            return False
+        return True
 
     @staticmethod
     def _can_draft(conn: Connection, seq: Session) -> bool:
-        """Its session is open, and a dense q (the endpoint's choice, spec_endpoint.sessions) has a channel.
-        Trees carry no q."""
+        """Its session is open, and a dense q (the endpoint's choice, spec_endpoint.sessions) or features its
+        drafter reads have a channel. Trees carry no q."""
         dense = not seq.choice.tree and q_travels_dense(seq.params, seq.choice.method)
-        return seq.opened and (conn.dense_ready or not dense)
+        return seq.opened and (conn.dense_ready or not (dense or seq.reads_features))
 
     def _receive(self, pending: DraftRound) -> dict[str, Row]:
         """Waits (until the round's deadline) for its reply -> seq_id -> (tokens, q, parents) of remote drafts."""

@@ -33,11 +33,12 @@ class Method(StrEnum):
     NONE = "none"  # plain decoding
     DRAFT_MODEL = "draft_model"  # the endpoint's trained draft model
     NGRAM = "ngram"  # n-gram drafting (SSSD), on the endpoint or the target's own
-    SSD = "ssd"  # the draft model, pre-speculating the likely outcomes while the target verifies
+    SSD = "ssd"  # pre-speculating the likely outcomes while the target verifies (the head's, where one is)
+    HEAD = "head"  # the endpoint's feature-fed draft head, fed the target's hidden states
 
     @property
     def drafts_with_model(self) -> bool:
-        return self in (Method.DRAFT_MODEL, Method.SSD)
+        return self in (Method.DRAFT_MODEL, Method.SSD, Method.HEAD)
 
 
 _METHOD_PB = {
@@ -45,11 +46,13 @@ _METHOD_PB = {
     Method.DRAFT_MODEL: target_pb2.SPECULATION_METHOD_DRAFT_MODEL,
     Method.NGRAM: target_pb2.SPECULATION_METHOD_NGRAM,
     Method.SSD: target_pb2.SPECULATION_METHOD_SSD,
+    Method.HEAD: target_pb2.SPECULATION_METHOD_HEAD,
 }
 _DRAFTER_PB = {
     Method.DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
     Method.NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
     Method.SSD: spec_pb.DRAFTER_KIND_SSD,
+    Method.HEAD: spec_pb.DRAFTER_KIND_HEAD,
 }
 
 
@@ -116,7 +119,7 @@ def q_travels_dense(params: SamplingParams, method: Method, dense_asked: bool = 
     """Whether a session's q crosses on the tensor channel: sampled draft-model drafts, unless top-k bounds
     the support to SPARSE_Q_MAX_K tokens (inline then) and the caller did not ask for dense rows. Greedy
     and n-gram drafts (point masses) carry no q; SSD's q is always sparse."""
-    if params.greedy or method is not Method.DRAFT_MODEL:
+    if params.greedy or method not in (Method.DRAFT_MODEL, Method.HEAD):
         return False
     return dense_asked or not 0 < params.top_k <= SPARSE_Q_MAX_K
 

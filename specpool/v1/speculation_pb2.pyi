@@ -14,6 +14,7 @@ class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFTER_KIND_DRAFT_MODEL: _ClassVar[DrafterKind]
     DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
     DRAFTER_KIND_SSD: _ClassVar[DrafterKind]
+    DRAFTER_KIND_HEAD: _ClassVar[DrafterKind]
 
 class DistributionTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_DRAFT_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
 DRAFTER_KIND_SSD: DrafterKind
+DRAFTER_KIND_HEAD: DrafterKind
 DISTRIBUTION_TRANSPORT_AUTO: DistributionTransport
 DISTRIBUTION_TRANSPORT_SPARSE: DistributionTransport
 DISTRIBUTION_TRANSPORT_DENSE: DistributionTransport
@@ -68,16 +70,18 @@ class OpenSessionsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., target_model: _Optional[str] = ..., lease_s: _Optional[float] = ..., sessions: _Optional[_Iterable[_Union[SessionSpec, _Mapping]]] = ...) -> None: ...
 
 class OpenedSession(_message.Message):
-    __slots__ = ("request_id", "ok", "error", "drafter")
+    __slots__ = ("request_id", "ok", "error", "drafter", "reads_features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    READS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ok: bool
     error: str
     drafter: DrafterKind
-    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ...) -> None: ...
+    reads_features: bool
+    def __init__(self, request_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., reads_features: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
@@ -100,28 +104,32 @@ class CloseSessionsResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class SequenceRound(_message.Message):
-    __slots__ = ("request_id", "new_tokens", "num_draft_tokens", "resolution", "drafts_in_use")
+    __slots__ = ("request_id", "new_tokens", "num_draft_tokens", "resolution", "drafts_in_use", "num_features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESOLUTION_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     resolution: RoundResolution
     drafts_in_use: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., resolution: _Optional[_Union[RoundResolution, str]] = ..., drafts_in_use: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_features: int
+    def __init__(self, request_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., resolution: _Optional[_Union[RoundResolution, str]] = ..., drafts_in_use: _Optional[_Iterable[int]] = ..., num_features: _Optional[int] = ...) -> None: ...
 
 class RoundRequest(_message.Message):
-    __slots__ = ("tenant", "round_id", "sequences")
+    __slots__ = ("tenant", "round_id", "sequences", "feature_dim")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     round_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRound]
-    def __init__(self, tenant: _Optional[str] = ..., round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRound, _Mapping]]] = ...) -> None: ...
+    feature_dim: int
+    def __init__(self, tenant: _Optional[str] = ..., round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRound, _Mapping]]] = ..., feature_dim: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("k", "ids", "probs")

@@ -14,11 +14,13 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_DRAFT_MODEL: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_NGRAM: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_SSD: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_HEAD: _ClassVar[SpeculationMethod]
 SPECULATION_METHOD_AUTO: SpeculationMethod
 SPECULATION_METHOD_NONE: SpeculationMethod
 SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_NGRAM: SpeculationMethod
 SPECULATION_METHOD_SSD: SpeculationMethod
+SPECULATION_METHOD_HEAD: SpeculationMethod
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

@@ -55,9 +55,9 @@ def tiny_files(root: Path, vocab: int, seed: int, norm_scale: float = 1.0,
 
 
 def start_endpoint(gguf: Path, draft: Path | None, *extra: str, port: int = 0,
-                   twin: tuple[str, float] | None = None) -> ServerProcess:
+                   twin: tuple[str, float] | None = None, head: Path | None = None) -> ServerProcess:
     """`twin`: run the endpoint with a deliberate bias of tests/twins.py (kind, strength)."""
-    spec = f"{model_name(gguf)}={gguf}" + (f",draft={draft}" if draft else "")
+    spec = f"{model_name(gguf)}={gguf}" + (f",draft={draft}" if draft else "") + (f",head={head}" if head else "")
     args = ["serve-spec", "--port", str(port), "--metrics-port", "0", "--drafter", spec, *ONE_THREAD, *extra]
     if twin is not None:
         return start_server("spec-twin", [twin[0], str(twin[1]), *args], module="tests.twins")

@@ -77,6 +77,13 @@ def trained_tiny_head(target: Llama, steps: int = 100) -> Llama:
     drafts agree with the target often enough to reach deep tree paths, as a real head's do."""
     weights = random_weights(target.config, seed=11)
     assert torch.equal(weights["embed"], target.embed), "the tiny target must be random_init(seed=11)"
+    with tempfile.TemporaryDirectory() as out:
+        export(train_tiny_head(target, weights, steps), Path(out), "tiny.gguf", dtype=torch.float32)
+        return Llama.from_draft_checkpoint(out, weights["embed"], dtype="fp32", device="cpu")
+
+
+def train_tiny_head(target: Llama, weights: dict[str, torch.Tensor], steps: int = 100) -> HeadLM:
+    """A head for a tiny target (its weights), trained on the target's own samples and features."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.config.vocab_size, (4,), generator=gen).tolist() for _ in range(48)]
     samples = generate(target, prompts, SamplingParams(temperature=1.0, seed=1), 28, stop_ids=[])
@@ -92,6 +99,4 @@ def trained_tiny_head(target: Llama, steps: int = 100) -> Llama:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    with tempfile.TemporaryDirectory() as out:
-        export(head, Path(out), "tiny.gguf", dtype=torch.float32)
-        return Llama.from_draft_checkpoint(out, weights["embed"], dtype="fp32", device="cpu")
+    return head
