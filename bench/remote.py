@@ -1,6 +1,6 @@
 """Benchmark modes that go through the servers.
 
-sd-remote, ngram-remote, ssd, ssd-pull: a speculation endpoint and a target service start as
+sd-remote, head-remote, head-tree-remote, ngram-remote, ssd, ssd-pull: a speculation endpoint and a target service start as
 separate processes (once per run), with mutual TLS between them and to the bench (a throwaway CA).
 sd-remote-plaintext and ngram-remote-plaintext run the same on servers of their own started with
 --insecure: what TLS costs, measured side by side. routed and routed-ar: a whole local cluster (cluster/default.yaml
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 PLAINTEXT = "-plaintext"
 METHODS = {
     "sd-remote": Method.DRAFT_MODEL,
+    "head-remote": Method.HEAD,
+    "head-tree-remote": Method.HEAD,
     "ngram-remote": Method.NGRAM,
     "sd-remote" + PLAINTEXT: Method.DRAFT_MODEL,
     "ngram-remote" + PLAINTEXT: Method.NGRAM,
@@ -39,6 +41,7 @@ METHODS = {
     "ssd-pull": Method.SSD,
 }
 REMOTE_MODES = tuple(METHODS)
+TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
 ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE}  # None: the router plans (AUTO)
 # SSD's layout, chosen on 2-core AVX-512 machines: drafting overlaps verification only when each has
 # a core of its own. Recorded in every report that ran SSD.
@@ -56,10 +59,12 @@ class RemoteCluster:
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
                  datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0,
-                 threads: int | None = None, endpoint_args: tuple[str, ...] = ()):
+                 threads: int | None = None, endpoint_args: tuple[str, ...] = (), head_dir: Path | None = None):
         drafter = f"{model_name(model_path)}={model_path}"
         if draft_dir:
             drafter += f",draft={draft_dir}"
+        if head_dir:
+            drafter += f",head={head_dir}"
         if datastore:
             drafter += f",datastore={datastore}"
         self.drafter, self.model_path, self.dtype = drafter, model_path, dtype
@@ -122,7 +127,7 @@ class RemoteCluster:
         tenant, target = self._target(mode, draft_tokens)
         credentials = Security.insecure() if mode.endswith(PLAINTEXT) else self.credentials
         stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
-        return target_api_runner(stub, METHODS[mode], max_tokens, target)
+        return target_api_runner(stub, METHODS[mode], max_tokens, target, tree=mode in TREE_MODES)
 
 
 class RoutedCluster:
@@ -148,7 +153,7 @@ class RoutedCluster:
 
 
 def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | None, max_tokens: int,
-                      target: ServerProcess | None = None):
+                      target: ServerProcess | None = None, tree: bool = False):
     """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`; with the
     target's process, it also sums the target's verify time (from its /metrics) over the chunks."""
 
@@ -159,7 +164,7 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | 
         def one(ids: list[int]) -> pb.GenerateResult:
             return stub.GenerateUnary(pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling_to_pb(params),
-                speculation=pb.SpeculationPreference(method=method_to_pb(method)),
+                speculation=pb.SpeculationPreference(method=method_to_pb(method), tree=tree),
             ))
 
         verified = verify_seconds() if target else 0.0
