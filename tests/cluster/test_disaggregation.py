@@ -196,10 +196,12 @@ def sampling_files(tmp_path_factory):
 
 
 @contextmanager
-def sampling_servers(files: tuple[Path, Path], twin: tuple[str, float] | None = None):
-    gguf, draft = files
+def sampling_servers(files: tuple[Path, ...], twin: tuple[str, float] | None = None):
+    """files: (target GGUF, draft[, head])."""
+    gguf, draft, *head = files
     # Room for two requests: the previous one's sessions close asynchronously.
-    endpoint = start_endpoint(gguf, draft, "--max-sessions", str(3 * PER_REQUEST), "--max-len", "16", twin=twin)
+    endpoint = start_endpoint(gguf, draft, "--max-sessions", str(3 * PER_REQUEST), "--max-len", "16", twin=twin,
+                              head=head[0] if head else None)
     try:
         # A generous deadline: opening 1000 sessions at once on one shared core takes a while.
         target = start_target(gguf, endpoint, "sampler", "--draft-tokens", str(K), "--max-batch", str(PER_REQUEST),
@@ -218,7 +220,8 @@ def sampling_cluster(sampling_files):
         yield endpoint, target
 
 
-def server_check(name: str, gguf: Path, target: ServerProcess, params: SamplingParams, samples: int = SAMPLES):
+def server_check(name: str, gguf: Path, target: ServerProcess, params: SamplingParams, samples: int = SAMPLES,
+                 method: int = pb.SPECULATION_METHOD_DRAFT_MODEL):
     """-> (TV check of generated tokens 2-4, shares of rows whose first round drafted K remotely /
     reached slot 2 / the bonus). With NEW = 4 a row accepted both drafts iff it took one target step,
     and exactly one iff it took two having drafted only K (a second round has no room to draft)."""
@@ -228,7 +231,7 @@ def server_check(name: str, gguf: Path, target: ServerProcess, params: SamplingP
         result = stub.GenerateUnary(pb.GenerateRequest(
             prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=NEW, n=PER_REQUEST, ignore_eos=True,
             sampling=pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, seed=seed),
-            speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_DRAFT_MODEL),
+            speculation=pb.SpeculationPreference(method=method),
         ))
         rows += [c for c in result.completions]
     spec = [c.speculation for c in rows]

@@ -1,5 +1,7 @@
 """The feature-fed head through the servers: the target sends its hidden states on the tensor channel
-with every round, the endpoint's head drafts chains and trees from them, and greedy output equals AR."""
+with every round, the endpoint's head drafts chains and trees from them; greedy output equals AR, and
+sampled head chains are lossless (q sparse over gRPC and dense over Gloo), scored as the draft
+model's are (tests/cluster/test_disaggregation.py), with the same biased twin caught."""
 
 from __future__ import annotations
 
@@ -14,8 +16,20 @@ from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
 from specpool.training.head import export
 from specpool.v1 import target_pb2 as pb
-from tests.cluster.test_disaggregation import start_endpoint, start_target, stub_for, tiny_files
+from tests.cluster.test_disaggregation import (
+    SAMPLES,
+    STRONG_TWIN_SAMPLES,
+    TRANSPORTS,
+    V,
+    sampling_servers,
+    server_check,
+    start_endpoint,
+    start_target,
+    stub_for,
+    tiny_files,
+)
 from tests.engine.test_head import train_tiny_head
+from tests.stats import report
 
 
 def tiny_head_files(root: Path, vocab: int, seed: int, **kw) -> tuple[Path, Path, Path]:
@@ -52,3 +66,33 @@ def test_greedy_head_drafts_through_the_servers_equal_ar(tmp_path, tree):
     finally:
         target.stop()
         endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def head_sampling_files(tmp_path_factory):
+    return tiny_head_files(tmp_path_factory.mktemp("head-tv"), vocab=V, seed=11, norm_scale=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sampled_head_drafts_through_the_servers_are_lossless(head_sampling_files, transport):
+    with sampling_servers(head_sampling_files) as (endpoint, target):
+        result, shares = server_check(f"head, {transport}", head_sampling_files[0], target,
+                                      SamplingParams(temperature=0.9, top_k=TRANSPORTS[transport]),
+                                      method=pb.SPECULATION_METHOD_HEAD)
+        dense_bytes = endpoint.metric_total("specpool_spec_dense_bytes_total")
+    report(result, **shares)
+    assert shares["remote rounds"] > 0.9 and shares["drafted K"] > 0.9 and shares["bonus"] > 0.05, shares
+    assert result.passed, result
+    assert (dense_bytes > 0) == (TRANSPORTS[transport] == 0), f"dense q must travel on the channel only for {transport}"
+
+
+@pytest.mark.slow
+def test_the_harness_catches_a_head_that_misreports_q(head_sampling_files):
+    with sampling_servers(head_sampling_files, twin=("misreported-q", 0.3)) as (_, target):
+        twin, shares = server_check("head, misreported-q 0.3", head_sampling_files[0], target,
+                                    SamplingParams(temperature=0.9, top_k=TRANSPORTS["sparse over gRPC"]),
+                                    STRONG_TWIN_SAMPLES, method=pb.SPECULATION_METHOD_HEAD)
+    report(twin, twin=True, at_n=SAMPLES, **shares)
+    assert shares["remote rounds"] > 0.9, shares
+    assert not twin.passed, f"biased twin slipped through: {twin}"
