@@ -286,6 +286,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "limit": cfg.limit,
         "max_tokens": cfg.max_tokens,
         "draft": str(cfg.draft_dir) if cfg.draft_dir else None,
+        "head": str(cfg.head_dir) if cfg.head_dir else None,
         "datastore": str(cfg.datastore) if cfg.datastore else None,
         "results": rows,
     }

@@ -17,7 +17,7 @@ def _wire_name(model: str) -> str:
     return model.removesuffix(".gguf")
 
 
-DRAFT_MODEL_MODES = ("sd", "ssd")  # bench modes (and their -remote/:K variants) that hold a draft slot
+DRAFT_MODEL_MODES = ("sd", "ssd", "head", "head-tree")  # bench modes (and their -remote/:K variants) that hold a draft slot
 NGRAM_MODES = ("ngram",)  # drafting a target does without a slot (the router's fallback)
 
 
@@ -41,8 +41,8 @@ def stats_from_bench(reports: list[dict], batch_size: int | None = None, mode: s
     """ModelStats per model (wire name) from `specpool bench` reports (merged; later files win).
 
     The operating batch is `batch_size` or the largest one with an `ar` result. What a draft slot
-    buys is `mode` or the fastest draft-model mode (sd, ssd; a draft slot is what the router leases
-    for them); without a slot a sequence gets `fallback_mode` or, as the router decides, the fastest
+    buys is `mode` or the fastest draft-model mode (sd, ssd, head, head-tree; a draft slot is what the
+    router leases for them); without a slot a sequence gets `fallback_mode` or, as the router decides, the fastest
     n-gram mode when it beats AR (n-gram drafting needs no slot), else AR."""
     by_model: dict[str, dict[tuple[str, int], dict]] = {}
     for report in reports:
