@@ -4,7 +4,8 @@ Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,he
 flags. A draft model or head reads the target's input embeddings from the target GGUF (the checkpoint
 omits them) and gets a fixed number of KV slots; the draft model's measured step costs are published
 to targets, whose speculation policy charges drafting time with them. A head (EAGLE style) reads the
-target's features too, which its sessions send with every round.
+target's features too, which its sessions send with every round; SSD pre-speculates with the head
+where there is one (its forks grow from the head's predicted features), else with the draft model.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class ModelDrafters:
     feature_dim: int = 0  # the width of the target's features, which a head reads
     model: ModelDrafter | None = None
     head: HeadDrafter | None = None
-    ssd: SsdDrafter | None = None  # the draft model with a speculation cache of its own
+    ssd: SsdDrafter | None = None  # the head (else the draft model) with a speculation cache of its own
     draft_costs: StepCosts | None = None
     tree_shape: TreeShape = TREE_SHAPE
     suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
@@ -182,13 +183,15 @@ class ModelDrafters:
                                           max_len=max_len + drafters.tree_shape.fed_room)
             drafters.draft_costs = cached_step_costs(models["draft"], str(spec.draft_dir),
                                                      cache_dir=options.step_cost_dir)
+        if models:
             # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
             # a bonus token and its own drafts: without that room a session near max_len failed the
             # pre-speculation of every SSD session in its step.
             ssd = {"max_sequences": 16, "fork_slots": 128} | (options.ssd or {})
-            drafters.ssd = SsdDrafter(models["draft"], max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1,
-                                      ngram=NgramDrafter(datastore), **ssd)
+            # SSD runs on the head where there is one: its forks grow from the head's predicted features.
+            drafters.ssd = SsdDrafter(models.get("head", models.get("draft")),
+                                      max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1, ngram=NgramDrafter(datastore), **ssd)
         log.info(
             "drafters for %s: %s (vocab %d%s)", spec.name, ", ".join(k.value for k in drafters.kinds), vocab,
             f", datastore {len(datastore)} tokens" if datastore else "",

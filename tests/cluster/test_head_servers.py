@@ -32,12 +32,17 @@ from tests.engine.test_head import train_tiny_head
 from tests.stats import report
 
 
-def tiny_head_files(root: Path, vocab: int, seed: int, **kw) -> tuple[Path, Path, Path]:
-    """tiny_files plus a head trained on the target's samples -> (target GGUF, draft, head)."""
-    gguf, draft = tiny_files(root, vocab, seed, **kw)
+def tiny_head(gguf: Path) -> Path:
+    """A head for a tiny target, trained on its own samples, exported next to it."""
     target = Llama.from_gguf(gguf, dtype="fp32", device="cpu")[0]
-    export(train_tiny_head(target, load_gguf(gguf).weights), root / "head", gguf.name, dtype=torch.float32)
-    return gguf, draft, root / "head"
+    export(train_tiny_head(target, load_gguf(gguf).weights), gguf.parent / "head", gguf.name, dtype=torch.float32)
+    return gguf.parent / "head"
+
+
+def tiny_head_files(root: Path, vocab: int, seed: int, **kw) -> tuple[Path, Path, Path]:
+    """tiny_files plus a head -> (target GGUF, draft, head)."""
+    gguf, draft = tiny_files(root, vocab, seed, **kw)
+    return gguf, draft, tiny_head(gguf)
 
 
 @pytest.mark.parametrize("tree", [False, True])

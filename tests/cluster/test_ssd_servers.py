@@ -1,6 +1,7 @@
 """SSD through the servers: push and pull modes hit the speculation cache, stay equal to AR when
 greedy, and stay lossless when sampling with Saguaro rescaling (sparse q on the wire), scored on
-the tokens a cache hit drafts."""
+the tokens a cache hit drafts; on an endpoint with a head, SSD's forks grow from the head's predicted
+features, and the same holds."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.cluster.test_disaggregation import (
     start_target,
     stub_for,
 )
+from tests.cluster.test_head_servers import tiny_head
 from tests.stats import cells, check_tv, exact_joint, report
 
 SSD = pb.SpeculationPreference(method=pb.SPECULATION_METHOD_SSD)
@@ -40,6 +42,30 @@ def twin_files(root: Path, vocab: int, seed: int, layers: list[int], norm_scale:
     gguf = save_gguf(root / "tiny.gguf", cfg, weights)
     export(DraftLM.from_target(cfg, weights, layers, output_ids=torch.arange(vocab)), root / "draft", gguf.name)
     return gguf, root / "draft"
+
+
+def test_ssd_on_the_head_greedy_equals_ar_and_hits_the_cache(tmp_path):
+    gguf, draft = twin_files(tmp_path, vocab=64, seed=5, layers=[0])
+    head = tiny_head(gguf)
+    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    prompts = [[3 + i, 7, 9, 11 + i, 3 + i, 7] for i in range(4)]
+    expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), 40, stop_ids=[])]
+    endpoint = start_endpoint(gguf, draft, head=head)
+    target = start_target(gguf, endpoint, "ssd", "--draft-tokens", "3", "--spec-deadline-ms", "5000")
+    lookups = hits = 0
+    try:
+        stub = stub_for(target)
+        for ids, want in zip(prompts, expected):
+            result = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=40,
+                                                           ignore_eos=True, speculation=SSD))
+            c = result.completions[0]
+            assert list(c.token_ids) == want
+            assert c.speculation.method == "ssd" and c.speculation.fallback_rounds == 0
+            lookups, hits = lookups + c.speculation.cache_lookups, hits + c.speculation.cache_hits
+        assert lookups > 20 and hits > 0, (lookups, hits)
+    finally:
+        target.stop()
+        endpoint.stop()
 
 
 @pytest.mark.slow
@@ -74,15 +100,17 @@ NEW = 6  # with 2 drafts a round the second round always has room to draft: a ca
 SCORED = (3, 4)  # generated tokens 4-5 (0-based 3, 4): every row's come (mostly) from its second round
 
 
-def ssd_server_check(name: str, files: tuple[Path, Path], mode: str, samples: int = SAMPLES,
+def ssd_server_check(name: str, files: tuple[Path, ...], mode: str, samples: int = SAMPLES,
                      twin: tuple[str, float] | None = None):
     """-> (TV check of generated tokens 4-5 through SSD in `mode`, shares of rows with a cache hit /
     a miss). The first round emits tokens 1-3 at most, so the second round (a lookup: a hit or a
-    miss) emits token 5 or both; a row whose lookup hit scores through the cache."""
-    gguf, draft = files
+    miss) emits token 5 or both; a row whose lookup hit scores through the cache. files: (target
+    GGUF, draft[, head]): with a head, SSD runs on it."""
+    gguf, draft, *head = files
     endpoint = start_endpoint(gguf, draft, "--max-sessions", str(3 * PER_REQUEST), "--max-len", "16",
                               "--ssd-sessions", str(2 * PER_REQUEST), "--ssd-fork-slots", str(FORKS * PER_REQUEST),
-                              "--ssd-fork-budget", str(FORKS), "--saguaro-c", str(SAGUARO_C), twin=twin)
+                              "--ssd-fork-budget", str(FORKS), "--saguaro-c", str(SAGUARO_C), twin=twin,
+                              head=head[0] if head else None)
     params = SamplingParams(temperature=0.7)
     rows = []
     try:
@@ -132,6 +160,29 @@ def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
 def test_the_harness_catches_a_biased_ssd_endpoint(ssd_files, mode):
     twin, shares = ssd_server_check(f"SSD {mode}, misreported-cache-q 0.5", ssd_files, mode, STRONG_TWIN_SAMPLES,
                                     twin=("misreported-cache-q", 0.5))
+    report(twin, twin=True, at_n=SAMPLES, **shares)
+    assert shares["cache hit"] > 0.2, shares
+    assert not twin.passed, f"biased twin slipped through: {twin}"
+
+
+@pytest.fixture(scope="module")
+def ssd_head_files(tmp_path_factory):
+    gguf, draft = twin_files(tmp_path_factory.mktemp("ssd-head-tv"), vocab=V, seed=11, layers=[0], norm_scale=0.3)
+    return gguf, draft, tiny_head(gguf)
+
+
+@pytest.mark.slow
+def test_ssd_on_the_head_through_the_servers_is_lossless(ssd_head_files):
+    result, shares = ssd_server_check("SSD on the head, push, T=0.7, Saguaro C=0.5", ssd_head_files, "push")
+    report(result, **shares)
+    assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
+    assert result.passed, result
+
+
+@pytest.mark.slow
+def test_the_harness_catches_a_biased_ssd_head_endpoint(ssd_head_files):
+    twin, shares = ssd_server_check("SSD on the head, push, misreported-cache-q 0.5", ssd_head_files, "push",
+                                    STRONG_TWIN_SAMPLES, twin=("misreported-cache-q", 0.5))
     report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["cache hit"] > 0.2, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"

@@ -27,14 +27,14 @@ class Inline:
     records where each sequence's drafts came from, round by round (cache, neural or fast)."""
 
     def __init__(self, ssd: SsdDrafter):
-        self.ssd = ssd
+        self.ssd, self.inputs = ssd, ssd.inputs  # a head's features travel through (start, observe)
         self.sources: dict[str, list[str]] = defaultdict(list)
 
-    def start(self, seq_id, context):
-        self.ssd.start(seq_id, context)
+    def start(self, seq_id, context, **inputs):
+        self.ssd.start(seq_id, context, **inputs)
 
-    def observe(self, seq_id, tokens):
-        self.ssd.observe(seq_id, tokens)
+    def observe(self, seq_id, tokens, **inputs):
+        self.ssd.observe(seq_id, tokens, **inputs)
 
     def release(self, seq_id):
         self.ssd.release(seq_id)
