@@ -44,15 +44,16 @@ def twin_files(root: Path, vocab: int, seed: int, layers: list[int], norm_scale:
     return gguf, root / "draft"
 
 
-def test_ssd_on_the_head_greedy_equals_ar_and_hits_the_cache(tmp_path):
-    gguf, draft = twin_files(tmp_path, vocab=64, seed=5, layers=[0])
-    head = tiny_head(gguf)
+def greedy_through_ssd(gguf: Path, draft: Path, mode: str = "push", head: Path | None = None):
+    """Four prompts, greedy, through SSD in `mode` (on the head when given): each equals AR with no
+    fallback round -> the completions, and the endpoint's hit ratio."""
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     prompts = [[3 + i, 7, 9, 11 + i, 3 + i, 7] for i in range(4)]
     expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), 40, stop_ids=[])]
     endpoint = start_endpoint(gguf, draft, head=head)
-    target = start_target(gguf, endpoint, "ssd", "--draft-tokens", "3", "--spec-deadline-ms", "5000")
-    lookups = hits = 0
+    target = start_target(gguf, endpoint, "ssd", "--draft-tokens", "3", "--ssd-mode", mode,
+                          "--spec-deadline-ms", "5000")
+    completions = []
     try:
         stub = stub_for(target)
         for ids, want in zip(prompts, expected):
@@ -61,38 +62,30 @@ def test_ssd_on_the_head_greedy_equals_ar_and_hits_the_cache(tmp_path):
             c = result.completions[0]
             assert list(c.token_ids) == want
             assert c.speculation.method == "ssd" and c.speculation.fallback_rounds == 0
-            lookups, hits = lookups + c.speculation.cache_lookups, hits + c.speculation.cache_hits
-        assert lookups > 20 and hits > 0, (lookups, hits)
+            completions.append(c)
+        return completions, endpoint.metric_total("specpool_spec_ssd_cache_hit_ratio")
     finally:
         target.stop()
         endpoint.stop()
+
+
+def test_ssd_on_the_head_greedy_equals_ar_and_hits_the_cache(tmp_path):
+    gguf, draft = twin_files(tmp_path, vocab=64, seed=5, layers=[0])
+    completions, _ = greedy_through_ssd(gguf, draft, head=tiny_head(gguf))
+    lookups = sum(c.speculation.cache_lookups for c in completions)
+    hits = sum(c.speculation.cache_hits for c in completions)
+    assert lookups > 20 and hits > 0, (lookups, hits)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_ssd_greedy_equals_ar_and_hits_the_cache(tmp_path, mode):
-    gguf, draft = twin_files(tmp_path, vocab=64, seed=5, layers=[0, 1])
-    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
-    prompts = [[3 + i, 7, 9, 11 + i, 3 + i, 7] for i in range(4)]
-    expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), 40, stop_ids=[])]
-    endpoint = start_endpoint(gguf, draft)
-    target = start_target(gguf, endpoint, "ssd", "--draft-tokens", "3", "--ssd-mode", mode,
-                          "--spec-deadline-ms", "5000")
-    try:
-        stub = stub_for(target)
-        for ids, want in zip(prompts, expected):
-            result = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=40,
-                                                           ignore_eos=True, speculation=SSD))
-            c = result.completions[0]
-            assert list(c.token_ids) == want
-            assert c.speculation.method == "ssd" and c.speculation.fallback_rounds == 0
-            # The draft is the target itself: every outcome is (K, its top-1), in the cache once the
-            # fan-out has learnt how often everything is accepted.
-            assert c.speculation.cache_lookups > 5 and c.speculation.cache_hits >= c.speculation.cache_lookups // 2
-        assert endpoint.metric_total("specpool_spec_ssd_cache_hit_ratio") > 0.5
-    finally:
-        target.stop()
-        endpoint.stop()
+    completions, hit_ratio = greedy_through_ssd(*twin_files(tmp_path, vocab=64, seed=5, layers=[0, 1]), mode)
+    # The draft is the target itself: every outcome is (K, its top-1), in the cache once the fan-out
+    # has learnt how often everything is accepted.
+    for c in completions:
+        assert c.speculation.cache_lookups > 5 and c.speculation.cache_hits >= c.speculation.cache_lookups // 2
+    assert hit_ratio > 0.5
 
 
 FORKS, SAGUARO_C = 4, 0.5
