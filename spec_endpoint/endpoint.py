@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The most feature values one round may declare (float16: 128 MiB): a larger declaration is refused before
-# anything is allocated for it.
-MAX_ROUND_FEATURE_VALUES = 1 << 26
-
 
 @dataclass(frozen=True, slots=True)
 class EndpointConfig:
@@ -81,6 +77,9 @@ class Endpoint:
         self._streams: set[RoundStream] = set()
         self._stop = threading.Event()
         self._documents = 0  # suffix-store documents opened: each n-gram session's gets a fresh id
+        # The most feature rows a round can need: every session's whole context (the first rounds after a
+        # re-attach). A larger declaration is refused before anything is allocated for it.
+        self.max_feature_rows = config.max_sessions * config.max_len
         stores = [d.suffix for d in drafters.models.values() if d.suffix is not None]
         self.metrics.suffix_tokens.set_function(lambda: self._locked(lambda: sum(s.num_tokens for s in stores)))
         self.metrics.suffix_stores.set_function(lambda: self._locked(lambda: sum(len(s) for s in stores)))
@@ -254,9 +253,11 @@ class Endpoint:
             problem = f"sequences[{bad}].num_features: {round.sequences[bad].num_features} is negative"
         elif round.feature_dim <= 0:
             problem = f"feature_dim: {round.feature_dim}; name the width of the features that follow"
-        elif total * round.feature_dim > MAX_ROUND_FEATURE_VALUES:
-            problem = (f"num_features: {total} rows of {round.feature_dim} exceed the {MAX_ROUND_FEATURE_VALUES} "
-                       "values a round may carry; send fewer sessions' features a round")
+        elif round.feature_dim > max(d.feature_dim for d in self.drafters.models.values()):
+            problem = f"feature_dim: {round.feature_dim} is wider than any hosted model's features"
+        elif total > self.max_feature_rows:
+            problem = (f"num_features: {total} rows, more than the {self.max_feature_rows} this endpoint's sessions "
+                       "can hold (--max-sessions x --max-len)")
         channel = None if problem else self.channels.get(round.tenant)
         if not problem and channel is None:
             problem = "features need a tensor channel: call OpenTensorChannel"

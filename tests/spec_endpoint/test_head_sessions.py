@@ -136,7 +136,8 @@ def test_features_arrive_on_the_tenants_channel_split_per_sequence(files):
     (False, None, 2, 16, "features need a tensor channel"),
     (True, None, -1, 16, "sequences[0].num_features: -1 is negative"),
     (True, None, 2, 0, "feature_dim: 0"),
-    (True, None, 1 << 20, 1 << 10, "exceed the"),
+    (True, None, 2, 33, "feature_dim: 33 is wider than any hosted model's features"),
+    (True, None, 4 * 2048 + 1, 16, "num_features: 8193 rows, more than the 8192"),  # 4 sessions x 2048
     (True, torch.zeros(3, 16, dtype=torch.float16), 2, 16, "receiving them failed"),  # a wrong total
     (True, torch.full((2, 16), float("nan"), dtype=torch.float16), 2, 16, "non-finite"),
 ])
