@@ -172,8 +172,6 @@ class ModelDrafters:
                 log.warning("--drafter %s: --max-len %d exceeds a draft's context %d; sessions are capped at %d",
                             spec.name, max_len, model.config.max_context, model.config.max_context)
                 max_len = drafters.max_len = model.config.max_context
-        if models:
-            drafters.generator = make_generator(None, device)
         # A tree session's growing tree takes draft-cache positions past the session's own tokens.
         if "head" in models:
             drafters.head = HeadDrafter(models["head"], max_sequences=options.max_sessions,
@@ -184,6 +182,7 @@ class ModelDrafters:
             drafters.draft_costs = cached_step_costs(models["draft"], str(spec.draft_dir),
                                                      cache_dir=options.step_cost_dir)
         if models:
+            drafters.generator = make_generator(None, device)
             # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
             # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
             # a bonus token and its own drafts: without that room a session near max_len failed the
