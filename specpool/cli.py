@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import shlex
 import sys
@@ -20,6 +21,25 @@ TOOLS = {
     "up": ("specpool.cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
     "demo": ("specpool.cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where its help already states it or there is none worth
+    printing: None (the help says what unset means), a switch's False, an empty string or list."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if "default" in help_text or default is None or default is False or default in ("", []):
+            return help_text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("specpool")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -151,28 +171,35 @@ def cmd_build_datastore(args: argparse.Namespace) -> int:
 def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentParser:
     """Every subcommand, with the flags of the TOOLS named in tools: a tool's flags come from its module,
     so naming it imports it. The others are listed, without flags."""
-    parser = argparse.ArgumentParser(prog="specpool", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="specpool", description=__doc__, formatter_class=HelpFormatter,
+                                     epilog="`specpool COMMAND --help` lists a command's flags and their defaults.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="run a model in-process on one prompt")
-    g.add_argument("--prompt", required=True)
+    def add_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        # Subparsers take neither the parent's formatter nor its help as their description.
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+
+    g = add_command("generate", "run a model in-process on one prompt")
+    g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template (with its system prompt)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens to generate, at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the most likely tokens up to this total probability (1: all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (unset: a fresh random one)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="measure every mode on a workload, side by side in one run")
+    b = add_command("bench", "measure every mode on a workload, side by side in one run")
     b.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file (prompt or messages)")
-    b.add_argument("--limit", type=int, default=None, help="first N prompts")
-    b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--batch-sizes", default="1")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--limit", type=int, default=None, help="first N prompts (unset: all)")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
+    b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, each measured in turn")
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed (the n-th batch of prompts uses seed + n)")
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
                    help="ar, sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
                         "(token trees of N nodes; none: the policy's budget), head-suffix[:N] (the suffix store's trees "
@@ -193,12 +220,12 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
-    d = sub.add_parser("build-datastore", help="suffix-array datastore of model-generated text for n-gram drafting")
+    d = add_command("build-datastore", "suffix-array datastore of model-generated text for n-gram drafting")
     d.add_argument("--corpus", default=".cache/train-draft/corpus.pt", help="a corpus written by train-draft")
-    d.add_argument("--out", default="models/smollm2-135m-datastore.npz")
+    d.add_argument("--out", default="models/smollm2-135m-datastore.npz", help="where the datastore goes")
     d.set_defaults(func=cmd_build_datastore)
 
-    t = sub.add_parser("train-draft", help="distil a draft model or a feature-fed head from the target (resumable)")
+    t = add_command("train-draft", "distil a draft model or a feature-fed head from the target (resumable)")
     t.add_argument("--kind", default="model", choices=["model", "head"],
                    help="model: a small Llama draft; head: a one-layer head fed by the target's features")
     t.add_argument("--out", default=None, help="where the checkpoint and card go (default: models/smollm2-135m-"
@@ -209,16 +236,17 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                    help="budget for the target's answers and the pass over them (teacher top-k or features)")
     t.add_argument("--train-minutes", type=float, default=30.0, help="training budget (total, across resumes)")
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
-    t.add_argument("--draft-vocab", type=int, default=8192)
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the draft predicts: the corpus's most frequent, mapped back to full ids")
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
-    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     t.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
                    help="the target's weights in the data pass, and mixed precision in training (bf16: where "
                         "the CPU computes it natively, else fp32)")
     t.set_defaults(func=cmd_train_draft)
 
     for name, (module_name, help_text) in TOOLS.items():
-        cmd = sub.add_parser(name, help=help_text)
+        cmd = add_command(name, help_text)
         if name in tools:
             module = importlib.import_module(module_name)
             module.add_arguments(cmd)
@@ -228,8 +256,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The top-level parser takes no option but --help, so the first word that is not an option is the
-    # subcommand: only that tool's module is imported.
+    # The top-level parser takes no option but --help and --version, so the first word that is not an
+    # option is the subcommand: only that tool's module is imported.
     command = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser(tools=[command] if command in TOOLS else []).parse_args(argv)
     try:
