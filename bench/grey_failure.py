@@ -44,8 +44,9 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 
 FAULT_S = 8.0
 SLOW_LINK_S = 0.3  # each way
@@ -206,7 +207,7 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
         plain.cancel()
         prober.cancel()
         drafted.join(600)
-        after = stub.GenerateUnary(request(Method.DRAFT_MODEL, 32), timeout=120).completions[0]
+        after = generate_result(stub, request(Method.DRAFT_MODEL, 32), timeout=120).completions[0]
         done = drafted.final.completions[0] if drafted.final else None
         fallbacks = {reason: target.metric_total("specpool_target_spec_fallback_rounds_total", reason=reason)
                      for reason in FALLBACK_REASONS}
@@ -232,12 +233,18 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
         grey.close()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--faults", default="sigstop,slow_link",
+                   help=f"comma-separated faults, each measured in turn (of: {', '.join(FAULTS)})")
+    p.add_argument("--drafted-tokens", type=int, default=400, help="tokens the drafted stream generates")
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    return p
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--faults", default="sigstop,slow_link")
-    p.add_argument("--drafted-tokens", type=int, default=400)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    args = build_parser().parse_args()
     print(machine_line(), flush=True)
     gguf, draft = default_model_path(), REPO / "models" / "smollm2-135m-draft"
     _, tokenizer = Llama.from_gguf(gguf, dtype="fp32", device="cpu")

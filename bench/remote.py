@@ -24,8 +24,9 @@ from specpool.common.security import LocalCA, Security
 from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class RoutedCluster:
 
 def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | None, max_tokens: int,
                       target: ServerProcess | None = None, tree: bool = False):
-    """A bench Runner that sends each chunk as concurrent GenerateUnary calls to `stub`; with the
+    """A bench Runner that sends each chunk as concurrent Generate calls to `stub`, each read to its end; with the
     target's process, it also sums the target's verify time (from its /metrics) over the chunks."""
 
     def verify_seconds() -> float:
@@ -162,7 +163,7 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | 
 
     def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
         def one(ids: list[int]) -> pb.GenerateResult:
-            return stub.GenerateUnary(pb.GenerateRequest(
+            return generate_result(stub, pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=ids), max_tokens=max_tokens, sampling=sampling_to_pb(params),
                 speculation=pb.SpeculationPreference(method=method_to_pb(method), tree=tree),
             ))

@@ -46,9 +46,9 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import speculation_pb2 as spec_pb
-from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as spec_pb
+from specpool_client.v1 import speculation_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 
 METHODS = [None, Method.NONE, Method.DRAFT_MODEL, Method.NGRAM, Method.SSD]  # None: AUTO, the router plans
 UNKNOWN_METHOD = 99
@@ -214,7 +214,7 @@ class Soak:
             for name, endpoint in self.cluster.endpoints.items():
                 with self.cluster.credentials().channel(endpoint.address, "endpoint", name) as channel:
                     cap = speculation_pb2_grpc.SpeculationServiceStub(channel).GetCapacity(
-                        spec_pb.CapacityRequest(), timeout=5)
+                        spec_pb.GetCapacityRequest(), timeout=5)
                 held[f"{name} sessions"] = cap.active_sessions
             for e in registry.endpoints():
                 held[f"{e.id} leases"] = sum(registry.held(e.id).values())
@@ -224,14 +224,20 @@ class Soak:
             time.sleep(1.0)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=30.0)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--minutes", type=float, default=30.0, help="how long the traffic runs")
     p.add_argument("--clients", type=int, default=6, help="concurrent client threads")
     p.add_argument("--prompts", type=int, default=16, help="HumanEval prompts to draw from")
-    p.add_argument("--seed", type=int, default=13)
-    p.add_argument("--json", type=Path, default=None, help="write the report here")
-    args = p.parse_args()
+    p.add_argument("--seed", type=int, default=13, help="seed of the clients' request mix")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the report here too (printed without the RSS samples)")
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     print(machine_line(), flush=True)
     config = ClusterConfig.load().with_free_ports()

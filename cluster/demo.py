@@ -24,10 +24,10 @@ from pathlib import Path
 from specpool.cluster.config import ClusterConfig
 from specpool.cluster.launcher import Cluster, format_members
 from specpool.common.machine import machine_line
-from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+from specpool.common.speculation import Method, method_name, method_to_pb, sampling_to_pb
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 
 AUTO, NONE = "auto", "none"
 METHODS = {AUTO: method_to_pb(None), NONE: method_to_pb(Method.NONE)}  # None: the router plans
@@ -130,7 +130,7 @@ def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: 
     if final is None or not final.completions:
         raise RuntimeError("the router's stream ended without a final message")
     c = final.completions[0]
-    return Answer(list(c.token_ids), c.text, seconds, first or seconds, c.speculation.method or "none",
+    return Answer(list(c.token_ids), c.text, seconds, first or seconds, method_name(c.speculation.method),
                   c.speculation.mean_accept_len, c.speculation.target_steps, c.speculation.drafted_tokens)
 
 
@@ -224,7 +224,7 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded default)")
     p.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file with 'prompt' fields")
     p.add_argument("--prompts", type=int, default=5, help="how many prompts (each is sent twice)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, at most")
     p.add_argument("--verbose", action="store_true", help="echo every server's log lines to stderr")
 
 

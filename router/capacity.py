@@ -1,6 +1,6 @@
 """The capacity API: pools per model, endpoints with their leased slots, and this router's decisions.
 
-One ClusterCapacity message serves both ClusterState.GetClusterCapacity and GET /capacity (as JSON).
+One GetClusterCapacityResponse serves both ClusterStateService.GetClusterCapacity and GET /capacity (as JSON).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping
 from google.protobuf.json_format import MessageToDict
 
 from specpool.common.registry import EndpointRegistration, TargetRegistration, guarantees
+from specpool.common.speculation import Method, method_to_pb
 from specpool.router.view import Snapshot
-from specpool.v1 import cluster_pb2 as pb
+from specpool_client.v1 import cluster_pb2 as pb
 
 
 def cluster_capacity(
@@ -22,27 +23,27 @@ def cluster_capacity(
     decisions: list[tuple[str, str, str, int]],
     now_s: float | None = None,
     monotonic_now: float | None = None,
-) -> pb.ClusterCapacity:
+) -> pb.GetClusterCapacityResponse:
     now_s = time.time() if now_s is None else now_s
     monotonic_now = time.monotonic() if monotonic_now is None else monotonic_now
     pools = []
     for model in snapshot.models():
         targets = [t for t in snapshot.targets if t.model == model]
         pools.append(_pool(model, targets, now_s))
-    return pb.ClusterCapacity(
+    return pb.GetClusterCapacityResponse(
         pools=pools,
         endpoints=[_endpoint(e, held(e.id), shares, now_s) for e in snapshot.endpoints],
-        decisions=[pb.DecisionCount(model=model, plan=method, reason=reason, count=count)
+        decisions=[pb.DecisionCount(model=model, plan=_method(method), reason=reason, count=count)
                    for model, method, reason, count in decisions],
         registry_reachable=snapshot.reachable,
         snapshot_age_s=round(monotonic_now - snapshot.read_at, 3) if snapshot.read_at else 0.0,
     )
 
 
-def visible_to(message: pb.ClusterCapacity, tenant: str | None) -> pb.ClusterCapacity:
+def visible_to(message: pb.GetClusterCapacityResponse, tenant: str | None) -> pb.GetClusterCapacityResponse:
     """The capacity a tenant may read: every endpoint's per-tenant leases but its own left out (None:
     all of them), so tenants learn neither who else shares the pool nor how much they use."""
-    out = pb.ClusterCapacity()
+    out = pb.GetClusterCapacityResponse()
     out.CopyFrom(message)
     for endpoint in out.endpoints:
         own = [t for t in endpoint.tenants if t.tenant == tenant]
@@ -51,8 +52,15 @@ def visible_to(message: pb.ClusterCapacity, tenant: str | None) -> pb.ClusterCap
     return out
 
 
-def capacity_json(message: pb.ClusterCapacity) -> dict:
+def capacity_json(message: pb.GetClusterCapacityResponse) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+_METHOD_NAMES = {m.value for m in Method}  # a registration may come from a newer target
+
+
+def _method(name: str) -> int:
+    return method_to_pb(Method(name))
 
 
 def _pool(model: str, targets: list[TargetRegistration], now_s: float) -> pb.ModelPool:
@@ -76,7 +84,7 @@ def _target(t: TargetRegistration, now_s: float) -> pb.TargetReplica:
         id=t.id, address=t.address, model=t.model, tenant=t.tenant, max_batch=t.max_batch,
         running=t.running, queued=t.queued, spec_endpoint=t.spec_endpoint, mean_accept_len=t.mean_accept_len,
         predicted_speedup_draft=t.predicted_speedup_draft, predicted_speedup_ngram=t.predicted_speedup_ngram,
-        methods=list(t.methods), heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
+        methods=[_method(m) for m in t.methods if m in _METHOD_NAMES], heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
     )
 
 

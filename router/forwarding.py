@@ -12,7 +12,7 @@ import uuid
 import grpc
 
 from specpool.router.routing import Route, Router
-from specpool.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2 as pb
 
 
 class Forwarding:
@@ -97,7 +97,7 @@ class Stream:
         return pb.GenerateResponse(request_id=self.request.request_id, final=pb.GenerateResult(
             request_id=self.request.request_id, model=model,
             completions=[pb.Completion(index=0, token_ids=token_ids, text=self.text,
-                                       finish_reason="stop" if stopped else "length")],
+                                       finish_reason=pb.FINISH_REASON_STOP if stopped else pb.FINISH_REASON_LENGTH)],
             usage=pb.Usage(prompt_tokens=len(self.request.prompt_ids.ids), completion_tokens=len(token_ids))))
 
 

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpool.common.security import Security
 from specpool.common.serving import MESSAGE_SIZE_OPTIONS
-from specpool.v1 import target_pb2_grpc
+from specpool_client.v1 import target_pb2_grpc
 
 # gRPC's default reconnect backoff grows to 120 s: a member back on its address after a long absence
 # would look down that long to requests and to direct health checks.

@@ -24,7 +24,7 @@ from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from specpool.router.metrics import RouterMetrics
 from specpool.router.placement import PlacementRequest, place
 from specpool.router.view import ClusterView, Snapshot
-from specpool.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2 as pb
 
 log = logging.getLogger(__name__)
 

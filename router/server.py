@@ -21,8 +21,8 @@ from specpool.router.metrics import RouterMetrics
 from specpool.router.routing import Router, RouterConfig
 from specpool.router.servicer import ClusterStateServicer, RouterServicer
 from specpool.router.view import ClusterView, DirectChecks
-from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 
 log = logging.getLogger("specpool.router")
 
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-interval-s", type=float, default=1.0,
                    help="while Redis is unreachable, the router health-checks the members it knew this often "
                         "and stops placing on one that fails two checks in a row")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
 
     lookups = ThreadPoolExecutor(4, thread_name_prefix="capacity")
 
-    def capacity() -> cluster_pb2.ClusterCapacity:
+    def capacity() -> cluster_pb2.GetClusterCapacityResponse:
         def held(endpoint_id: str) -> dict[str, int] | None:
             try:
                 return registry.held(endpoint_id)
@@ -126,15 +126,15 @@ def main(args: argparse.Namespace) -> int:
 
     # Every forwarded request holds a server thread until its replica answers.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate", "GenerateUnary"))
+    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate"))
     # Tenants' programs call the router with bearer tokens, not certificates.
     server, port = serving.build_server(config.port, host=config.host, admission=admission, credentials=credentials,
                                 client_certificates=False)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
-    cluster_pb2_grpc.add_ClusterStateServicer_to_server(ClusterStateServicer(capacity, credentials), server)
+    cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [
         pb.DESCRIPTOR.services_by_name["TargetService"].full_name,
-        cluster_pb2.DESCRIPTOR.services_by_name["ClusterState"].full_name,
+        cluster_pb2.DESCRIPTOR.services_by_name["ClusterStateService"].full_name,
     ])
     # Over HTTP the per-tenant leases are for operators: those holding the metrics token.
     metrics_server = MetricsHttpServer(

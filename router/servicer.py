@@ -1,4 +1,4 @@
-"""The router's gRPC services: the Target API in front of a pool of target replicas, and ClusterState.
+"""The router's gRPC services: the Target API in front of a pool of target replicas, and ClusterStateService.
 
 The servicer only translates and forwards: `Router` chooses the replica, the speculation method and
 the draft slot; the request goes to the replica with its method set, responses stream back, and the
@@ -24,8 +24,8 @@ from specpool.router.capacity import visible_to
 from specpool.router.forwarding import Forwarding, Stream
 from specpool.router.member_channels import TargetChannels
 from specpool.router.routing import Router, RoutingError, tenant_of
-from specpool.v1 import cluster_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client.v1 import cluster_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 
 log = logging.getLogger("specpool.router")
 
@@ -78,32 +78,6 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
             finally:
                 fwd.finish("cancelled")  # the client went away while we were yielding (GeneratorExit)
 
-    def GenerateUnary(self, request, context):
-        tenant = self._tenant(context)
-        current: list[Forwarding] = []
-        self._on_termination(context, current)
-        exclude: set[str] = set()
-        stream = Stream(request)  # never sends anything: a failed replica only means placing it again
-        while True:
-            fwd = self._forwarding(stream.request, tenant, exclude, context, current, stream)
-            try:
-                future = self.channels.stub(fwd.route.target.address).GenerateUnary.future(
-                    fwd.route.request, timeout=_remaining(context), metadata=_on_behalf_of(tenant))
-                fwd.attach(future)
-                result = future.result()
-                fwd.finish("ok")
-                return result
-            except grpc.FutureCancelledError:
-                fwd.finish("cancelled")
-                context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
-            except grpc.RpcError as e:
-                if self._place_again(e, fwd, exclude, context, stream):
-                    continue
-                fwd.finish("error")
-                _abort_like(context, e)
-            finally:
-                fwd.finish("cancelled")
-
     def Cancel(self, request, context):
         """Routers keep no request table: every live replica is asked, and any that ran it (for this
         tenant) says so. NOT_FOUND when none did, whoever's the id is: ids tell nothing about others."""
@@ -129,7 +103,7 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         """The pool as one service: summed capacity and load; the model when the pool serves one."""
         snapshot = self.router.view.snapshot()
         models = snapshot.models()
-        info = pb.TargetInfo(
+        info = pb.GetInfoResponse(
             service_id="router", model=models[0] if len(models) == 1 else "",
             max_batch=sum(t.max_batch for t in snapshot.targets),
             active_sequences=sum(t.running for t in snapshot.targets),
@@ -227,7 +201,7 @@ def _remaining(context) -> float | None:
     return remaining if remaining is not None and remaining < 1e7 else None
 
 
-class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServicer):
+class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServiceServicer):
     """A tenant sees the pools and endpoints, and of the per-tenant leases only its own."""
 
     def __init__(self, capacity, credentials: Security):

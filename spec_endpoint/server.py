@@ -23,8 +23,8 @@ from specpool.engine.tree_drafting import TreeShape
 from specpool.spec_endpoint import wire
 from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
-from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import speculation_pb2_grpc as pb_grpc
+from specpool_client.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
             _abort(context, e)
         return pb.CloseSessionsResponse(closed=self.endpoint.close_sessions(tenant, list(request.request_ids)))
 
-    def Rounds(self, request_iterator, context) -> Iterator[pb.RoundResponse]:
+    def Rounds(self, request_iterator, context) -> Iterator[pb.RoundsResponse]:
         caller = self.credentials.caller(context)
         tenant = None if caller.anonymous else caller.name
         stream = self.endpoint.open_stream()
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on a cache miss: draft now (neural), n-gram (fast), or chosen from measurements")
     parser.add_argument("--tree-shape", type=tree_shape, default=TREE_SHAPE, metavar="BRANCH,BEAM,DEPTH",
                         help="the token trees of tree sessions: children per expanded node, nodes expanded per "
-                             "level, levels (default %(default)s)")
+                             f"level, levels (default: {TREE_SHAPE.branch},{TREE_SHAPE.beam},{TREE_SHAPE.max_depth})")
     parser.add_argument("--suffix-store-tokens", type=int, default=50_000,
                         help="n-gram sessions draft from an online suffix store of their tenant's recent prompts and "
                              "outputs, of at most this many tokens per tenant (about 2 KB each; 0: none)")
@@ -194,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one forward (also at most half that tenant's round period; 0: never wait)")
     serving.add_security_arguments(parser)
     parser.add_argument("--advertise-host", default="127.0.0.1", help="host targets and routers reach this on")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
 
 
 def main(args: argparse.Namespace) -> int:

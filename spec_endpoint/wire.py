@@ -9,7 +9,13 @@ from __future__ import annotations
 import math
 
 from specpool.common.errors import FieldError
-from specpool.common.speculation import drafter_from_pb, drafter_to_pb, sampling_from_pb, sparse_q_to_pb
+from specpool.common.speculation import (
+    backend_to_pb,
+    drafter_from_pb,
+    drafter_to_pb,
+    sampling_from_pb,
+    sparse_q_to_pb,
+)
 from specpool.engine.sampling import SamplingParams
 from specpool.spec_endpoint.messages import (
     CapacityReport,
@@ -22,11 +28,11 @@ from specpool.spec_endpoint.messages import (
     Transport,
     context_too_long,
 )
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
-_RESOLUTION_FROM_PB = {pb.ROUND_RESOLUTION_ASK: "ask", pb.ROUND_RESOLUTION_TABLE_HIT: "table_hit",
+_RESOLUTION_FROM_PB = {pb.ROUND_RESOLUTION_UNSPECIFIED: "ask", pb.ROUND_RESOLUTION_TABLE_HIT: "table_hit",
                        pb.ROUND_RESOLUTION_LOCAL_DRAFTS: "local_drafts"}
-_TRANSPORT_FROM_PB = {pb.DISTRIBUTION_TRANSPORT_AUTO: Transport.AUTO, pb.DISTRIBUTION_TRANSPORT_SPARSE: Transport.SPARSE,
+_TRANSPORT_FROM_PB = {pb.DISTRIBUTION_TRANSPORT_UNSPECIFIED: Transport.AUTO, pb.DISTRIBUTION_TRANSPORT_SPARSE: Transport.SPARSE,
                       pb.DISTRIBUTION_TRANSPORT_DENSE: Transport.DENSE}
 
 
@@ -79,7 +85,7 @@ def open_response_to(results: list[OpenResult]) -> pb.OpenSessionsResponse:
     ])
 
 
-def round_from(msg: pb.RoundRequest, tenant: str | None = None) -> Round:
+def round_from(msg: pb.RoundsRequest, tenant: str | None = None) -> Round:
     """Per-sequence problems (unknown session, bad num_draft_tokens) are answered per sequence.
     tenant: the caller's; None (an --insecure endpoint) takes the message's own field."""
     return Round(
@@ -95,7 +101,7 @@ def round_from(msg: pb.RoundRequest, tenant: str | None = None) -> Round:
     )
 
 
-def round_response_to(result: RoundResult) -> pb.RoundResponse:
+def round_response_to(result: RoundResult) -> pb.RoundsResponse:
     sequences = []
     for s in result.sequences:
         out = pb.SequenceDrafts(request_id=s.request_id, tokens=s.tokens, parents=s.parents, dense_on_channel=s.dense,
@@ -111,21 +117,21 @@ def round_response_to(result: RoundResult) -> pb.RoundResponse:
         ])
         for t in result.tables
     ]
-    return pb.RoundResponse(
+    return pb.RoundsResponse(
         round_id=result.round_id, sequences=sequences, dense_rows=result.dense_rows,
         vocab_size=result.vocab_size, draft_seconds=result.draft_seconds, tables=tables,
     )
 
 
-def channel_response_to(offer) -> pb.TensorChannelResponse:
-    """specpool.common.tensor_channel.ChannelOffer -> TensorChannelResponse."""
-    return pb.TensorChannelResponse(
-        store_host=offer.host, store_port=offer.port, prefix=offer.prefix, backend=offer.backend,
+def channel_response_to(offer) -> pb.OpenTensorChannelResponse:
+    """specpool.common.tensor_channel.ChannelOffer -> OpenTensorChannelResponse."""
+    return pb.OpenTensorChannelResponse(
+        store_host=offer.host, store_port=offer.port, prefix=offer.prefix, backend=backend_to_pb(offer.backend),
         target_rank=offer.target_rank, timeout_s=offer.timeout_s, secret=offer.secret,
     )
 
 
-def capacity_to(report: CapacityReport, only: str | None = None) -> pb.Capacity:
+def capacity_to(report: CapacityReport, only: str | None = None) -> pb.GetCapacityResponse:
     """only: list that tenant's figures alone ("": no tenant's); None: every tenant's."""
     models = []
     for m in report.models:
@@ -136,7 +142,7 @@ def capacity_to(report: CapacityReport, only: str | None = None) -> pb.Capacity:
                 batch_sizes=c.batch_sizes, draft_lens=c.draft_lens, seconds=[s for row in c.seconds for s in row]
             ))
         models.append(out)
-    return pb.Capacity(
+    return pb.GetCapacityResponse(
         endpoint_id=report.endpoint_id,
         max_sessions=report.max_sessions,
         active_sessions=report.active_sessions,

@@ -14,7 +14,7 @@ from specpool.engine.drafter import Drafts
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import StepCosts
 from specpool.target_service.choice import SpeculationChoice
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
 # A row's draft distribution: dense [K, V], sparse (ids [K, k], probs [K, k]), or None (a point mass).
 Q = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
@@ -59,7 +59,7 @@ def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int,
     return ""
 
 
-def draft_costs(capacity: pb.Capacity, target_model: str) -> StepCosts | None:
+def draft_costs(capacity: pb.GetCapacityResponse, target_model: str) -> StepCosts | None:
     """The endpoint's measured draft-model step costs for this target model, if it sent them."""
     for m in capacity.models:
         table = m.draft_step_costs

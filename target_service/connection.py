@@ -14,18 +14,19 @@ import torch
 
 from specpool.common.security import Security
 from specpool.common.serving import MESSAGE_SIZE_OPTIONS
+from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.target_service.fallback import DeadlineBreaker
 from specpool.target_service.sessions import OutcomeTables
-from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import speculation_pb2_grpc
+from specpool_client.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2_grpc
 
 log = logging.getLogger("specpool.target.speculation")
 
 
 @dataclass(frozen=True)
 class Reply:
-    response: pb.RoundResponse
+    response: pb.RoundsResponse
     dense: torch.Tensor | None  # [dense_rows, V] from the tensor channel
     arrived_at: float = field(default_factory=time.monotonic)
 
@@ -44,23 +45,23 @@ class Connection:
         # Only a certificate that names an endpoint (endpoint.specpool) gets this target's contexts.
         self.channel = (credentials or Security.insecure()).channel(address, "endpoint", options=MESSAGE_SIZE_OPTIONS)
         self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
-        self.capacity = self.stub.GetCapacity(pb.CapacityRequest(), timeout=connect_timeout_s)
+        self.capacity = self.stub.GetCapacity(pb.GetCapacityRequest(), timeout=connect_timeout_s)
         self.broken = threading.Event()
         self._outbox: queue.Queue = queue.Queue()
         self._waiting: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
         self.tensor: DistributedPairChannel | None = None
         self._tensor_ready = threading.Event()
-        offer = self.stub.OpenTensorChannel(pb.TensorChannelRequest(tenant=tenant), timeout=connect_timeout_s)
+        offer = self.stub.OpenTensorChannel(pb.OpenTensorChannelRequest(tenant=tenant), timeout=connect_timeout_s)
         threading.Thread(target=self._connect_tensor, args=(offer,), daemon=True).start()
         self._stream = self.stub.Rounds(self._delayed(iter(self._outbox.get, None)))
         threading.Thread(target=self._read, daemon=True, name="spec-reader").start()
 
-    def _connect_tensor(self, offer: pb.TensorChannelResponse) -> None:
+    def _connect_tensor(self, offer: pb.OpenTensorChannelResponse) -> None:
         try:
             self.tensor = DistributedPairChannel.connect(
                 ChannelOffer(host=offer.store_host, port=offer.store_port, prefix=offer.prefix,
-                             backend=offer.backend, target_rank=offer.target_rank, timeout_s=offer.timeout_s,
+                             backend=backend_from_pb(offer.backend), target_rank=offer.target_rank, timeout_s=offer.timeout_s,
                              secret=offer.secret),
                 rank=offer.target_rank,
             )
@@ -111,7 +112,7 @@ class Connection:
             for box in boxes:
                 box.put(None)
 
-    def send(self, request: pb.RoundRequest) -> None:
+    def send(self, request: pb.RoundsRequest) -> None:
         """A round that needs no reply (push mode: every sequence resolved its drafts itself)."""
         self._outbox.put(request)
 
@@ -119,13 +120,13 @@ class Connection:
         """The pushed table for these outstanding drafts, waiting up to timeout_s for it to arrive."""
         return self.tables.wait_for(seq_id, follows, timeout_s, self.broken)
 
-    def probe(self, request: pb.RoundRequest) -> None:
+    def probe(self, request: pb.RoundsRequest) -> None:
         """Send a round nobody waits for: its reply is only timed (see DeadlineBreaker)."""
         with self._lock:
             self._sent_at[request.round_id] = time.monotonic()
         self._outbox.put(request)
 
-    def send_round(self, request: pb.RoundRequest) -> queue.Queue:
+    def send_round(self, request: pb.RoundsRequest) -> queue.Queue:
         """Send one round; its reply (None if the stream breaks) arrives in the returned box."""
         box: queue.Queue = queue.Queue(maxsize=1)
         with self._lock:

@@ -16,7 +16,7 @@ from specpool.engine.speculation_policy import (
     StepCosts,
 )
 from specpool.target_service.speculation_client import SpeculationClient
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
 
 class TargetDraftLength:
@@ -40,7 +40,7 @@ class TargetDraftLength:
             self.ssd = SpeculationPolicy(target_costs, max_draft=8)
         self.max_draft = self.free.max_draft if self.free is not None else fixed
         self._draft_model: SpeculationPolicy | None = None
-        self._costs_of: pb.Capacity | None = None  # the capacity _draft_model was built from
+        self._costs_of: pb.GetCapacityResponse | None = None  # the capacity _draft_model was built from
 
     @property
     def draft_model(self) -> SpeculationPolicy | None:

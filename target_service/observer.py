@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specpool.target_service.fallback import Fallback
 from specpool.target_service.metrics import TargetMetrics
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
 
 @dataclass
@@ -34,7 +34,7 @@ class TargetObserver:
     def unfollow(self, seq_id: str) -> None:
         self._counts.pop(seq_id, None)
 
-    def attached(self, capacity: pb.Capacity) -> None:
+    def attached(self, capacity: pb.GetCapacityResponse) -> None:
         self.metrics.endpoint_attached.set(1)
 
     def fell_back(self, reason: Fallback, seq_ids: list[str]) -> None:

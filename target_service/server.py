@@ -36,7 +36,14 @@ from specpool.common.serving import (
     serve_until_signal,
     setup_logging,
 )
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method, method_from_pb, sampling_from_pb
+from specpool.common.speculation import (
+    MAX_DRAFT_TOKENS,
+    Method,
+    finish_reason_to_pb,
+    method_from_pb,
+    method_to_pb,
+    sampling_from_pb,
+)
 from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
@@ -50,8 +57,8 @@ from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.observer import SequenceCounts, TargetObserver
 from specpool.target_service.scheduler import Request, Scheduler, request_key
 from specpool.target_service.speculation_client import SpeculationClient
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 
 log = logging.getLogger("specpool.target")
 
@@ -90,13 +97,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 context.abort(grpc.StatusCode.INTERNAL, payload)
         yield pb.GenerateResponse(request_id=req.request_id, final=self._result(req))
 
-    def GenerateUnary(self, request, context):
-        req = self._submit(request, context)
-        for kind, _, payload in _events(req, context):
-            if kind == "error":
-                context.abort(grpc.StatusCode.INTERNAL, payload)
-        return self._result(req)
-
     def Cancel(self, request, context):
         if not self.scheduler.cancel(request_key(self._owner(context), request.request_id)):
             abort_invalid(context, "request_id", f"no running request {request.request_id!r} of yours",
@@ -105,7 +105,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def GetInfo(self, request, context):
         running, queued = self.scheduler.load()
-        return pb.TargetInfo(
+        return pb.GetInfoResponse(
             service_id=self.tenant, model=self.name, vocab_size=self.vocab_size, max_batch=self.max_batch,
             active_sequences=running, queued_requests=queued,
             spec_endpoint=self.client.address or "", spec_endpoint_attached=self.client.attached,
@@ -241,9 +241,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             completions.append(pb.Completion(
                 index=i, token_ids=token_ids,
                 text=self.tokenizer.decode(token_ids) if self.tokenizer else "",
-                finish_reason="cancelled" if req.cancelled else res.finish_reason,
+                finish_reason=finish_reason_to_pb("cancelled" if req.cancelled else res.finish_reason),
                 speculation=pb.SpeculationStats(
-                    method=req.speculation.label, target_steps=res.target_steps,
+                    method=method_to_pb(req.speculation.method),
+                    local=req.speculation.method is Method.NGRAM and not req.speculation.remote,
+                    target_steps=res.target_steps,
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
                     mean_accept_len=res.mean_accept_len, fallback_rounds=req.counts[i].fallback_rounds,
                     cache_hits=req.counts[i].cache_hits, cache_lookups=req.counts[i].cache_lookups,
@@ -282,8 +284,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="weight/activation dtype (auto: bf16 on GPU, fp32 on CPU; bf16: where the device "
+                        "computes it natively, else fp32)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--tenant", default=None,
                    help="this service's id towards speculation endpoints and routers (with TLS: the name in its "
@@ -306,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     add_security_arguments(p)
     p.add_argument("--advertise-host", default="127.0.0.1", help="host routers reach this service on")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -351,7 +355,7 @@ def main(args: argparse.Namespace) -> int:
 
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate", "GenerateUnary"))
+    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate"))
     server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials)
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
                               credentials)

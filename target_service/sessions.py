@@ -16,7 +16,7 @@ import torch
 from specpool.engine.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.codec import session_spec
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
 if TYPE_CHECKING:
     from specpool.target_service.connection import Connection

@@ -1,7 +1,7 @@
 """The target's side of the Speculation API: a Drafter backed by a pooled endpoint, failing open.
 
 Every step, the drafts for all of this target's sequences come from the endpoint in one
-RoundRequest on one bidirectional stream; the same message reports what the previous round
+RoundsRequest on one bidirectional stream; the same message reports what the previous round
 emitted. When the endpoint is absent, late (past the per-step deadline) or failing, the affected
 sequences are drafted by a local n-gram index for that round, losslessly: a deterministic draft is
 verified as a point mass. A background thread re-attaches to a returning endpoint, and sequences
@@ -36,7 +36,7 @@ from specpool.target_service.codec import Row, assemble, draft_costs, unusable
 from specpool.target_service.connection import Connection
 from specpool.target_service.fallback import DeadlineBreaker, Fallback
 from specpool.target_service.sessions import Session, Sessions
-from specpool.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2 as pb
 
 log = logging.getLogger("specpool.target.speculation")
 
@@ -49,7 +49,7 @@ FEATURE_METHODS = (Method.HEAD, Method.SSD)
 class SpeculationObserver(Protocol):
     """What the client reports, on the step's thread unless said otherwise."""
 
-    def attached(self, capacity: pb.Capacity) -> None:
+    def attached(self, capacity: pb.GetCapacityResponse) -> None:
         """An endpoint was attached (on the client's attach thread)."""
 
     def fell_back(self, reason: Fallback, seq_ids: list[str]) -> None:
@@ -139,7 +139,7 @@ class SpeculationClient:
         self.breaker = DeadlineBreaker(deadline_s)  # holds the configured deadline: rounds wait up to it
         self.reattach_s = reattach_s
         self.sessions = Sessions(tenant, target_model, lease_s, ssd_push, reattach_s)
-        self.capacity: pb.Capacity | None = None  # the last attached endpoint's, kept while detached
+        self.capacity: pb.GetCapacityResponse | None = None  # the last attached endpoint's, kept while detached
         # What the draft-length policy charges remote rounds: their time beyond drafting, and SSD's hits.
         self.wire_s = RunningMean(0.0)
         self.ssd_hit_ratio = RunningMean(0.5)
@@ -278,7 +278,7 @@ class SpeculationClient:
     # -- the round ------------------------------------------------------------------------------
 
     def _send(self, requests: Sequence[DraftRequest]) -> _InFlight | None:
-        """One RoundRequest for every remote-drafted sequence of this step, sent; None when nothing
+        """One RoundsRequest for every remote-drafted sequence of this step, sent; None when nothing
         waits for a reply (no remote sequence, a fallback, or every draft resolved from SSD tables)."""
         wanted = [(s, n) for r in requests for s, n in zip(r.seq_ids, r.num_tokens)
                   if self.sessions[s].choice.remote]
@@ -309,7 +309,7 @@ class SpeculationClient:
         if not ready:
             return None
         self._round_id += 1
-        request = pb.RoundRequest(tenant=self.tenant, round_id=self._round_id)
+        request = pb.RoundsRequest(tenant=self.tenant, round_id=self._round_id)
         resolved: dict[str, Row] = {}
         asking = []
         features = []

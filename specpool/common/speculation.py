@@ -3,7 +3,7 @@ limits of a round, and the protobuf forms of sampling params and of q.
 
 The Target API (target.proto, SpeculationMethod) and the Speculation API (speculation.proto,
 DrafterKind) name drafters with enums of their own; in Python there is one `Method`, and a request
-that names none (AUTO, UNSPECIFIED) carries `None`: the server's default.
+that names none (UNSPECIFIED) carries `None`: the server's default.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from specpool.common.errors import FieldError
-from specpool.v1 import speculation_pb2 as spec_pb
-from specpool.v1 import target_pb2
+from specpool_client.v1 import speculation_pb2 as spec_pb
+from specpool_client.v1 import target_pb2
 
 if TYPE_CHECKING:  # the router speaks this vocabulary too, and never loads torch or the engine
     import torch
@@ -64,14 +64,32 @@ def _method_from(table: dict[Method, int], value: int, field: str, names) -> Met
 
 
 def method_from_pb(value: int, field: str = "speculation.method") -> Method | None:
-    """Target API enum -> Method; None for AUTO. proto3 enums take any number, so unknown ones raise."""
-    if value == target_pb2.SPECULATION_METHOD_AUTO:
+    """Target API enum -> Method; None for UNSPECIFIED. proto3 enums take any number, so unknown ones raise."""
+    if value == target_pb2.SPECULATION_METHOD_UNSPECIFIED:
         return None
     return _method_from(_METHOD_PB, value, field, target_pb2.SpeculationMethod)
 
 
 def method_to_pb(method: Method | None) -> int:
-    return target_pb2.SPECULATION_METHOD_AUTO if method is None else _METHOD_PB[method]
+    return target_pb2.SPECULATION_METHOD_UNSPECIFIED if method is None else _METHOD_PB[method]
+
+
+def method_name(value: int) -> str:
+    """A SpeculationStats or capacity method as people read it: "ngram", "draft_model"."""
+    return next((m.value for m, number in _METHOD_PB.items() if number == value), "unspecified")
+
+
+_FINISH_PB = {"stop": target_pb2.FINISH_REASON_STOP, "length": target_pb2.FINISH_REASON_LENGTH,
+              "cancelled": target_pb2.FINISH_REASON_CANCELLED}
+
+
+def finish_reason_to_pb(reason: str) -> int:
+    """The engine's finish reason (stop, length, cancelled) -> FinishReason."""
+    return _FINISH_PB[reason]
+
+
+def finish_reason_name(value: int) -> str:
+    return next((name for name, number in _FINISH_PB.items() if number == value), "unspecified")
 
 
 def drafter_from_pb(value: int, field: str = "drafter") -> Method | None:
@@ -88,6 +106,21 @@ def drafter_to_pb(method: Method | None) -> int:
     if method not in _DRAFTER_PB:
         raise ValueError(f"{method} is not a drafter the endpoint runs")
     return _DRAFTER_PB[method]
+
+
+_BACKEND_PB = {"gloo": spec_pb.TENSOR_BACKEND_GLOO, "nccl": spec_pb.TENSOR_BACKEND_NCCL}
+
+
+def backend_to_pb(name: str) -> int:
+    """A torch.distributed backend name (gloo, nccl) -> TensorBackend."""
+    return _BACKEND_PB[name]
+
+
+def backend_from_pb(value: int) -> str:
+    for name, number in _BACKEND_PB.items():
+        if number == value:
+            return name
+    raise ValueError(f"tensor channel offer: unknown backend {value}")
 
 
 def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:

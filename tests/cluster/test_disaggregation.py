@@ -26,8 +26,9 @@ from specpool.engine.gguf_loader import default_model_path, model_name, save_ggu
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel
 from tests.stats import cells, check_tv, exact_joint, report
 
@@ -112,7 +113,7 @@ def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model, cpu_kind):
         stubs = [stub_for(t) for t in targets]
 
         def run(i: int) -> list[int]:
-            result = stubs[i % 2].GenerateUnary(pb.GenerateRequest(
+            result = generate_result(stubs[i % 2], pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=prompts[i % 8]), max_tokens=24,
                 speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_DRAFT_MODEL),
             ))
@@ -171,7 +172,7 @@ def test_killing_the_endpoint_loses_no_request_and_a_restarted_one_is_used(tmp_p
         deadline = time.monotonic() + 15
         while not stub.GetInfo(pb.GetInfoRequest()).spec_endpoint_attached and time.monotonic() < deadline:
             time.sleep(0.1)
-        result = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompts[1]), max_tokens=30))
+        result = generate_result(stub, pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompts[1]), max_tokens=30))
         assert list(result.completions[0].token_ids) == expected[1][:30]
         assert result.completions[0].speculation.fallback_rounds == 0
         assert endpoint.metric_total("specpool_spec_drafted_tokens_total", tenant="solo") > 0
@@ -228,7 +229,7 @@ def server_check(name: str, gguf: Path, target: ServerProcess, params: SamplingP
     stub = stub_for(target)
     rows = []
     for seed in range(samples // PER_REQUEST):
-        result = stub.GenerateUnary(pb.GenerateRequest(
+        result = generate_result(stub, pb.GenerateRequest(
             prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=NEW, n=PER_REQUEST, ignore_eos=True,
             sampling=pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, seed=seed),
             speculation=pb.SpeculationPreference(method=method),

@@ -36,8 +36,9 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import default_model_path, model_name, save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel
 
 MAX_BATCH, MAX_QUEUE = 8, 16
@@ -100,7 +101,7 @@ def test_a_tiny_temperature_fails_no_one(cluster, via):
         outs = list(pool.map(lambda r: stream(s, r), normal + tiny))
     assert [tokens for tokens, _ in outs[:7]] == want
     for tokens, final in outs[7:]:
-        assert final.completions[0].finish_reason in ("stop", "length") and tokens
+        assert final.completions[0].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH) and tokens
 
 
 def _code_and_retry(error: grpc.RpcError) -> tuple[grpc.StatusCode, float | None]:
@@ -174,21 +175,21 @@ def test_200_long_streams_leave_health_cancel_and_info_answering(cluster):
 @pytest.mark.parametrize("via", ["target", "router"])
 def test_malformed_bytes_and_unknown_enums_are_invalid_argument(cluster, via):
     raw_channel = connect(cluster[via])
-    raw = raw_channel.unary_unary("/specpool.v1.TargetService/GenerateUnary")
+    raw = raw_channel.unary_stream("/specpool.v1.TargetService/Generate")
     with pytest.raises(grpc.RpcError) as err:
-        raw(b"\xff\xff\xff\xff", timeout=10)  # a field tag with no valid wire type
+        list(raw(b"\xff\xff\xff\xff", timeout=10))  # a field tag with no valid wire type
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("request:"), err.value.details()
     bad_method = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=4,
                                     speculation=pb.SpeculationPreference(method=99))
     with pytest.raises(grpc.RpcError) as err:
-        stub(cluster[via]).GenerateUnary(bad_method, timeout=10)
+        generate_result(stub(cluster[via]), bad_method, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("speculation.method:"), err.value.details()
     # top_k above the vocabulary keeps every token: served, as top_k 0 is.
     wide = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=4,
                               sampling=pb.SamplingParams(temperature=1.0, top_k=10**6))
-    assert stub(cluster[via]).GenerateUnary(wide, timeout=30).completions[0].token_ids
+    assert generate_result(stub(cluster[via]), wide, timeout=30).completions[0].token_ids
     raw_channel.close()
 
 
@@ -196,7 +197,7 @@ def test_oversized_messages_are_refused_by_the_router_before_any_work(cluster):
     huge = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1] * (5 * 1024 * 1024)), max_tokens=1)
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        stub(cluster["router"]).GenerateUnary(huge, timeout=30)
+        generate_result(stub(cluster["router"]), huge, timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert time.monotonic() - start < 2.0
 
@@ -239,7 +240,7 @@ def test_a_4_mb_text_prompt_is_refused_at_once_and_stalls_no_stream(real_target)
         for _ in range(3):
             start = time.monotonic()
             try:
-                s.GenerateUnary(pb.GenerateRequest(prompt="lorem ipsum " * 333_000, max_tokens=4), timeout=30)
+                generate_result(s, pb.GenerateRequest(prompt="lorem ipsum " * 333_000, max_tokens=4), timeout=30)
             except grpc.RpcError as e:
                 refusals.append((e.code(), e.details(), time.monotonic() - start))
 
@@ -262,7 +263,7 @@ def test_control_tokens_typed_in_chat_content_are_text(real_target):
     # The template's own turns only: its default system turn, the user's, the assistant's prompt.
     assert ids.count(im_start[0]) == 3
     assert tokenizer.decode(ids, skip_special=False) == tokenizer.apply_chat_template(forged)
-    result = stub(real_target).GenerateUnary(pb.GenerateRequest(
+    result = generate_result(stub(real_target), pb.GenerateRequest(
         model=model_name(default_model_path()), max_tokens=2,
         messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in forged])), timeout=60)
     assert result.usage.prompt_tokens == len(ids)

@@ -39,9 +39,10 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import model_name
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import speculation_pb2 as spec_pb
-from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import speculation_pb2 as spec_pb
+from specpool_client.v1 import speculation_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import start_endpoint, start_target, tiny_files
 from tests.pki import channel as secure_channel
 
@@ -63,7 +64,7 @@ FLOAT_JUNK = [math.nan, math.inf, -math.inf, -1.0, 1e38]
 TARGET_API = "/specpool.v1.TargetService/"
 SPEC_API = "/specpool.v1.SpeculationService/"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
-CLUSTER_CAPACITY = "/specpool.v1.ClusterState/GetClusterCapacity"
+CLUSTER_CAPACITY = "/specpool.v1.ClusterStateService/GetClusterCapacity"
 DUPLICATE_IDS = [f"dup-{i}" for i in range(8)]  # request ids several calls share, at once or not
 # The tenants the fuzzer's endpoint requests name in their `tenant` fields. The endpoint goes by the
 # caller's certificate (client/fz-a: FUZZER_TENANT) and ignores these fields, so they must be harmless;
@@ -182,7 +183,7 @@ def raw_bytes(rng: random.Random, valid: bytes) -> bytes:
 
 
 def target_api_call(rng: random.Random, model: str, router: bool) -> Call:
-    """A call of the Target API (a target's or the router's), grpc.health.v1, or the router's ClusterState."""
+    """A call of the Target API (a target's or the router's), grpc.health.v1, or the router's ClusterStateService."""
     timeout = 10.0
     r = rng.random()
     if r < 0.75:
@@ -193,10 +194,8 @@ def target_api_call(rng: random.Random, model: str, router: bool) -> Call:
         if router and rng.random() < 0.2:
             # Self-asserted tenants: the router goes by the caller's bearer token and ignores these.
             metadata = (("x-specpool-tenant", rng.choice(["alpha", "", " ", "t" * 200, "fz-a", "t0"])),)
-        if r < 0.45:
-            cancel = rng.choice([1, 2]) if rng.random() < 0.1 else None
-            return Call(TARGET_API + "Generate", "stream", request, timeout, cancel, metadata)
-        return Call(TARGET_API + "GenerateUnary", "unary", request, timeout, metadata=metadata)
+        cancel = rng.choice([1, 2]) if rng.random() < 0.1 else None
+        return Call(TARGET_API + "Generate", "stream", request, timeout, cancel, metadata)
     if r < 0.82:
         request_id = rng.choice([*DUPLICATE_IDS, "", text(rng)])
         return Call(TARGET_API + "Cancel", "unary", pb.CancelRequest(request_id=request_id), 5.0)
@@ -207,8 +206,7 @@ def target_api_call(rng: random.Random, model: str, router: bool) -> Call:
                     5.0)
     if router and r < 0.9:
         return Call(CLUSTER_CAPACITY, "unary", b"", 5.0)
-    method, kind = rng.choice([("Generate", "stream"), ("GenerateUnary", "unary"), ("Cancel", "unary"),
-                               ("GetInfo", "unary")])
+    method, kind = rng.choice([("Generate", "stream"), ("Cancel", "unary"), ("GetInfo", "unary")])
     valid = generate_request(rng, model).SerializeToString() if method.startswith("Generate") else b"\x0a\x03abc"
     return Call(TARGET_API + method, kind, raw_bytes(rng, valid), 5.0)
 
@@ -229,8 +227,8 @@ def session_spec(rng: random.Random) -> spec_pb.SessionSpec:
     return s
 
 
-def round_request(rng: random.Random) -> spec_pb.RoundRequest:
-    r = spec_pb.RoundRequest(tenant=endpoint_tenant(rng), round_id=rng.choice([0, 1, rng.getrandbits(64)]))
+def round_request(rng: random.Random) -> spec_pb.RoundsRequest:
+    r = spec_pb.RoundsRequest(tenant=endpoint_tenant(rng), round_id=rng.choice([0, 1, rng.getrandbits(64)]))
     for _ in range(rng.randint(0, 4)):
         r.sequences.add(
             request_id=pick(rng, SESSION_IDS, ["", text(rng)], 0.1),
@@ -262,9 +260,9 @@ def endpoint_call(rng: random.Random, model: str) -> Call:
         return Call(SPEC_API + "Rounds", "bidi", messages, rng.choice([0.05, 2.0, 5.0]), cancel)
     if r < 0.74:
         return Call(SPEC_API + "OpenTensorChannel", "unary",
-                    spec_pb.TensorChannelRequest(tenant=endpoint_tenant(rng)), 5.0)
+                    spec_pb.OpenTensorChannelRequest(tenant=endpoint_tenant(rng)), 5.0)
     if r < 0.8:
-        return Call(SPEC_API + "GetCapacity", "unary", spec_pb.CapacityRequest(), 5.0)
+        return Call(SPEC_API + "GetCapacity", "unary", spec_pb.GetCapacityRequest(), 5.0)
     if r < 0.82:
         return Call(HEALTH_CHECK, "unary", health_pb2.HealthCheckRequest(service=rng.choice(["", "liveness", "x"])),
                     5.0)
@@ -438,7 +436,7 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     prompt = [5, 6, 7, 8, 5, 6, 7]
     tiny, _ = Llama.from_gguf(cluster["gguf"], dtype="fp32", device="cpu")
     [want] = generate(tiny, [prompt], SamplingParams(), 24, stop_ids=[])
-    result = target_pb2_grpc.TargetServiceStub(channels["router"]).GenerateUnary(pb.GenerateRequest(
+    result = generate_result(target_pb2_grpc.TargetServiceStub(channels["router"]), pb.GenerateRequest(
         prompt_ids=pb.TokenIds(ids=prompt), max_tokens=24, ignore_eos=True), timeout=30)
     assert list(result.completions[0].token_ids) == want.token_ids
 
@@ -446,7 +444,7 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     for target in cluster["targets"]:
         wait_for(lambda t=target: idle(t), timeout_s=20)
     spec = speculation_pb2_grpc.SpeculationServiceStub(channels["endpoint"])
-    wait_for(lambda: spec.GetCapacity(spec_pb.CapacityRequest(), timeout=5).active_sessions == 0,
+    wait_for(lambda: spec.GetCapacity(spec_pb.GetCapacityRequest(), timeout=5).active_sessions == 0,
              timeout_s=MAX_LEASE_S + 10)
     [endpoint_id] = [e.id for e in cluster["registry"].endpoints()]
     wait_for(lambda: not sum(cluster["registry"].held(endpoint_id).values()), timeout_s=LEASE_TTL_S + 10)

@@ -15,7 +15,8 @@ from specpool.engine.gguf_loader import load_gguf
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
 from specpool.training.head import export
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
     SAMPLES,
     STRONG_TWIN_SAMPLES,
@@ -62,10 +63,10 @@ def test_greedy_head_drafts_through_the_servers_equal_ar(tmp_path, tree):
     try:
         stub = stub_for(target)
         for ids, want in zip(prompts, expected):
-            c = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=24, ignore_eos=True,
+            c = generate_result(stub, pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=24, ignore_eos=True,
                                                       speculation=pref)).completions[0]
             assert list(c.token_ids) == want
-            assert c.speculation.method == "head" and c.speculation.fallback_rounds == 0
+            assert c.speculation.method == pb.SPECULATION_METHOD_HEAD and c.speculation.fallback_rounds == 0
             assert c.speculation.drafted_tokens > 0 and c.speculation.accepted_tokens > 0
         assert endpoint.metric_total("specpool_spec_drafted_tokens_total") > 0
     finally:

@@ -16,7 +16,8 @@ from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
     PER_REQUEST,
     PROMPT,
@@ -57,11 +58,11 @@ def greedy_through_ssd(gguf: Path, draft: Path, mode: str = "push", head: Path |
     try:
         stub = stub_for(target)
         for ids, want in zip(prompts, expected):
-            result = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=40,
+            result = generate_result(stub, pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=40,
                                                            ignore_eos=True, speculation=SSD))
             c = result.completions[0]
             assert list(c.token_ids) == want
-            assert c.speculation.method == "ssd" and c.speculation.fallback_rounds == 0
+            assert c.speculation.method == pb.SPECULATION_METHOD_SSD and c.speculation.fallback_rounds == 0
             completions.append(c)
         return completions, endpoint.metric_total("specpool_spec_ssd_cache_hit_ratio")
     finally:
@@ -112,7 +113,7 @@ def ssd_server_check(name: str, files: tuple[Path, ...], mode: str, samples: int
         try:
             stub = stub_for(target)
             for seed in range(samples // PER_REQUEST):
-                result = stub.GenerateUnary(pb.GenerateRequest(
+                result = generate_result(stub, pb.GenerateRequest(
                     prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=NEW, n=PER_REQUEST, ignore_eos=True,
                     sampling=pb.SamplingParams(temperature=params.temperature, seed=seed), speculation=SSD,
                 ))

@@ -25,11 +25,13 @@ from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Heartbeat, Registry
 from specpool.common.security import LocalCA, Security
 from specpool.common.serving import build_server
+from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.engine.gguf_loader import model_name
-from specpool.v1 import speculation_pb2 as spb
-from specpool.v1 import speculation_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import speculation_pb2 as spb
+from specpool_client.v1 import speculation_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
 from tests.pki import CA
 
@@ -88,10 +90,10 @@ class Tenant:
         return reply.sessions[0]
 
     def round(self, request_id: str, as_tenant: str | None = None, k: int = 3,
-              new_tokens: tuple[int, ...] = ()) -> spb.RoundResponse:
+              new_tokens: tuple[int, ...] = ()) -> spb.RoundsResponse:
         """new_tokens: what the target emitted since the session's previous round (none before the first)."""
         self._round += 1
-        request = spb.RoundRequest(tenant=as_tenant or self.name, round_id=self._round, sequences=[
+        request = spb.RoundsRequest(tenant=as_tenant or self.name, round_id=self._round, sequences=[
             spb.SequenceRound(request_id=request_id, num_draft_tokens=k, new_tokens=new_tokens)])
         [reply] = list(self.stub.Rounds(iter([request]), timeout=30))
         return reply
@@ -144,9 +146,9 @@ def test_a_tenant_cannot_close_or_replace_anothers_session(endpoint):
 def test_a_tenant_cannot_take_over_anothers_tensor_channel(endpoint):
     """Mallory asks for a tensor channel in alice's name and joins it; alice then drafts with dense q."""
     mode, alice, mallory = tenants(endpoint)
-    offer = mallory.stub.OpenTensorChannel(spb.TensorChannelRequest(tenant="alice"), timeout=10)
+    offer = mallory.stub.OpenTensorChannel(spb.OpenTensorChannelRequest(tenant="alice"), timeout=10)
     taken = DistributedPairChannel.connect(ChannelOffer(
-        host=offer.store_host, port=offer.store_port, prefix=offer.prefix, backend=offer.backend,
+        host=offer.store_host, port=offer.store_port, prefix=offer.prefix, backend=backend_from_pb(offer.backend),
         target_rank=offer.target_rank, timeout_s=offer.timeout_s, secret=offer.secret), offer.target_rank)
     try:
         time.sleep(0.5)  # the endpoint's side of the pair is filed just after the handshake
@@ -168,7 +170,7 @@ def test_a_tenant_cannot_take_over_anothers_tensor_channel(endpoint):
 def test_a_target_sees_only_its_own_tenant_in_the_endpoint_capacity(endpoint):
     mode, alice, mallory = tenants(endpoint)
     assert alice.open("cap-1", [1, 2, 3]).ok and mallory.open("cap-2", [1, 2, 3]).ok
-    seen = {t.tenant for t in mallory.stub.GetCapacity(spb.CapacityRequest(), timeout=10).tenants}
+    seen = {t.tenant for t in mallory.stub.GetCapacity(spb.GetCapacityRequest(), timeout=10).tenants}
     if mode == "insecure":
         assert "alice" in seen
     else:
@@ -203,7 +205,7 @@ def test_every_port_refuses_plaintext_foreign_certificates_and_callers_without_c
         ("target", "alpha"): (p["target"].address, lambda ch: target_pb2_grpc.TargetServiceStub(ch).GetInfo(
             pb.GetInfoRequest(), timeout=5)),
         ("endpoint", "spec"): (spec.address, lambda ch: speculation_pb2_grpc.SpeculationServiceStub(ch).GetCapacity(
-            spb.CapacityRequest(), timeout=5)),
+            spb.GetCapacityRequest(), timeout=5)),
     }
     for (role, name), (address, call) in ports.items():
         server_name = [("grpc.ssl_target_name_override", f"{name}.{role}.specpool" if name else f"{role}.specpool")]
@@ -284,7 +286,7 @@ def test_a_tenant_cannot_cancel_anothers_request_and_ids_are_per_tenant(pool):
     tokens = [len(next(stream).delta.token_ids)]  # running now
     # Is job-7 running? Before, ALREADY_EXISTS answered that for anyone's ids.
     try:
-        same_id = mallory.GenerateUnary(pb.GenerateRequest(request_id="job-7", prompt_ids=pb.TokenIds(ids=[1]),
+        same_id = generate_result(mallory, pb.GenerateRequest(request_id="job-7", prompt_ids=pb.TokenIds(ids=[1]),
                                                            max_tokens=2), metadata=mallory_md, timeout=60)
         probe = grpc.StatusCode.OK if same_id.completions else None
     except grpc.RpcError as e:
@@ -323,9 +325,10 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
             "address": f"127.0.0.1:{port}", "model": model, "tenant": tenant, "max_batch": 1000,
             "methods": ["ngram"]}, ttl_s=2.0, interval_s=0.2)
 
-    def GenerateUnary(self, request, context):
+    def Generate(self, request, context):
         self.prompts.append(request)
-        return pb.GenerateResult(request_id=request.request_id, completions=[pb.Completion(token_ids=[7])])
+        yield pb.GenerateResponse(request_id=request.request_id, final=pb.GenerateResult(
+            request_id=request.request_id, completions=[pb.Completion(token_ids=[7])]))
 
     def close(self) -> None:
         self.heartbeat.stop()
@@ -364,7 +367,7 @@ def test_a_target_that_only_wrote_a_heartbeat_gets_no_prompts(pool, tmp_path):
 
         def one(i: int) -> pb.GenerateResult:
             request = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1, 2, i]), max_tokens=2, ignore_eos=True)
-            return stub.GenerateUnary(request, metadata=metadata, timeout=60)
+            return generate_result(stub, request, metadata=metadata, timeout=60)
 
         with ThreadPoolExecutor(4) as workers:
             results = list(workers.map(one, range(20)))

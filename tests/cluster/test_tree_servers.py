@@ -10,7 +10,8 @@ import pytest
 from specpool.engine.decoding import generate
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
     PER_REQUEST,
     PROMPT,
@@ -53,10 +54,10 @@ def test_greedy_trees_through_the_servers_equal_ar(tmp_path, method):
     try:
         stub = stub_for(target)
         for ids, want in zip(prompts, expected):
-            c = stub.GenerateUnary(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=24, ignore_eos=True,
+            c = generate_result(stub, pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=ids), max_tokens=24, ignore_eos=True,
                                                       speculation=pref)).completions[0]
             assert list(c.token_ids) == want
-            assert c.speculation.method == method and c.speculation.fallback_rounds == 0
+            assert c.speculation.method == pref.method and c.speculation.fallback_rounds == 0
             assert c.speculation.drafted_tokens > 0 and c.speculation.accepted_tokens > 0
         assert endpoint.metric_total("specpool_spec_drafted_tokens_total") > 0
     finally:
@@ -71,7 +72,7 @@ def test_ssd_with_trees_is_refused_naming_the_field(tmp_path):
     endpoint, target = tree_servers(gguf, draft)
     try:
         with pytest.raises(grpc.RpcError) as e:
-            stub_for(target).GenerateUnary(pb.GenerateRequest(
+            generate_result(stub_for(target), pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=[1, 2]), max_tokens=4,
                 speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_SSD, tree=True)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculation.tree" in e.value.details()
@@ -94,7 +95,7 @@ def tree_server_check(name: str, files, temperature: float, samples: int = SAMPL
     try:
         stub = stub_for(target)
         for seed in range(samples // PER_REQUEST):
-            result = stub.GenerateUnary(pb.GenerateRequest(
+            result = generate_result(stub, pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=PROMPT), max_tokens=NEW, n=PER_REQUEST, ignore_eos=True,
                 sampling=pb.SamplingParams(temperature=temperature, seed=seed), speculation=TREE,
             ))

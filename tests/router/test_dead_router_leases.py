@@ -12,6 +12,7 @@ import pytest
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Heartbeat, Registry
+from specpool_client import generate_result
 from tests.router.test_router import DRAFT, NGRAM, FakeTarget, request, stub, wait_for_model
 
 MODEL, ENDPOINT, SLOTS = "lease-model", "lease-ep", 4
@@ -68,7 +69,7 @@ def test_a_killed_routers_leases_free_within_15_s(pool):
 
     def speculates() -> bool:
         rid = f"after-{next(attempts)}"
-        stub(survivor).GenerateUnary(request(MODEL, rid, method=DRAFT), timeout=30)
+        generate_result(stub(survivor), request(MODEL, rid, method=DRAFT), timeout=30)
         return target.methods()[rid] == DRAFT
 
     wait_for(speculates, timeout_s=max(0.5, 15 - (time.monotonic() - killed)), interval_s=0.2)

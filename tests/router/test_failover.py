@@ -31,8 +31,9 @@ from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
 from specpool.router.forwarding import Stream
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel as secure_channel
 
 MAX_CONTEXT = 2048
@@ -101,7 +102,7 @@ def test_a_stream_is_continued_from_what_its_client_received():
     assert stream.next_request() is None
     final = stream.final("m").final
     assert (list(final.completions[0].token_ids), final.completions[0].text, final.completions[0].finish_reason,
-            final.usage.prompt_tokens, final.usage.completion_tokens) == ([4, 5, 6, 9], "abc", "stop", 2, 4)
+            final.usage.prompt_tokens, final.usage.completion_tokens) == ([4, 5, 6, 9], "abc", pb.FINISH_REASON_STOP, 2, 4)
 
     several = Stream(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=[1]), max_tokens=5, n=2))
     assert several.movable()
@@ -175,7 +176,7 @@ def test_while_redis_is_down_the_router_serves_the_replicas_it_knew(pool):
             if stop.is_set():
                 return
             try:
-                result = stub.GenerateUnary(request([3, 7, 9, c, i % 50], 8), timeout=30)
+                result = generate_result(stub, request([3, 7, 9, c, i % 50], 8), timeout=30)
                 assert result.usage.completion_tokens == 8
                 succeeded.append(i)
             except grpc.RpcError as e:

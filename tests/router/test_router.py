@@ -5,8 +5,8 @@ speculation decisions, real tiny serve-target/serve-spec processes for leases an
 - the router declines to speculate when no method is predicted to beat plain decoding;
 - placement follows the load the replicas report; two router replicas place sessions the same way;
 - a tenant's share of draft slots holds through the router while a greedy tenant asks for more;
-- /capacity (JSON) carries what ClusterState does; per-tenant leases only for operators (the metrics
-  token), and ClusterState shows a tenant its own alone;
+- /capacity (JSON) carries what ClusterStateService does; per-tenant leases only for operators (the metrics
+  token), and ClusterStateService shows a tenant its own alone;
 - after 200 requests that complete, are cancelled or are abandoned by their client, no slot is held;
 - a Redis restart loses no in-flight request, and the registry rebuilds from heartbeats.
 """
@@ -28,17 +28,19 @@ from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Heartbeat, Registry
 from specpool.common.security import Security
 from specpool.common.serving import METRICS_TOKEN_ENV, build_server
+from specpool.common.speculation import finish_reason_name
 from specpool.engine.gguf_loader import model_name
 from specpool.router.capacity import capacity_json
-from specpool.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
-from specpool.v1 import target_pb2 as pb
+from specpool_client import generate_result
+from specpool_client.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
 from tests.pki import CA, channel
 
 pytestmark = pytest.mark.slow
 
 DRAFT, NGRAM, NONE, AUTO = (pb.SPECULATION_METHOD_DRAFT_MODEL, pb.SPECULATION_METHOD_NGRAM,
-                            pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_AUTO)
+                            pb.SPECULATION_METHOD_NONE, pb.SPECULATION_METHOD_UNSPECIFIED)
 
 
 
@@ -96,23 +98,15 @@ class FakeTarget(target_pb2_grpc.TargetServiceServicer):
         finally:
             self._leave()
 
-    def GenerateUnary(self, request, context):
-        self._enter(request)
-        try:
-            self._hold(context)
-            return self._result(request)
-        finally:
-            self._leave()
-
     def Cancel(self, request, context):
         return pb.CancelResponse(cancelled=False)
 
     def GetInfo(self, request, context):
-        return pb.TargetInfo(service_id=self.member_id, model=self.model, vocab_size=64, max_batch=16)
+        return pb.GetInfoResponse(service_id=self.member_id, model=self.model, vocab_size=64, max_batch=16)
 
     def _result(self, request) -> pb.GenerateResult:
         return pb.GenerateResult(request_id=request.request_id, model=self.model, completions=[
-            pb.Completion(token_ids=[5], finish_reason="length")])
+            pb.Completion(token_ids=[5], finish_reason=pb.FINISH_REASON_LENGTH)])
 
     def close(self) -> None:
         self.gate.set()
@@ -214,9 +208,9 @@ def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(clu
         router = cluster["routers"][0]
         wait_for_model(router, "slow-model")
         s = stub(router)
-        s.GenerateUnary(request("slow-model", "auto"))
-        s.GenerateUnary(request("slow-model", "ngram", method=NGRAM))
-        s.GenerateUnary(request("slow-model", "draft", method=DRAFT))
+        generate_result(s, request("slow-model", "auto"))
+        generate_result(s, request("slow-model", "ngram", method=NGRAM))
+        generate_result(s, request("slow-model", "draft", method=DRAFT))
         assert slow.methods() == {"auto": NONE, "ngram": NGRAM, "draft": NONE}
         assert router.metric_total("specpool_router_decisions_total", model="slow-model", plan="none",
                       reason="no_speedup") == 1
@@ -225,10 +219,10 @@ def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(clu
         assert router.metric_total("specpool_router_decisions_total", model="slow-model", plan="none",
                       reason="no_endpoint") == 1
         with pytest.raises(grpc.RpcError) as err:
-            s.GenerateUnary(request("no-such-model"))
+            generate_result(s, request("no-such-model"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("model:")
         with pytest.raises(grpc.RpcError) as err:
-            s.GenerateUnary(request(""))
+            generate_result(s, request(""))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, "several models: the request must name one"
     finally:
         slow.close()
@@ -261,7 +255,7 @@ def test_placement_follows_the_load_the_replicas_report(cluster, fakes):
             want = {busy: 15, idle: 0}
             wait_for(lambda want=want: reported_running(router, "fake-model") == want)
             for i in range(60):
-                s.GenerateUnary(request("fake-model", f"load-{phase}-{i}"))
+                generate_result(s, request("fake-model", f"load-{phase}-{i}"))
             placed = Counter(f.member_id for f in fakes for r in f.received
                              if r.request_id.startswith(f"load-{phase}-"))
             assert sum(placed.values()) == 60 and placed[busy] <= 18, (f"{busy} reports 15/16 busy", placed)
@@ -281,8 +275,8 @@ def test_two_router_replicas_place_sessions_the_same_way(cluster, fakes):
         return where
 
     for i in range(12):
-        a.GenerateUnary(request("fake-model", f"s{i}-a", session_id=f"session-{i}"))
-        b.GenerateUnary(request("fake-model", f"s{i}-b", session_id=f"session-{i}"))
+        generate_result(a, request("fake-model", f"s{i}-a", session_id=f"session-{i}"))
+        generate_result(b, request("fake-model", f"s{i}-b", session_id=f"session-{i}"))
         assert replica_of(f"s{i}-a") == replica_of(f"s{i}-b"), i
     homes = {replica_of(f"s{i}-a") for i in range(12)}
     assert homes == {"fake-a", "fake-b"}, "sessions are spread, each kept on its own replica"
@@ -335,10 +329,10 @@ def capacity(router: ServerProcess, token: str | None = None) -> dict:
 
 
 def cluster_capacity(router: ServerProcess, tenant: str) -> dict:
-    """ClusterState as the tenant's bearer token sees it."""
+    """ClusterStateService as the tenant's bearer token sees it."""
     with channel(router.address, "router", tenant=tenant) as ch:
-        return capacity_json(cluster_pb2_grpc.ClusterStateStub(ch).GetClusterCapacity(
-            cluster_pb2.ClusterCapacityRequest(), timeout=10))
+        return capacity_json(cluster_pb2_grpc.ClusterStateServiceStub(ch).GetClusterCapacity(
+            cluster_pb2.GetClusterCapacityRequest(), timeout=10))
 
 
 def leases(data: dict, endpoint_id: str) -> dict[str, int]:
@@ -407,7 +401,7 @@ def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(clus
         kind = ("unary", "stream", "stream", "cancel", "disconnect")[i % 5]
         rid = f"leak-{i}"
         if kind == "unary":
-            result = s.GenerateUnary(request(model, rid, DRAFT, max_tokens=6), timeout=60)
+            result = generate_result(s, request(model, rid, DRAFT, max_tokens=6), timeout=60)
             assert len(result.completions[0].token_ids) == 6
             return kind
         call = s.Generate(request(model, rid, DRAFT, max_tokens=6 if kind == "stream" else 100), timeout=60)
@@ -425,7 +419,7 @@ def test_no_slot_leaks_after_200_completed_cancelled_and_abandoned_requests(clus
                 found = False  # it finished first
             finals = [m.final for m in call if m.HasField("final")]
             assert len(finals) == 1
-            reason = finals[0].completions[0].finish_reason
+            reason = finish_reason_name(finals[0].completions[0].finish_reason)
             assert found or reason == "length", (rid, reason)
             return reason
         call.cancel()  # the client goes away mid-stream
@@ -468,7 +462,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
         redis_server.stop()
         try:
             # While Redis is down the router places on its last snapshot, without draft slots.
-            during = s.GenerateUnary(request(model, "during-outage", DRAFT, max_tokens=5), timeout=30)
+            during = generate_result(s, request(model, "during-outage", DRAFT, max_tokens=5), timeout=30)
             assert len(during.completions[0].token_ids) == 5
         finally:
             redis_server.start()
@@ -480,7 +474,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
         return (sorted(t.tenant for t in registry.targets() if t.model == model) == ["target-1", "target-2"]
                 and "spec-1" in [e.id for e in registry.endpoints()])
     wait_for(rebuilt, timeout_s=5)
-    after = s.GenerateUnary(request(model, "after-restart", DRAFT, max_tokens=5), timeout=30)
+    after = generate_result(s, request(model, "after-restart", DRAFT, max_tokens=5), timeout=30)
     assert len(after.completions[0].token_ids) == 5
     wait_for(lambda: router.metric_total("specpool_router_decisions_total", model=model, plan="draft_model",
                             reason="requested") > 0)

@@ -144,7 +144,7 @@ def test_flags():
 def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
     from specpool.router.metrics import RouterMetrics
     from specpool.router.routing import Router, RouterConfig, RoutingError, tenant_of
-    from specpool.v1 import target_pb2 as pb
+    from specpool_client.v1 import target_pb2 as pb
 
     url = redis_server.url
     Heartbeat(url, "endpoint", "ep", lambda: {"address": "h:9", "models": ["m"], "max_sessions": 4}).beat()
@@ -169,6 +169,6 @@ def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
     assert third.request.speculation.method == pb.SPECULATION_METHOD_NGRAM and third.request.request_id
     unknown = pb.GenerateRequest(model="m", prompt="x", max_tokens=1)
     unknown.speculation.method = 99  # proto3 enums take any number
-    with pytest.raises(RoutingError, match=r"^speculation.method: unknown \w+ 99; one of SPECULATION_METHOD_AUTO"):
+    with pytest.raises(RoutingError, match=r"^speculation.method: unknown \w+ 99; one of SPECULATION_METHOD_UNSPECIFIED"):
         router.route(unknown, None)
     registry.close()

@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 
 from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
 from specpool.common.serving import Admission, abort_invalid, add_health_and_reflection, build_server
-from specpool.v1 import target_pb2
+from specpool_client.v1 import target_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -20,13 +20,13 @@ from specpool.common.speculation import (
     sparse_q_to_pb,
 )
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import speculation_pb2 as spec_pb
-from specpool.v1 import target_pb2
+from specpool_client.v1 import speculation_pb2 as spec_pb
+from specpool_client.v1 import target_pb2
 
 
 def test_every_method_round_trips_through_the_target_api_enum():
-    assert method_from_pb(target_pb2.SPECULATION_METHOD_AUTO) is None
-    assert method_to_pb(None) == target_pb2.SPECULATION_METHOD_AUTO
+    assert method_from_pb(target_pb2.SPECULATION_METHOD_UNSPECIFIED) is None
+    assert method_to_pb(None) == target_pb2.SPECULATION_METHOD_UNSPECIFIED
     for method in Method:
         assert method_from_pb(method_to_pb(method)) is method
     # Every number the proto declares maps somewhere: a new enum value cannot be forgotten here.

@@ -36,9 +36,9 @@ from specpool.spec_endpoint.messages import (
 )
 from specpool.spec_endpoint.server import add_arguments, add_to_server
 from specpool.training.distill import DraftLM, export
-from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import speculation_pb2_grpc as pb_grpc
-from specpool.v1 import target_pb2
+from specpool_client.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2_grpc as pb_grpc
+from specpool_client.v1 import target_pb2
 
 V = 64
 MODEL = "tiny"
@@ -364,12 +364,12 @@ class RoundsClient:
         self._requests: queue.Queue = queue.Queue()
         self._replies = stub.Rounds(iter(self._requests.get, None), timeout=20)
 
-    def send(self, tenant, round_id, *seqs, resolution=pb.ROUND_RESOLUTION_ASK):
-        self._requests.put(pb.RoundRequest(tenant=tenant, round_id=round_id, sequences=[
+    def send(self, tenant, round_id, *seqs, resolution=pb.ROUND_RESOLUTION_UNSPECIFIED):
+        self._requests.put(pb.RoundsRequest(tenant=tenant, round_id=round_id, sequences=[
             pb.SequenceRound(request_id=r, new_tokens=t, num_draft_tokens=n, resolution=resolution) for r, t, n in seqs
         ]))
 
-    def recv(self) -> pb.RoundResponse:
+    def recv(self) -> pb.RoundsResponse:
         return next(self._replies)
 
     def close(self):
@@ -399,7 +399,7 @@ def test_grpc_two_concurrent_streams_share_a_batch(served):
     assert replies["a"].sequences[0].tokens == replies["b"].sequences[0].tokens  # same context, greedy
     assert endpoint.metrics.value("specpool_spec_shared_batches_total") == 1
 
-    capacity = stub.GetCapacity(pb.CapacityRequest(), timeout=10)
+    capacity = stub.GetCapacity(pb.GetCapacityRequest(), timeout=10)
     assert capacity.active_sessions == 2 and capacity.endpoint_id == "test"
     [model] = capacity.models
     assert model.target_model == MODEL
@@ -475,7 +475,7 @@ def test_grpc_round_and_other_rpc_validation(served):
 
     for call, request in [
         (stub.CloseSessions, pb.CloseSessionsRequest(tenant="")),
-        (stub.OpenTensorChannel, pb.TensorChannelRequest(tenant="")),
+        (stub.OpenTensorChannel, pb.OpenTensorChannelRequest(tenant="")),
     ]:
         with pytest.raises(grpc.RpcError) as err:
             call(request, timeout=10)

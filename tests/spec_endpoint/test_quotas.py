@@ -25,8 +25,8 @@ from specpool.cluster.processes import ServerProcess, start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import random_weights
-from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import speculation_pb2_grpc as pb_grpc
+from specpool_client.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2_grpc as pb_grpc
 from tests.pki import CA
 
 MODEL = "tiny"
@@ -92,9 +92,9 @@ class Rounds:
         self._replies = stub.Rounds(iter(self._requests.get, None), timeout=120)
         self._next_id = 0
 
-    def ask(self, tenant: str, *seqs: tuple[str, list[int], int]) -> pb.RoundResponse:
+    def ask(self, tenant: str, *seqs: tuple[str, list[int], int]) -> pb.RoundsResponse:
         self._next_id += 1
-        self._requests.put(pb.RoundRequest(tenant=tenant, round_id=self._next_id, sequences=[
+        self._requests.put(pb.RoundsRequest(tenant=tenant, round_id=self._next_id, sequences=[
             pb.SequenceRound(request_id=r, new_tokens=t, num_draft_tokens=n) for r, t, n in seqs]))
         return next(self._replies)
 
@@ -103,7 +103,7 @@ class Rounds:
 
 
 def active(stub, label: str) -> int:
-    capacity = stub.GetCapacity(pb.CapacityRequest(), timeout=10)
+    capacity = stub.GetCapacity(pb.GetCapacityRequest(), timeout=10)
     return sum(t.active_sessions for t in capacity.tenants if t.tenant == label)
 
 

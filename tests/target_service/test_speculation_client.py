@@ -20,8 +20,8 @@ from specpool.target_service.codec import assemble, session_spec, unusable
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.fallback import Fallback
 from specpool.target_service.speculation_client import SpeculationClient
-from specpool.v1 import speculation_pb2 as pb
-from specpool.v1 import speculation_pb2_grpc, target_pb2
+from specpool_client.v1 import speculation_pb2 as pb
+from specpool_client.v1 import speculation_pb2_grpc, target_pb2
 
 VOCAB = 64
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
@@ -35,7 +35,7 @@ class Recorder:
     def __init__(self):
         self.fallbacks: list[tuple[Fallback, str]] = []
         self.rounds = 0
-        self.capacities: list[pb.Capacity] = []
+        self.capacities: list[pb.GetCapacityResponse] = []
 
     def attached(self, capacity):
         self.capacities.append(capacity)
@@ -69,10 +69,10 @@ class Endpoint(speculation_pb2_grpc.SpeculationServiceServicer):
         self.rounds = 0
 
     def GetCapacity(self, request, context):
-        return pb.Capacity()
+        return pb.GetCapacityResponse()
 
     def OpenTensorChannel(self, request, context):
-        return pb.TensorChannelResponse()  # no secret: the target drafts dense q locally
+        return pb.OpenTensorChannelResponse()  # no secret: the target drafts dense q locally
 
     def OpenSessions(self, request, context):
         for spec in request.sessions:
@@ -91,7 +91,7 @@ class Endpoint(speculation_pb2_grpc.SpeculationServiceServicer):
             if self.fail_after is not None and self.rounds > self.fail_after:
                 self.fail_after = None  # the next stream (a re-attach) is healthy
                 context.abort(grpc.StatusCode.UNAVAILABLE, "endpoint restarting")
-            reply = pb.RoundResponse(round_id=request.round_id)
+            reply = pb.RoundsResponse(round_id=request.round_id)
             for seq in request.sequences:
                 context_ids = self.contexts[seq.request_id]
                 context_ids.extend(seq.new_tokens)
@@ -204,7 +204,7 @@ def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
     drafts like a free drafter."""
     target = StepCosts((1, 16), (0, 4, 8), ((0.03, 0.031, 0.033), (0.04, 0.15, 0.30)))
     client = client_for(None, Recorder())
-    client.capacity = pb.Capacity(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+    client.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
         batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.01, 0.012, 0.02, 0.03]))])
     for method in (Method.SSD, Method.DRAFT_MODEL, Method.NGRAM):
         for i in range(16):

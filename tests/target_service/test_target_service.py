@@ -20,8 +20,9 @@ from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import save_gguf
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel
 
 # Room for long streams: a cancelled one must still be running seconds after its first delta.
@@ -86,7 +87,7 @@ def test_concurrent_streams_equal_in_process_ar(stub, tiny_gguf):
 
 
 def test_unary_and_n_completions(stub):
-    result = stub.GenerateUnary(_request(PROMPTS[0], max_tokens=8, n=3,
+    result = generate_result(stub, _request(PROMPTS[0], max_tokens=8, n=3,
                                          sampling=pb.SamplingParams(temperature=1.0, seed=7)))
     assert [c.index for c in result.completions] == [0, 1, 2]
     assert all(len(c.token_ids) >= 1 for c in result.completions)
@@ -117,7 +118,7 @@ def test_cancel_stops_a_running_stream(stub, other):
             received.extend(msg.delta.token_ids)
         else:
             final = msg.final
-    assert final is not None and final.completions[0].finish_reason == "cancelled"
+    assert final is not None and final.completions[0].finish_reason == pb.FINISH_REASON_CANCELLED
     assert list(final.completions[0].token_ids) == received and len(received) < max_tokens
     assert _not_found(lambda: stub.Cancel(pb.CancelRequest(request_id="to-cancel"))), "done: nothing to cancel"
 
@@ -130,18 +131,18 @@ def test_request_ids_are_each_callers_own(stub, other):
     try:
         assert next(mine).HasField("delta")
         with pytest.raises(grpc.RpcError) as err:
-            stub.GenerateUnary(long, timeout=30)
+            generate_result(stub, long, timeout=30)
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         theirs = other.Generate(long)
         try:
             assert next(theirs).HasField("delta"), "the same id, another caller: served"
             assert stub.Cancel(pb.CancelRequest(request_id="shared-id")).cancelled
             finals = [m.final for m in mine if m.HasField("final")]
-            assert [f.completions[0].finish_reason for f in finals] == ["cancelled"]
+            assert [f.completions[0].finish_reason for f in finals] == [pb.FINISH_REASON_CANCELLED]
             assert next(theirs).HasField("delta"), "the other caller's request still runs"
             assert other.Cancel(pb.CancelRequest(request_id="shared-id")).cancelled
             finals = [m.final for m in theirs if m.HasField("final")]
-            assert [f.completions[0].finish_reason for f in finals] == ["cancelled"]
+            assert [f.completions[0].finish_reason for f in finals] == [pb.FINISH_REASON_CANCELLED]
         finally:
             theirs.cancel()
     finally:
@@ -161,15 +162,15 @@ def test_request_ids_are_each_callers_own(stub, other):
 ])
 def test_bad_input_names_the_field_and_the_server_keeps_serving(stub, request_, code, field):
     with pytest.raises(grpc.RpcError) as err:
-        stub.GenerateUnary(request_)
+        generate_result(stub, request_)
     assert err.value.code() == code
     assert err.value.details().startswith(f"{field}:"), err.value.details()
-    assert stub.GenerateUnary(_request([1, 2], max_tokens=2)).usage.completion_tokens >= 1
+    assert generate_result(stub, _request([1, 2], max_tokens=2)).usage.completion_tokens >= 1
 
 
 def test_oversized_message_is_refused(stub):
     with pytest.raises(grpc.RpcError) as err:
-        stub.GenerateUnary(_request([1] * (5 * 1024 * 1024), max_tokens=1))  # over the 4 MiB limit
+        generate_result(stub, _request([1] * (5 * 1024 * 1024), max_tokens=1))  # over the 4 MiB limit
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -208,12 +209,12 @@ def test_a_resumed_request_continues_after_the_tokens_it_was_given(stub, tiny_gg
     assert deltas == want[k:], "only the new tokens stream"
     assert list(final.completions[0].token_ids) == want
     assert final.usage.completion_tokens == len(want) and final.usage.prompt_tokens == len(prompt)
-    assert list(stub.GenerateUnary(resumed).completions[0].token_ids) == want
+    assert list(generate_result(stub, resumed).completions[0].token_ids) == want
     with pytest.raises(grpc.RpcError) as err:
-        stub.GenerateUnary(_request(prompt, max_tokens=4, n=2, resume_token_ids=want[:k]))
+        generate_result(stub, _request(prompt, max_tokens=4, n=2, resume_token_ids=want[:k]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("resume_token_ids:"), err.value.details()
     # A replica that died between a stop token and its final: the continuation is already complete.
-    stopped = stub.GenerateUnary(_request(prompt, max_tokens=4, stop=(want[k - 1],), resume_token_ids=want[:k]))
+    stopped = generate_result(stub, _request(prompt, max_tokens=4, stop=(want[k - 1],), resume_token_ids=want[:k]))
     assert list(stopped.completions[0].token_ids) == want[:k]
-    assert stopped.completions[0].finish_reason == "stop"
+    assert stopped.completions[0].finish_reason == pb.FINISH_REASON_STOP

@@ -10,8 +10,9 @@ from specpool.cluster.processes import start_server
 from specpool.engine.config import tiny_config
 from specpool.engine.gguf_loader import default_model_path, load_gguf, save_gguf
 from specpool.engine.model import random_weights
-from specpool.v1 import target_pb2 as pb
-from specpool.v1 import target_pb2_grpc
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel
 
 
@@ -31,11 +32,11 @@ def test_a_crafted_chat_template_runs_nothing_in_serve_target(tmp_path):
             chat = pb.GenerateRequest(max_tokens=2, messages=pb.ChatMessages(
                 messages=[pb.ChatMessage(role="user", content="hi")]))
             with pytest.raises(grpc.RpcError) as err:
-                stub.GenerateUnary(chat, timeout=30)
+                generate_result(stub, chat, timeout=30)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert err.value.details().startswith("messages: this model's chat template failed (SecurityError")
             assert not owned.exists()
-            assert len(stub.GenerateUnary(pb.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True),
+            assert len(generate_result(stub, pb.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True),
                                           timeout=30).completions[0].token_ids) == 2
     finally:
         target.stop()
