@@ -18,7 +18,8 @@ import redis
 
 from specpool.common.errors import FieldError
 from specpool.common.registry import EndpointRegistration, TargetRegistration
-from specpool.common.speculation import method_from_pb, method_to_pb
+from specpool.common.speculation import method_to_pb
+from specpool.common.target_api import check_generate_request
 from specpool.router.decisions import Decision, LeaseUnavailable, decide, draft_endpoint
 from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from specpool.router.metrics import RouterMetrics
@@ -80,7 +81,7 @@ class Router:
         placed target's own tenant (its service id, as endpoints know it), else "default"."""
         start = time.perf_counter()
         try:
-            requested = method_from_pb(request.speculation.method)
+            requested = check_generate_request(request)  # first: bad input is INVALID_ARGUMENT, up or not
         except FieldError as e:
             raise RoutingError(e.field, e.message, grpc.StatusCode.INVALID_ARGUMENT) from None
         snapshot = self.view.snapshot()

@@ -144,17 +144,19 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
             route = self.router.route(request, tenant, frozenset(exclude))
         except RoutingError as e:
             if stream.tokens:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"request: {len(stream.tokens)} tokens were delivered, "
-                              f"then its replica failed and no other can continue it ({e.field}: {e.message})")
+                abort_invalid(context, "request", f"{len(stream.tokens)} tokens were delivered, then its replica "
+                              f"failed and no other can continue it ({e.field}: {e.message})",
+                              grpc.StatusCode.UNAVAILABLE, reason="NOT_RESUMABLE")
             if stream.refused is not None:  # every replica left was full: their refusal, retry hint and all
                 _abort_like(context, stream.refused)
-            abort_invalid(context, e.field, e.message, e.code)
+            abort_invalid(context, e.field, e.message, e.code,
+                          reason="NO_LIVE_REPLICA" if e.code == grpc.StatusCode.UNAVAILABLE else None)
         fwd = Forwarding(self.router, route)
         current[:] = [fwd]
         if not context.is_active():  # the client left while we placed it
             fwd.cancel()
             fwd.finish("cancelled")
-            context.abort(grpc.StatusCode.CANCELLED, "request: cancelled")
+            abort_invalid(context, "request", "cancelled", grpc.StatusCode.CANCELLED)
         return fwd
 
     def _place_again(self, error: grpc.RpcError, fwd: Forwarding, exclude: set[str], context,

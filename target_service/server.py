@@ -40,10 +40,10 @@ from specpool.common.speculation import (
     MAX_DRAFT_TOKENS,
     Method,
     finish_reason_to_pb,
-    method_from_pb,
     method_to_pb,
     sampling_from_pb,
 )
+from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
@@ -94,7 +94,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 yield pb.GenerateResponse(request_id=req.request_id,
                                           delta=pb.TokenDelta(index=index, token_ids=payload, text=delta))
             elif kind == "error":
-                context.abort(grpc.StatusCode.INTERNAL, payload)
+                abort_invalid(context, "request", payload, grpc.StatusCode.INTERNAL, reason="ENGINE_FAILED")
         yield pb.GenerateResponse(request_id=req.request_id, final=self._result(req))
 
     def Cancel(self, request, context):
@@ -145,35 +145,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return req
 
     def _validate(self, r: pb.GenerateRequest, context) -> Request:
+        try:
+            method = check_generate_request(r)
+            params = sampling_from_pb(r.sampling)
+        except FieldError as e:
+            abort_invalid(context, e.field, e.message)
         if r.model and r.model != self.name:
             abort_invalid(context, "model", f"unknown model {r.model!r}; this service serves {self.name!r}",
                           grpc.StatusCode.NOT_FOUND)
         prompt_ids = self._prompt_ids(r, context)
         resumed = list(r.resume_token_ids)
         self._check_token_ids(context, "resume_token_ids", resumed)
-        if resumed and r.n > 1:
-            abort_invalid(context, "resume_token_ids", f"resumes one completion; n must be 1, got {r.n}")
-        if r.max_tokens < 1:
-            abort_invalid(context, "max_tokens", f"must be >= 1, got {r.max_tokens}")
         held = len(prompt_ids) + len(resumed)
         room = self.max_context - held - MAX_DRAFT_TOKENS - 1
         if r.max_tokens > room:
             abort_invalid(context, "max_tokens", f"{r.max_tokens} does not fit: the prompt has {held} "
                           f"tokens and this service holds {self.max_context} per sequence (at most {max(room, 0)})")
-        try:
-            params = sampling_from_pb(r.sampling)
-            method = method_from_pb(r.speculation.method)
-        except FieldError as e:
-            abort_invalid(context, e.field, e.message)
         n = r.n or 1
         if not 1 <= n <= self.max_batch:
             abort_invalid(context, "n", f"must be in [1, {self.max_batch}], got {r.n}")
         self._check_token_ids(context, "stop_token_ids", r.stop_token_ids)
-        if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
-            abort_invalid(context, "speculation.max_draft_tokens",
-                          f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
-        if r.speculation.tree and method is Method.SSD:
-            abort_invalid(context, "speculation.tree", "SSD drafts chains; ask for draft_model or ngram with tree")
         if params.top_k >= self.vocab_size:  # keeps every token: the same sampler as no truncation
             params = replace(params, top_k=0)
         speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
@@ -191,8 +182,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _prompt_ids(self, r: pb.GenerateRequest, context) -> list[int]:
         which = r.WhichOneof("input")
-        if which is None:
-            abort_invalid(context, "prompt", "one of prompt, prompt_ids or messages is required")
         if which == "prompt_ids":
             ids = list(r.prompt_ids.ids)
             self._check_token_ids(context, "prompt_ids", ids)
@@ -211,15 +200,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 ids = self.tokenizer.encode(r.prompt)
             else:
                 messages = [{"role": m.role, "content": m.content} for m in r.messages.messages]
-                bad_role = next((m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")), None)
-                if bad_role is not None:
-                    abort_invalid(context, "messages", f"role {bad_role!r} is not one of system, user, assistant")
                 try:
                     ids = self.tokenizer.encode_chat(messages) if messages else []
                 except jinja2.TemplateError as e:  # the model file's template: refused by the sandbox, or broken
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"messages: this model's chat template failed ({type(e).__name__}: {e}); "
-                                  "send prompt or prompt_ids instead")
+                    abort_invalid(context, "messages", f"this model's chat template failed ({type(e).__name__}: "
+                                  f"{e}); send prompt or prompt_ids instead", grpc.StatusCode.FAILED_PRECONDITION,
+                                  reason="CHAT_TEMPLATE_FAILED")
         if not ids:
             abort_invalid(context, {"prompt": "prompt", "prompt_ids": "prompt_ids"}.get(which, "messages"), "is empty")
         return ids

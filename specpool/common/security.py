@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from specpool.common import errors
+
 log = logging.getLogger(__name__)
 
 TLS_DIR_ENV = "SPECPOOL_TLS_DIR"
@@ -365,10 +367,9 @@ class _Authenticate(grpc.ServerInterceptor):
 
         def check(context) -> None:
             if self.security.caller(context) is None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                              "authorization: send a bearer token the router's tokens file lists "
-                              "(metadata 'authorization: Bearer <token>') or a client certificate from "
-                              "this cluster's CA")
+                errors.abort(context, grpc.StatusCode.UNAUTHENTICATED, "authorization",
+                             "send a bearer token the router's tokens file lists (metadata 'authorization: "
+                             "Bearer <token>') or a client certificate from this cluster's CA")
 
         def wrap(behavior, streaming_response: bool):
             if streaming_response:

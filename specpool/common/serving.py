@@ -21,15 +21,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, NoReturn
 
 import grpc
-from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from grpc_status import rpc_status
 
-from specpool.common import security
+from specpool.common import errors, security
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -180,13 +177,9 @@ def method_names(service, *methods: str) -> list[str]:
 
 def abort_with_retry(context: grpc.ServicerContext, message: str, retry_after_s: float) -> NoReturn:
     """RESOURCE_EXHAUSTED with google.rpc.RetryInfo: clients and proxies that read status details
-    back off by retry_delay; others still have the message."""
-    info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(
-        seconds=int(retry_after_s), nanos=int(retry_after_s % 1 * 1e9)))
-    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
-    status.details.add().Pack(info)
-    context.abort_with_status(rpc_status.to_status(status))
-    raise AssertionError("grpc context.abort_with_status returned")
+    back off by retry_delay; others still have the message (which starts with "request: ")."""
+    field, _, rest = message.partition(": ")
+    errors.abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, field, rest, retry_after_s=retry_after_s)
 
 
 class _Malformed:
@@ -254,12 +247,14 @@ class MalformedRequests(grpc.ServerInterceptor):
 class HealthState:
     """grpc.health.v1 statuses: "liveness" (restart me if not serving), "readiness" (send me traffic).
 
-    The overall service "" follows readiness, so plain health checkers (grpc_health_probe without
-    -service) see a server as healthy only once it can take work.
+    The overall service "" and each served service by its full name (specpool.v1.TargetService) follow
+    readiness, so plain health checkers (grpc_health_probe with or without -service) see a server as
+    healthy only once it can take work.
     """
 
-    def __init__(self, servicer: grpc_health.HealthServicer | None = None):
+    def __init__(self, servicer: grpc_health.HealthServicer | None = None, services: Iterable[str] = ()):
         self.servicer = servicer or grpc_health.HealthServicer()
+        self.services = [grpc_health.OVERALL_HEALTH, *services]
         self._live = False
         self._ready = False
         self.set_live(True)
@@ -280,7 +275,8 @@ class HealthState:
     def set_ready(self, ready: bool) -> None:
         self._ready = ready
         self.servicer.set(READINESS, _status(ready))
-        self.servicer.set(grpc_health.OVERALL_HEALTH, _status(ready))
+        for service in self.services:
+            self.servicer.set(service, _status(ready))
 
 
 def _status(serving: bool) -> int:
@@ -292,7 +288,7 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
 
     The services' generated `_pb2` modules must be imported first: reflection reads the default pool.
     """
-    state = HealthState()
+    state = HealthState(services=service_full_names)
     health_pb2_grpc.add_HealthServicer_to_server(state.servicer, server)
     names = [*service_full_names, grpc_health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(list(dict.fromkeys(names)), server)
@@ -361,7 +357,8 @@ def abort_invalid(
     field: str,
     message: str,
     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+    reason: str | None = None,
 ) -> NoReturn:
-    """Ends the RPC with a status whose message starts with the offending field's name."""
-    context.abort(code, f"{field}: {message}")
-    raise AssertionError("grpc context.abort returned")  # it always raises; this keeps NoReturn honest
+    """Ends the RPC with a status whose message starts with the offending field's name, and its details
+    (specpool.common.errors)."""
+    errors.abort(context, code, field, message, reason=reason)

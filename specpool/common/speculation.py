@@ -127,18 +127,23 @@ def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") ->
     """Checked where it enters a process: a bad value raises FieldError naming it."""
     from specpool.engine.sampling import SamplingParams
 
-    if not math.isfinite(msg.temperature) or msg.temperature < 0:
-        raise FieldError(f"{field}.temperature", f"must be a finite number >= 0 (0: greedy), got {msg.temperature}")
-    if not 0.0 <= msg.top_p <= 1.0:  # NaN fails too
-        raise FieldError(f"{field}.top_p", f"must be in [0, 1] (0 or 1: no nucleus truncation), got {msg.top_p}")
-    if msg.top_k < 0:
-        raise FieldError(f"{field}.top_k", f"must be >= 0 (0: no top-k truncation), got {msg.top_k}")
+    check_sampling(msg, field)
     return SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
     )
+
+
+def check_sampling(msg: target_pb2.SamplingParams, field: str = "sampling") -> None:
+    """Torch-free, for the router too."""
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise FieldError(f"{field}.temperature", f"must be a finite number >= 0 (0: greedy), got {msg.temperature}")
+    if not 0.0 <= msg.top_p <= 1.0:  # NaN fails too
+        raise FieldError(f"{field}.top_p", f"must be in [0, 1] (0 or 1: no nucleus truncation), got {msg.top_p}")
+    if msg.top_k < 0:
+        raise FieldError(f"{field}.top_k", f"must be >= 0 (0: no top-k truncation), got {msg.top_k}")
 
 
 def sampling_to_pb(params: SamplingParams) -> target_pb2.SamplingParams:

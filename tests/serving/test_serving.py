@@ -12,13 +12,12 @@ from pathlib import Path
 import grpc
 import prometheus_client
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from grpc_status import rpc_status
 
 from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
 from specpool.common.serving import Admission, abort_invalid, add_health_and_reflection, build_server
+from specpool_client import ErrorDetails
 from specpool_client.v1 import target_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -115,9 +114,8 @@ def test_admission_refuses_past_its_limit_with_a_retry_hint_and_control_calls_st
         with pytest.raises(grpc.RpcError) as err:
             next(open_stream(b"", timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        [detail] = rpc_status.from_call(err.value).details
-        info = error_details_pb2.RetryInfo()
-        assert detail.Unpack(info) and info.retry_delay.ToTimedelta().total_seconds() == 1.5
+        details = ErrorDetails.of(err.value)
+        assert (details.retry_delay_s, details.reason) == (1.5, "OVERLOADED"), details
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1)
         assert check.status == SERVING
         held[0].cancel()
