@@ -35,6 +35,7 @@ import grpc
 
 from specpool.cluster.config import ClusterConfig, EndpointSpec, RouterSpec, TargetSpec
 from specpool.cluster.processes import ServerProcess, start_server
+from specpool.common.logs import LOG_FORMAT_ENV
 from specpool.common.registry import redacted
 from specpool.common.security import LocalCA, Security
 from specpool.common.serving import REDIS_URL_ENV
@@ -92,9 +93,10 @@ class Member:
 class Cluster:
     """Running servers of one ClusterConfig; stop() (or leaving the `with` block) drains them all."""
 
-    def __init__(self, config: ClusterConfig, insecure: bool = False):
+    def __init__(self, config: ClusterConfig, insecure: bool = False, log_format: str | None = None):
         self.config = config
         self.insecure = insecure
+        self.log_format = log_format  # every server's (None: as $SPECPOOL_LOG_FORMAT, which they inherit)
         self.ca: LocalCA | None = None  # the throwaway CA (None: insecure)
         self.redis = None  # cluster.redis_server.RedisProcess when this cluster started one
         self.redis_url = config.redis.url or ""
@@ -109,10 +111,10 @@ class Cluster:
 
     @classmethod
     def start(cls, config: ClusterConfig, echo: bool = False, timeout_s: float = 300.0,
-              progress=None, insecure: bool = False) -> Cluster:
+              progress=None, insecure: bool = False, log_format: str | None = None) -> Cluster:
         """Starts every server and returns once all report readiness; on any failure stops what
         started and raises with the failing server's log. `progress(text)` hears each step."""
-        cluster = cls(config, insecure)
+        cluster = cls(config, insecure, log_format)
         say = progress or (lambda text: None)
         try:
             cluster._start(echo, timeout_s, say)
@@ -131,6 +133,8 @@ class Cluster:
             self.redis = start_redis(self.config.redis.port, data_dir)
             self.redis_url = self.redis.url
         env = {REDIS_URL_ENV: self.redis_url}  # not an argument: `ps` shows those
+        if self.log_format:
+            env[LOG_FORMAT_ENV] = self.log_format
         if self.insecure:
             security_args = ["--insecure"]
         else:

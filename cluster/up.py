@@ -15,6 +15,7 @@ import time
 
 from specpool.cluster.config import DEFAULT_CONFIG, ClusterConfig
 from specpool.cluster.launcher import Cluster, format_members
+from specpool.common.logs import FORMATS, LOG_FORMAT_ENV
 
 
 def add_arguments(p) -> None:
@@ -25,6 +26,9 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="per server, to come up")
     p.add_argument("--insecure", action="store_true",
                    help="no TLS, tokens or certificates (anyone reaching a port is any tenant); Redis keeps its password")
+    p.add_argument("--log-format", default=None, choices=FORMATS,
+                   help=f"every server's log lines as text or as JSON objects, one a line (default: ${LOG_FORMAT_ENV}, "
+                        "which the servers inherit, else text)")
 
 
 def main(args) -> int:
@@ -42,6 +46,7 @@ def main(args) -> int:
     try:
         try:
             cluster = Cluster.start(config, echo=args.verbose, timeout_s=args.timeout_s, insecure=args.insecure,
+                                    log_format=args.log_format,
                                     progress=lambda text: print(f"[up] {text}", file=sys.stderr, flush=True))
         except KeyboardInterrupt:
             print("[up] interrupted while starting; stopped what had started", file=sys.stderr)

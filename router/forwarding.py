@@ -1,7 +1,9 @@
 """One client call's forwarding state: the upstream call of its current route, and what it has streamed.
 
 A `Stream` remembers what the client already has, so that another replica can continue it; a
-`Forwarding` ties one route's upstream call to the client's call and finishes the route exactly once.
+`Forwarding` ties one route's upstream call to the client's call and ends the route exactly once:
+`finish` when the request ends on it (Router.finish counts the request), `hand_over` when another
+replica continues it.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from specpool_client.v1 import target_pb2 as pb
 
 
 class Forwarding:
-    """One route's upstream call: cancelled when the client's call ends, finished exactly once."""
+    """One route's upstream call: cancelled when the client's call ends, ended exactly once; counted in
+    the in-flight gauge until then."""
 
     def __init__(self, router: Router, route: Route):
         self.router = router
         self.route = route
+        self.handed_over = False
         self._call = None
         self._cancelled = False
         self._finished = False
         self._lock = threading.Lock()
+        router.metrics.in_flight.labels(model=route.model).inc()
 
     def attach(self, call) -> None:
         with self._lock:
@@ -41,11 +46,27 @@ class Forwarding:
             call.cancel()
 
     def finish(self, outcome: str) -> None:
+        """The request ended on this route: its slot is released and the request counted with `outcome`."""
+        if self._end():
+            self.router.finish(self.route, outcome)
+
+    def hand_over(self) -> None:
+        """Another replica continues the request: this route's slot is released, the request not counted."""
+        if not self._end():
+            return
+        self.handed_over = True
+        if self.route.lease is not None:
+            self.router.leases.release(self.route.lease)
+            self.router.metrics.leases_held.set(self.router.leases.held())
+
+    def _end(self) -> bool:
+        """True the first time only."""
         with self._lock:
             if self._finished:
-                return
+                return False
             self._finished = True
-        self.router.finish(self.route, outcome)
+        self.router.metrics.in_flight.labels(model=self.route.model).dec()
+        return True
 
 
 class Stream:
@@ -60,6 +81,7 @@ class Stream:
         self.text = ""
         self.sent_any = False
         self.final_sent = False
+        self.cancelled = False  # its final says every completion was cancelled (a Cancel reached its replica)
         self.refused: grpc.RpcError | None = None  # the last replica's RESOURCE_EXHAUSTED, if it was full
 
     def sent(self, msg: pb.GenerateResponse) -> None:
@@ -69,6 +91,8 @@ class Stream:
             self.text += msg.delta.text
         else:
             self.final_sent = True
+            self.cancelled = bool(msg.final.completions) and all(
+                c.finish_reason == pb.FINISH_REASON_CANCELLED for c in msg.final.completions)
 
     def movable(self) -> bool:
         # n > 1 streams interleave completions, which a replica cannot resume: once anything was sent

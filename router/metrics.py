@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specpool.common.outcomes import UNKNOWN_MODEL
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -16,8 +18,10 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.decisions = Counter("specpool_router_decisions", "Speculation methods chosen, by reason",
                                  ["model", "plan", "reason"], registry=r)
-        self.requests = Counter("specpool_router_requests", "Finished requests by outcome (ok, error, cancelled)",
-                                ["model", "outcome"], registry=r)
+        # Each client request once, however it ended (specpool/common/outcomes.py), refused ones included:
+        # model "unknown" when it ended before it was placed.
+        self.requests = Counter("specpool_router_requests", "Client requests by outcome: ok, cancelled, invalid, "
+                                "not_found, rejected, unavailable, expired, error", ["model", "outcome"], registry=r)
         self.request_seconds = Histogram("specpool_router_request_seconds", "Routing to the last response",
                                          ["model", "plan"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specpool_router_time_to_first_token_seconds",
@@ -27,8 +31,8 @@ class RouterMetrics:
                                            "Choosing replica, method and slot (registry reads included)",
                                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
                                            registry=r)
-        self.in_flight = Gauge("specpool_router_in_flight_requests", "Requests being forwarded", ["model"],
-                               registry=r)
+        self.in_flight = Gauge("specpool_router_in_flight_requests", "Requests being forwarded to a replica now",
+                               ["model"], registry=r)
         self.leases_held = Gauge("specpool_router_draft_leases_held", "Draft slots this replica holds", registry=r)
         self.registry_errors = Counter("specpool_router_registry_errors", "Redis operations that failed",
                                        ["op"], registry=r)
@@ -37,6 +41,10 @@ class RouterMetrics:
         self.migrations = Counter("specpool_router_migrations",
                                   "Streams continued on another replica after theirs failed mid-stream",
                                   ["model"], registry=r)
+
+    def count(self, outcome: str, model: str = UNKNOWN_MODEL) -> None:
+        """One request that ended without a route to count it (Router.finish counts those with one)."""
+        self.requests.labels(model=model, outcome=outcome).inc()
 
     def decision_counts(self) -> list[tuple[str, str, str, int]]:
         """(model, method, reason, count) for every labelled series."""

@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while Redis is unreachable, the router health-checks the members it knew this often "
                         "and stops placing on one that fails two checks in a row")
     p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
+    logs.add_arguments(p)
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
@@ -91,7 +92,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    serving.setup_logging(args.log_level)
+    serving.setup_logging(args.log_level, args.log_format)
     config = config_from(args)
     credentials = serving.security_from(args, "router", args.name, tokens_file=args.tokens)
     if credentials.enabled and credentials.tokens is None:
@@ -126,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
 
     # Every forwarded request holds a server thread until its replica answers.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate"))
+    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate"),
+                                  on_refused=lambda _method: metrics.count(outcomes.REJECTED))
     # Tenants' programs call the router with bearer tokens, not certificates.
     server, port = serving.build_server(config.port, host=config.host, admission=admission, credentials=credentials,
                                 client_certificates=False)

@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from specpool.common import logs, outcomes
 from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import abort_invalid
 from specpool.router.capacity import visible_to
@@ -40,17 +41,29 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         self.channels = channels
         self.credentials = credentials
 
+    @logs.request_scoped
     def Generate(self, request, context):
-        tenant = self._tenant(context)
-        current: list[Forwarding] = []
+        """Counts the request once however it ends (refused, failed, cancelled, expired or done): on its
+        latest route when it has one (Router.finish, labelled with the route's model), else here."""
+        stream = Stream(request)  # gives it the id every replica it visits knows it by
+        logs.tag(request_id=stream.request.request_id)
+        current: list[Forwarding] = []  # its latest route
         self._on_termination(context, current)
+        outcome = None
+        try:
+            yield from self._forward(stream, context, current)
+            outcome = outcomes.CANCELLED if stream.cancelled else outcomes.OK
+        finally:  # also on an abort, and when the client went away while we were yielding (GeneratorExit)
+            self._count(outcome or outcomes.of_call(context), current)
+
+    def _forward(self, stream: Stream, context, current: list[Forwarding]):
+        tenant = self._tenant(context)
+        logs.tag(tenant=tenant)
         exclude: set[str] = set()
-        stream = Stream(request)
-        model = ""
         while True:
             forwarded = stream.next_request()
             if forwarded is None:  # the replica died after the last token, before its final message
-                yield stream.final(model)
+                yield stream.final(current[0].route.model)
                 return
             fwd = self._forwarding(forwarded, tenant, exclude, context, current, stream)
             model = fwd.route.model
@@ -65,23 +78,29 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
                         self.router.metrics.ttft.labels(model=model).observe(time.monotonic() - fwd.route.started_at)
                     stream.sent(msg)
                     yield msg
-                fwd.finish("ok")
                 return
             except grpc.RpcError as e:
                 if stream.final_sent:  # only the call's trailers were lost: the client has everything
-                    fwd.finish("ok")
                     return
-                if self._place_again(e, fwd, exclude, context, stream):
-                    continue
-                fwd.finish("error")
-                _abort_like(context, e)
-            finally:
-                fwd.finish("cancelled")  # the client went away while we were yielding (GeneratorExit)
+                if not self._place_again(e, fwd, exclude, context, stream):
+                    _abort_like(context, e)
 
+    def _count(self, outcome: str, current: list[Forwarding]) -> None:
+        fwd = current[0] if current else None
+        if fwd is None:  # refused before it was placed
+            self.router.metrics.count(outcome)
+        elif fwd.handed_over:  # its last replica failed and no other could continue it
+            self.router.metrics.count(outcome, fwd.route.model)
+        else:
+            fwd.finish(outcome)  # a no-op when the call's end (_on_termination) counted it first
+
+    @logs.request_scoped
     def Cancel(self, request, context):
         """Routers keep no request table: every live replica is asked, and any that ran it (for this
         tenant) says so. NOT_FOUND when none did, whoever's the id is: ids tell nothing about others."""
+        logs.tag(request_id=request.request_id)
         tenant = self._tenant(context)
+        logs.tag(tenant=tenant)
         if not request.request_id:
             abort_invalid(context, "request_id", "is required")
         targets = self.router.view.snapshot().targets
@@ -131,10 +150,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
             abort_invalid(context, e.field, e.message, e.code)
 
     def _on_termination(self, context, current: list[Forwarding]) -> None:
-        def ended() -> None:
+        def ended() -> None:  # runs however the call ends; a route still open means the client left
             for fwd in list(current):
                 fwd.cancel()
-                fwd.finish("cancelled")
+                fwd.finish(outcomes.of_call(context))
 
         context.add_callback(ended)
 
@@ -155,7 +174,6 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         current[:] = [fwd]
         if not context.is_active():  # the client left while we placed it
             fwd.cancel()
-            fwd.finish("cancelled")
             abort_invalid(context, "request", "cancelled", grpc.StatusCode.CANCELLED)
         return fwd
 
@@ -165,7 +183,6 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         anything), the client still waits, and the stream can be continued. Each failed replica is
         excluded, so this ends."""
         if not context.is_active():
-            fwd.finish("cancelled")
             return False
         full = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.sent_any
         if not (full or error.code() == grpc.StatusCode.UNAVAILABLE and stream.movable()):
@@ -176,12 +193,11 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         if stream.tokens:
             log.warning("replica %s failed after %d tokens of request %s (%s); continuing it on another",
                         fwd.route.target.id, len(stream.tokens), stream.request.request_id, error.details())
-            fwd.finish("migrated")
         else:
             log.warning("replica %s %s (%s); placing the request again", fwd.route.target.id,
                         "full" if full else "unavailable", error.details())
-            fwd.finish("retried")
             self.router.metrics.retries.labels(model=fwd.route.model).inc()
+        fwd.hand_over()
         return True
 
 

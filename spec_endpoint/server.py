@@ -7,6 +7,7 @@ become statuses whose message starts with the field name; the server keeps servi
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import socket
 import threading
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from specpool.common import serving
+from specpool.common import logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
@@ -48,28 +49,35 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
         caller = self.credentials.caller(context)
         return wire.tenant_from(claimed) if caller.anonymous else caller.name
 
+    @logs.request_scoped
     def OpenSessions(self, request, context):
         try:
             tenant = self._tenant(context, request.tenant)
+            logs.tag(request_id=_only(s.request_id for s in request.sessions), tenant=tenant)
             opened = self.endpoint.open_sessions(wire.open_request_from(request, self.endpoint.config.max_len, tenant))
             return wire.open_response_to(opened)
         except FieldError as e:
             _abort(context, e)
 
+    @logs.request_scoped
     def CloseSessions(self, request, context):
         try:
             tenant = self._tenant(context, request.tenant)
         except FieldError as e:
             _abort(context, e)
+        logs.tag(request_id=_only(request.request_ids), tenant=tenant)
         return pb.CloseSessionsResponse(closed=self.endpoint.close_sessions(tenant, list(request.request_ids)))
 
+    @logs.request_scoped
     def Rounds(self, request_iterator, context) -> Iterator[pb.RoundsResponse]:
         caller = self.credentials.caller(context)
         tenant = None if caller.anonymous else caller.name
+        logs.tag(tenant=tenant)  # a target's stream carries the rounds of all its requests: no request id
         stream = self.endpoint.open_stream()
         context.add_callback(stream.cancel)
-        reader = threading.Thread(
-            target=self._read_rounds, args=(request_iterator, stream, tenant), name="spec-rounds-reader", daemon=True
+        reader = threading.Thread(  # in this call's logging context: its lines name the tenant too
+            target=contextvars.copy_context().run, args=(self._read_rounds, request_iterator, stream, tenant),
+            name="spec-rounds-reader", daemon=True,
         )
         reader.start()
         try:
@@ -101,9 +109,12 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
             log.exception("Rounds reader failed")
         self.endpoint.end_stream(stream)
 
+    @logs.request_scoped
     def OpenTensorChannel(self, request, context):
         try:
-            return wire.channel_response_to(self.endpoint.offer_channel(self._tenant(context, request.tenant)))
+            tenant = self._tenant(context, request.tenant)
+            logs.tag(tenant=tenant)
+            return wire.channel_response_to(self.endpoint.offer_channel(tenant))
         except FieldError as e:
             _abort(context, e)
 
@@ -112,6 +123,12 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
         caller = self.credentials.caller(context)
         report = self.endpoint.capacity()
         return wire.capacity_to(report, only=caller.name if caller.role == "target" else None)
+
+
+def _only(request_ids) -> str | None:
+    """The request id of a call about one request; None for a batch (its lines name the tenant alone)."""
+    ids = list(request_ids)
+    return ids[0] if len(ids) == 1 else None
 
 
 def add_to_server(server: grpc.Server, endpoint: Endpoint, credentials: Security | None = None) -> serving.HealthState:
@@ -195,6 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_security_arguments(parser)
     parser.add_argument("--advertise-host", default="127.0.0.1", help="host targets and routers reach this on")
     parser.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
+    logs.add_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -203,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
     from specpool.common.tensor_channel import ChannelHost
     from specpool.engine.device import default_device, off_main_thread
 
-    serving.setup_logging(args.log_level)
+    serving.setup_logging(args.log_level, args.log_format)
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),
                         ("--max-lease-s", args.max_lease_s), ("--max-round-streams", args.max_round_streams),
                         ("--suffix-stores", args.suffix_stores)):

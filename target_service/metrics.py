@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specpool.common import outcomes
+
 if TYPE_CHECKING:
     from specpool.target_service.scheduler import Request
 
@@ -22,8 +24,9 @@ class TargetMetrics:
             return metric.labels(**labels)
 
         r = self.registry
-        self.requests = Counter("specpool_target_requests", "Finished requests by outcome",
-                                [*names, "outcome"], registry=r)
+        # Every request once, however it ended (specpool/common/outcomes.py), refused ones included.
+        self.requests = Counter("specpool_target_requests", "Requests by outcome: ok, cancelled, invalid, not_found, "
+                                "rejected, unavailable, expired, error", [*names, "outcome"], registry=r)
         self._labels = labels
         self.generated_tokens = labelled(Counter("specpool_target_generated_tokens", "Tokens emitted",
                                                  names, registry=r))
@@ -67,10 +70,15 @@ class TargetMetrics:
     def fallback(self, reason: str, count: int) -> None:
         self.fallback_rounds.labels(**self._labels, reason=reason).inc(count)
 
+    def count(self, outcome: str) -> None:
+        self.requests.labels(**self._labels, outcome=outcome).inc()
+
     def observe_request(self, request: Request) -> None:
         failed = any(r.finish_reason == "error" for r in request.results)
-        outcome = "cancelled" if request.cancelled else "error" if failed else "ok"
-        self.requests.labels(**self._labels, outcome=outcome).inc()
+        if request.cancelled:
+            self.count(outcomes.EXPIRED if request.expired else outcomes.CANCELLED)
+        else:
+            self.count(outcomes.ERROR if failed else outcomes.OK)
         tokens = sum(len(r.token_ids) for r in request.results)
         self.generated_tokens.inc(tokens)
         for r in request.results:

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from specpool.common import outcomes
 from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
@@ -41,6 +42,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     cancelled: bool = False
+    expired: bool = False  # cancelled because its client's deadline passed
     owner: str = ""  # who submitted it (target_service/server.py): ids are unique per owner only
 
     @property
@@ -75,6 +77,8 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stop = False
         self.accepting = True
+        metrics.running.set_function(lambda: self.load()[0])  # read at each scrape, mid-step included
+        metrics.queued.set_function(lambda: self.load()[1])
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
         self._thread.start()
 
@@ -131,9 +135,6 @@ class Scheduler:
                     if self.decoder.last_verify_s is not None:
                         self.metrics.verify_seconds.observe(self.decoder.last_verify_s)
                     self._deliver(moved)
-                running, queued = self.load()
-                self.metrics.running.set(running)
-                self.metrics.queued.set(queued)
             except Exception:
                 log.exception("scheduler step failed; failing the running requests")
                 self._fail_all()
@@ -185,7 +186,8 @@ class Scheduler:
         for request in touched.values():
             failed = next((r for r in request.results if r.finish_reason == "error"), None)
             if failed is not None:
-                log.warning("request %s failed: %s", request.request_id, failed.error)
+                log.warning("request %s failed: %s", request.request_id, failed.error,
+                            extra={"request_id": request.request_id, "tenant": request.owner.partition("/")[2]})
                 for i in range(request.n):
                     self.decoder.cancel(request.seq_id(i))
                 request.events.put(("error", None, f"decoding failed: {failed.error}"))
@@ -209,4 +211,5 @@ class Scheduler:
                 self.observer.unfollow(request.seq_id(i))
             request.events.put(("error", None, "internal error in the target's decode step; see its log"))
             self._running.pop(request.key, None)
+            self.metrics.count(outcomes.ERROR)
         self._by_seq.clear()

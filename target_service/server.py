@@ -19,6 +19,7 @@ import grpc
 import jinja2
 import torch
 
+from specpool.common import logs, outcomes
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import TENANT_HEADER, Security
@@ -82,8 +83,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     # -- RPCs -----------------------------------------------------------------------------------
 
+    @logs.request_scoped
     def Generate(self, request, context):
-        req = self._submit(request, context)
+        logs.tag(request_id=request.request_id, tenant=_tenant_of(self._owner(context)))
+        try:
+            req = self._submit(request, context)
+        except Exception:  # refused before the scheduler took it (it counts the requests it takes)
+            self.scheduler.metrics.count(outcomes.of_call(context))
+            raise
+        logs.tag(request_id=req.request_id)
         decoded: list[list[int]] = [list(req.resumed) for _ in range(req.n)]
         # What the client already has: a character the failed replica held back incomplete is not in it.
         text = [self.tokenizer.decode(ids).rstrip("\ufffd") if self.tokenizer else "" for ids in decoded]
@@ -97,8 +105,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 abort_invalid(context, "request", payload, grpc.StatusCode.INTERNAL, reason="ENGINE_FAILED")
         yield pb.GenerateResponse(request_id=req.request_id, final=self._result(req))
 
+    @logs.request_scoped
     def Cancel(self, request, context):
-        if not self.scheduler.cancel(request_key(self._owner(context), request.request_id)):
+        owner = self._owner(context)
+        logs.tag(request_id=request.request_id, tenant=_tenant_of(owner))
+        if not self.scheduler.cancel(request_key(owner, request.request_id)):
             abort_invalid(context, "request_id", f"no running request {request.request_id!r} of yours",
                           grpc.StatusCode.NOT_FOUND)
         return pb.CancelResponse(cancelled=True)
@@ -130,6 +141,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             req.counts = [SequenceCounts()]
             req.finished_at = time.monotonic()
             req.events.put(("done", None, None))
+            self.scheduler.metrics.count(outcomes.OK)
             return req
         try:
             self.scheduler.submit(req)
@@ -140,9 +152,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             abort_with_retry(context, f"request: {e}; retry in 1 s or on another replica", 1.0)
         except RuntimeError as e:
             abort_invalid(context, "request", str(e), grpc.StatusCode.UNAVAILABLE)
-        # A client that goes away (or cancels) frees the slots; harmless once the request is done.
-        context.add_callback(lambda: self.scheduler.cancel(req.key))
+        # A client that goes away (cancels, or its deadline passes) frees the slots; harmless once the
+        # request is done.
+        context.add_callback(lambda: self._client_gone(req, context))
         return req
+
+    def _client_gone(self, req: Request, context) -> None:
+        req.expired = outcomes.deadline_passed(context)
+        self.scheduler.cancel(req.key)
 
     def _validate(self, r: pb.GenerateRequest, context) -> Request:
         try:
@@ -247,6 +264,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
 
+def _tenant_of(owner: str) -> str:
+    """The tenant a request owner names, for log lines: "tenant/alpha" and "client/alpha" are alpha."""
+    return owner.partition("/")[2]
+
+
 def _events(req: Request, context):
     """The request's events until it is done; stops early when the client has gone."""
     while True:
@@ -297,10 +319,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p)
     p.add_argument("--advertise-host", default="127.0.0.1", help="host routers reach this service on")
     p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
+    logs.add_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     if args.max_queue < 0:
         raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.threads:
@@ -341,7 +364,8 @@ def main(args: argparse.Namespace) -> int:
 
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate"))
+    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate"),
+                          on_refused=lambda _method: metrics.count(outcomes.REJECTED))
     server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials)
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
                               credentials)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 REDIS_URL_ENV = "SPECPOOL_REDIS_URL"
 # Set by cluster/processes.start_server: the pid of the process that launched this server.
 LAUNCHER_PID = "SPECPOOL_LAUNCHER_PID"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Set by a launcher (cluster/processes.py): where a server writes its ports once it serves.
 READY_FILE = "SPECPOOL_READY_FILE"
 LIVENESS = "liveness"
@@ -52,17 +50,9 @@ MESSAGE_SIZE_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 CONTROL_WORKERS = 16
 
 
-class _SpecpoolLogHandler(logging.StreamHandler):
-    """Marks the handler `setup_logging` installed, so a second call does not add another."""
-
-
-def setup_logging(level: str = "INFO") -> None:
-    root = logging.getLogger()
-    root.setLevel(level.upper())
-    if not any(isinstance(h, _SpecpoolLogHandler) for h in root.handlers):
-        handler = _SpecpoolLogHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        root.addHandler(handler)
+def setup_logging(level: str = "INFO", log_format: str | None = None) -> None:
+    """Text or JSON lines on stderr (specpool/common/logs.py); log_format None: $SPECPOOL_LOG_FORMAT, else text."""
+    logs.setup(level, log_format)
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,25 +116,28 @@ def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None
 class Admission(grpc.ServerInterceptor):
     """At most `limit` calls of `methods` (full names, "/package.Service/Method") at once; the next is
     refused at once with RESOURCE_EXHAUSTED and a retry hint (google.rpc.RetryInfo), instead of queueing
-    for a thread the server does not have."""
+    for a thread the server does not have. `on_refused(method)` hears each refusal (to count it)."""
 
-    def __init__(self, limit: int, methods: Iterable[str], retry_after_s: float = 1.0):
+    def __init__(self, limit: int, methods: Iterable[str], retry_after_s: float = 1.0,
+                 on_refused: Callable[[str], None] | None = None):
         if limit < 1:
             raise ValueError(f"admission limit must be >= 1, got {limit}")
         self.limit = limit
         self.methods = frozenset(methods)
         self.retry_after_s = retry_after_s
+        self.on_refused = on_refused
         self._free = threading.BoundedSemaphore(limit)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method not in self.methods:
+        method = handler_call_details.method
+        if handler is None or method not in self.methods:
             return handler
         if handler.unary_unary:
             behavior = handler.unary_unary
 
             def admitted_unary(request, context):
-                with self.call(context):
+                with self.call(context, method):
                     return behavior(request, context)
 
             return handler._replace(unary_unary=admitted_unary)
@@ -154,14 +147,16 @@ class Admission(grpc.ServerInterceptor):
         behavior = getattr(handler, kind)
 
         def admitted_stream(request_or_iterator, context):
-            with self.call(context):  # held until the response stream ends, however it ends
+            with self.call(context, method):  # held until the response stream ends, however it ends
                 yield from behavior(request_or_iterator, context)
 
         return handler._replace(**{kind: admitted_stream})
 
     @contextmanager
-    def call(self, context: grpc.ServicerContext) -> Iterator[None]:
+    def call(self, context: grpc.ServicerContext, method: str = "") -> Iterator[None]:
         if not self._free.acquire(blocking=False):
+            if self.on_refused is not None:
+                self.on_refused(method)
             abort_with_retry(context, f"request: this server is at its limit of {self.limit} requests in "
                              f"flight; retry in {self.retry_after_s:g} s or on another replica", self.retry_after_s)
         try:

@@ -13,7 +13,7 @@ STUBS = ROOT / "client" / "specpool_client" / "v1"
 def test_protos_pass_buf_lint():
     buf = shutil.which("buf", path=str(Path(sys.executable).parent))  # PyPI buf-bin, from the test extra
     assert buf, "buf is not installed in this environment: make setup (the test extra's buf-bin)"
-    done = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, f"buf lint:\n{done.stdout}{done.stderr}"
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from specpool.cluster.processes import start_server
+from specpool.cluster.processes import start_server, wait_for
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import save_gguf
@@ -218,3 +218,26 @@ def test_a_resumed_request_continues_after_the_tokens_it_was_given(stub, tiny_gg
     stopped = generate_result(stub, _request(prompt, max_tokens=4, stop=(want[k - 1],), resume_token_ids=want[:k]))
     assert list(stopped.completions[0].token_ids) == want[:k]
     assert stopped.completions[0].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_every_request_is_counted_by_outcome_one_that_expires_queued_included(target, stub):
+    """One request of n=8 fills the batch (--max-batch 8); the next waits in the queue until its
+    deadline passes: counted as expired, not cancelled. Refusals the scheduler never saw count too."""
+    def counted(outcome: str) -> float:
+        return target.metric_total("specpool_target_requests_total", outcome=outcome)
+
+    before = {o: counted(o) for o in ("expired", "cancelled", "invalid", "not_found")}
+    batch = stub.Generate(_request(PROMPTS[0], max_tokens=4000, stop=(), ignore_eos=True, n=8), timeout=60)
+    try:
+        assert next(batch).HasField("delta")
+        with pytest.raises(grpc.RpcError) as err:
+            generate_result(stub, _request(PROMPTS[2], max_tokens=4), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: counted("expired") == before["expired"] + 1, timeout_s=30)
+    finally:
+        batch.cancel()
+    wait_for(lambda: counted("cancelled") == before["cancelled"] + 1, timeout_s=30)
+    for bad in (_request([1, 2], max_tokens=0), _request([1, 2], model="no-such-model")):
+        with pytest.raises(grpc.RpcError):
+            generate_result(stub, bad)
+    assert (counted("invalid"), counted("not_found")) == (before["invalid"] + 1, before["not_found"] + 1)
