@@ -7,12 +7,15 @@ sd-remote-plaintext and ngram-remote-plaintext run the same on servers of their 
 or --cluster FILE: Redis, router, targets, endpoint) and requests through its router, with
 speculation planned by the router (AUTO) or off (NONE, AR on the same servers). Each chunk of
 prompts is sent as concurrent Generate calls through the Target API, and the wall time from the
-first submit to the last answer is what the chunk costs, as for the in-process modes.
+first submit to the last answer is what the chunk costs, as for the in-process modes. routed-http:
+routed's requests through the router's OpenAI-compatible HTTP front instead (POST /v1/completions,
+streaming off, with the `openai` SDK), so what the front costs is routed-http against routed.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 from specpool.cluster.config import ClusterConfig, EndpointSpec, TargetSpec
 from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
-from specpool.common.security import LocalCA, Security
+from specpool.common.security import CA_CERT, LocalCA, Security, server_name
 from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.sampling import SamplingParams
@@ -43,7 +46,7 @@ METHODS = {
 }
 REMOTE_MODES = tuple(METHODS)
 TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
-ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE}  # None: the router plans (AUTO)
+ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None}  # None: the router plans (AUTO)
 # SSD's layout, chosen on 2-core AVX-512 machines: drafting overlaps verification only when each has
 # a core of its own. Recorded in every report that ran SSD.
 SSD_ENDPOINT_CPUS, SSD_TARGET_CPUS = [1], [0]
@@ -145,6 +148,9 @@ class RoutedCluster:
     def runner(self, mode: str, max_tokens: int):
         if self.cluster is None:
             self.cluster = Cluster.start(self.config, progress=lambda text: log.info("cluster: %s", text))
+        if mode == "routed-http":
+            ca = self.cluster.ca.dir / CA_CERT if self.cluster.ca is not None else None
+            return openai_http_runner(self.cluster.http_url(), self.cluster.token("alpha"), ca, max_tokens)
         stub = target_pb2_grpc.TargetServiceStub(self.cluster.router_channel("alpha"))
         return target_api_runner(stub, ROUTED_METHODS[mode], max_tokens)
 
@@ -187,5 +193,48 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | 
             totals.cache_hits += c.speculation.cache_hits
             totals.cache_lookups += c.speculation.cache_lookups
             totals.outputs.append(list(c.token_ids))
+
+    return run
+
+
+def openai_http_runner(base_url: str, token: str | None, ca_file: Path | None, max_tokens: int):
+    """A bench Runner that sends each chunk as concurrent POST /v1/completions (streaming off) to a
+    router's OpenAI-compatible front with the `openai` SDK: the prompt as token ids, speculation left
+    to the router (AUTO), token ids back (return_token_ids) to compare with AR."""
+    import openai  # the test extra's, as transformers is for the hf modes
+
+    def router_name(request) -> None:  # the router's certificate names router.specpool, not an address
+        request.extensions["sni_hostname"] = server_name("router")
+
+    http = openai.DefaultHttpxClient(
+        verify=ssl.create_default_context(cafile=str(ca_file)) if ca_file else True,
+        event_hooks={"request": [router_name]} if ca_file else None, timeout=None)
+    client = openai.OpenAI(base_url=base_url, api_key=token or "none", http_client=http, max_retries=0)
+
+    def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
+        if params.top_k:
+            raise ValueError("routed-http: OpenAI's API has no top_k")
+
+        def one(ids: list[int]):
+            return client.completions.create(
+                model="", prompt=ids, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+                seed=params.seed, extra_body={"return_token_ids": True}).choices[0].model_extra
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            choices = list(pool.map(one, prompts))
+        totals.seconds += time.perf_counter() - start
+        totals.target_steps = totals.target_steps or 0
+        totals.fallback_rounds = totals.fallback_rounds or 0
+        for c in choices:
+            stats = c["speculation"]
+            totals.new_tokens += len(c["token_ids"])
+            totals.first_tokens += 1
+            totals.target_steps += stats["target_steps"]
+            totals.drafted += stats["drafted_tokens"]
+            totals.fallback_rounds += stats["fallback_rounds"]
+            totals.cache_hits += stats["cache_hits"]
+            totals.cache_lookups += stats["cache_lookups"]
+            totals.outputs.append(list(c["token_ids"]))
 
     return run

@@ -9,8 +9,8 @@ Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware
 sd:K and ngram:K (fixed draft length K); head[:K] (the feature-fed head); sd-tree[:N] and head-tree[:N]
 (token trees of N nodes, or of the policy's budget); head-suffix[:N] (trees from a suffix store over the
 workload's prompts and outputs where it is sure, else the head's: engine/hybrid_drafter.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
-the modes through servers in bench/remote.py. routed is compared with routed-ar (AR through the
-same router and servers) when both run, so the router's planning is what the ratio measures;
+the modes through servers in bench/remote.py. routed and routed-http are compared with routed-ar (AR
+through the same router and servers) when both run, so the router's planning is what the ratio measures;
 routed-ar itself with in-process ar.
 """
 
@@ -295,7 +295,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _reference(mode: str, modes) -> str:
     if mode.startswith("hf-"):
         return "hf-ar"
-    if mode == "routed" and "routed-ar" in modes:
+    if mode in ("routed", "routed-http") and "routed-ar" in modes:
         return "routed-ar"
     return "ar"
 

@@ -31,6 +31,7 @@ class RouterSpec:
     count: int = 1
     port: int = 0  # of the first router; the others take the next ports (0: free ports)
     metrics_port: int = 0
+    http_port: int = 0  # the OpenAI-compatible HTTP front (0: free ports; -1: none)
     tenant_weights: dict[str, float] = field(default_factory=dict)
     cpus: tuple[int, ...] | None = None
     args: tuple[str, ...] = ()  # further serve-router flags
@@ -120,7 +121,8 @@ class ClusterConfig:
         return replace(
             self,
             redis=replace(self.redis, port=0),
-            routers=replace(self.routers, port=0, metrics_port=0),
+            routers=replace(self.routers, port=0, metrics_port=0,
+                            http_port=min(self.routers.http_port, 0)),
             endpoints=tuple(replace(e, port=0, metrics_port=0) for e in self.endpoints),
             targets=tuple(replace(t, port=0, metrics_port=0) for t in self.targets),
         )

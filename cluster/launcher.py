@@ -72,7 +72,8 @@ def router_name(r: RouterSpec, index: int) -> str:
 def router_command(r: RouterSpec, index: int) -> list[str]:
     """The index-th router: ports count up from the first (0: free ports)."""
     args = ["serve-router", "--port", str(r.port + index if r.port else 0), "--name", router_name(r, index),
-            "--metrics-port", str(r.metrics_port + index if r.metrics_port else 0)]
+            "--metrics-port", str(r.metrics_port + index if r.metrics_port else 0),
+            "--http-port", str(r.http_port + index if r.http_port > 0 else r.http_port)]
     if r.tenant_weights:
         args += ["--tenant-weights", ",".join(f"{k}={v:g}" for k, v in r.tenant_weights.items())]
     return args + list(r.args)
@@ -231,10 +232,16 @@ class Cluster:
     def router_channel(self, tenant: str = "alpha", index: int = 0, options=None) -> grpc.Channel:
         return self.credentials(tenant).channel(self.routers[index].address, "router", options=options)
 
+    def http_url(self, index: int = 0) -> str:
+        """The base URL of a router's OpenAI-compatible front (its certificate names router.specpool)."""
+        router = self.routers[index]
+        return f"{'http' if self.ca is None else 'https'}://127.0.0.1:{router.http_port}/v1"
+
     def members(self) -> list[Member]:
         out = [Member("router", r.name, r.address, r.metrics_port,
-                      f"Target API (front door); capacity: http://127.0.0.1:{r.metrics_port}/capacity")
-               for r in self.routers]
+                      f"Target API (front door); capacity: http://127.0.0.1:{r.metrics_port}/capacity"
+                      + (f"; OpenAI API: {self.http_url(i)}" if r.http_port else ""))
+               for i, r in enumerate(self.routers)]
         for t in self.config.targets:
             s = self.targets.get(t.tenant)
             if s is not None:

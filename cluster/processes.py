@@ -42,6 +42,7 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int = 0
     metrics_port: int = 0
+    http_port: int = 0  # a router's OpenAI-compatible HTTP front (0: none)
     log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
     command: list[str] = field(default_factory=list)  # what started it, for restart()
     env: dict[str, str] = field(default_factory=dict)
@@ -74,7 +75,8 @@ class ServerProcess:
         peers that know its address find it again. Blocks until it serves."""
         self.kill()
         cmd = list(self.command)
-        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port),
+                           ("--http-port", self.http_port)):
             if flag in cmd:
                 cmd[cmd.index(flag) + 1] = str(port)
         _launch(self, cmd, timeout_s, echo=False)
@@ -138,6 +140,7 @@ def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool)
             time.sleep(0.05)
         report = json.loads(ready_file.read_text())
     server.port, server.metrics_port = report["port"], report["metrics_port"]
+    server.http_port = report.get("http_port", 0)
     while not server.ready():
         _check_running(server, log, end, timeout_s)
         time.sleep(0.1)

@@ -59,6 +59,13 @@ def main(args) -> int:
             if cluster.routers:
                 print(f"\nsend requests to {cluster.router_address} (specpool.v1.TargetService); Ctrl-C stops "
                       "everything", flush=True)
+            if cluster.routers and cluster.routers[0].http_port:
+                port = cluster.routers[0].http_port
+                how = "" if cluster.ca is None else (f"; its certificate names router.specpool: curl --cacert CA "
+                                                     f"--resolve router.specpool:{port}:127.0.0.1 "
+                                                     f"https://router.specpool:{port}/v1/models")
+                print(f"OpenAI-compatible API: {cluster.http_url()} (the tenant's token as the API key{how})",
+                      flush=True)
             if cluster.ca is not None:
                 print(f"TLS: CA certificate {cluster.ca.dir / 'ca.crt'} (verify the router as router.specpool); "
                       f"tenants' bearer tokens in {cluster.ca.dir / 'tokens.yaml'}", flush=True)

@@ -11,13 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
-from specpool.common import serving
+from specpool.common import logs, outcomes, serving
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.registry import Registry, redacted
 from specpool.router.capacity import capacity_json, cluster_capacity, visible_to
 from specpool.router.leases import LEASE_TTL_S, LeaseKeeper
 from specpool.router.member_channels import TargetChannels
 from specpool.router.metrics import RouterMetrics
+from specpool.router.openai_http import HttpFront
 from specpool.router.routing import Router, RouterConfig
 from specpool.router.servicer import ClusterStateServicer, RouterServicer
 from specpool.router.view import ClusterView, DirectChecks
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50070, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=9470,
                    help="Prometheus /metrics and /capacity port (0 picks)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="OpenAI-compatible HTTP front on --host (/v1/completions, /v1/chat/completions, /v1/models; "
+                        "HTTPS with this router's certificate unless --insecure): 0 picks a free port, -1: none")
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     serving.add_security_arguments(p)
@@ -132,6 +136,8 @@ def main(args: argparse.Namespace) -> int:
     # Tenants' programs call the router with bearer tokens, not certificates.
     server, port = serving.build_server(config.port, host=config.host, admission=admission, credentials=credentials,
                                 client_certificates=False)
+    # The HTTP front forwards each request to this gRPC port: it only translates.
+    http = HttpFront(credentials, port, config.host, args.http_port, config.grace_s) if args.http_port != -1 else None
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
     cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [
@@ -145,11 +151,16 @@ def main(args: argparse.Namespace) -> int:
             capacity() if operator else visible_to(capacity(), None))})
     metrics_server.start()
     server.start()
+    if http is not None:
+        http.start()
     health.set_ready(True)
     log.info("serving Router on port %d, metrics on port %d (registry %s, tenant weights %s)",
              port, metrics_server.port, redacted(config.redis_url), config.tenant_weights or "none")
-    serving.report_ready("Router", port, metrics_server.port)
-    serving.serve_until_signal(server, health, config.grace_s, metrics=metrics_server)
+    serving.report_ready("Router", port, metrics_server.port, http_port=http.port if http else None)
+    serving.serve_until_signal(server, health, config.grace_s, metrics=metrics_server,
+                               on_drain=http.begin_stop if http else None)
+    if http is not None:
+        http.stop()
     keeper.stop()
     checks.close()
     channels.close()

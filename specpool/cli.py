@@ -204,7 +204,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                    help="ar, sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
                         "(token trees of N nodes; none: the policy's budget), head-suffix[:N] (the suffix store's trees "
                         "where it is sure, else the head's), sd-remote[:K], head-remote[:K], head-tree-remote[:N], "
-                        "ngram-remote, ssd, ssd-pull, routed, routed-ar, hf-ar, hf-prompt-lookup, hf-assisted")
+                        "ngram-remote, ssd, ssd-pull, routed, routed-ar, routed-http (routed through the router's "
+                        "OpenAI-compatible HTTP front), hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",

@@ -25,7 +25,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specpool.common import errors, security
+from specpool.common import errors, logs, security
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -290,15 +290,21 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
     return state
 
 
-def report_ready(service: str, port: int, metrics_port: int) -> None:
-    """Tell the launcher, if one asked (READY_FILE in the environment), which ports this server took:
-    a JSON file written whole, then renamed, so a reader never sees half of it."""
+def report_ready(service: str, port: int, metrics_port: int, http_port: int | None = None) -> None:
+    """Tell the launcher, if one asked (READY_FILE in the environment), which ports this server took
+    (http_port: a router's OpenAI-compatible front, when it runs one): a JSON file written whole, then
+    renamed, so a reader never sees half of it. Logs one "ready" line with the ports, for log pipelines."""
+    ports = {"service": service, "port": port, "metrics_port": metrics_port}
+    log.info("ready", extra=ports if http_port is None else {**ports, "http_port": http_port})
     path = os.environ.get(READY_FILE)
     if not path:
         return
+    report = {"service": service, "port": port, "metrics_port": metrics_port, "pid": os.getpid()}
+    if http_port is not None:
+        report["http_port"] = http_port
     partial = f"{path}.partial"
     with open(partial, "w") as f:
-        json.dump({"service": service, "port": port, "metrics_port": metrics_port, "pid": os.getpid()}, f)
+        json.dump(report, f)
     os.replace(partial, path)
 
 

@@ -54,11 +54,11 @@ def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):
     out = tmp_path / "report.json"
     subprocess.run(
         [sys.executable, "-m", "specpool.cli", "bench", "--workload", str(workload), "--max-tokens", "16",
-         "--batch-sizes", "1", "--modes", "ar,routed-ar,routed", "--json", str(out)],
+         "--batch-sizes", "1", "--modes", "ar,routed-ar,routed,routed-http", "--json", str(out)],
         check=True, timeout=900,
     )
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"ar", "routed-ar", "routed"}
+    assert set(rows) == {"ar", "routed-ar", "routed", "routed-http"}
     # routed-ar is compared with in-process AR, routed with routed-ar (the same router and servers).
     assert rows["routed-ar"]["outputs_match_ar"] is True
     tps = {m: r["tokens_per_s"] for m, r in rows.items()}
@@ -66,6 +66,9 @@ def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):
     assert rows["routed-ar"]["speedup_vs_ar"] == pytest.approx(tps["routed-ar"] / tps["ar"], rel=0.01)
     assert rows["routed"]["outputs_match_ar"] is True and rows["routed"]["mean_accept_len"] >= 1.0
     assert rows["routed"]["fallback_rounds"] == 0
+    # routed-http: the same requests through the router's OpenAI-compatible front, the same tokens.
+    assert rows["routed-http"]["speedup_vs_ar"] == pytest.approx(tps["routed-http"] / tps["routed-ar"], rel=0.01)
+    assert rows["routed-http"]["outputs_match_ar"] is True and rows["routed-http"]["mean_accept_len"] >= 1.0
 
 
 def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():

@@ -1,0 +1,470 @@
+"""The router's OpenAI-compatible HTTP front: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+A translator, run inside the router process (uvicorn on a thread and event loop of its own): each HTTP
+request becomes one Generate call (server-streaming) to this router's own gRPC port over loopback,
+carrying the caller's Authorization header as the call's `authorization` metadata. Authentication,
+tenancy, admission, routing, failover and metrics are therefore the Target API's, by construction; a
+gRPC status comes back as the HTTP status OpenAI's clients expect (router/openai_schema.py).
+
+TLS: the front serves HTTPS with the router's certificate and dials the gRPC port with the router's CA
+(`--insecure`: both plaintext). It presents no client certificate there: the router would take a
+call carrying its own certificate for its own, not its caller's (Security.caller: a certificate
+outranks a token). The certificate names router.specpool, not an address: clients check that name
+(curl --resolve router.specpool:PORT:127.0.0.1; httpx: the sni_hostname request extension).
+
+Stop strings are the front's: a choice's text ends before its first one (finish_reason "stop"), and
+once every choice has stopped so, the request is cancelled with Cancel, so that its final message
+still brings usage and speculation statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specpool.common.security import TENANT_HEADER, Security, server_name
+from specpool.common.serving import MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
+from specpool.router.openai_schema import (
+    ChatRequest,
+    ChatShape,
+    ChoiceResult,
+    CompletionRequest,
+    CompletionShape,
+    OpenAIError,
+    StopScanner,
+    error_from_status,
+    finish_reason_of,
+    parse,
+    speculation_json,
+    to_generate_request,
+    usage_json,
+)
+from specpool_client.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc
+from specpool_client.v1 import target_pb2 as pb
+
+log = logging.getLogger("specpool.router.http")
+
+# After Cancel (every choice met a stop string) the final message comes within a decode step; this
+# bounds the wait should it not (the call is then cancelled and usage counts what was received).
+FINAL_AFTER_CANCEL_S = 5.0
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")  # what gRPC metadata values may hold
+
+
+class RouterApi:
+    """This router's own Target API and ClusterStateService over loopback (grpc.aio, in the front's loop)."""
+
+    def __init__(self, address: str, credentials: Security):
+        options = list(MESSAGE_SIZE_OPTIONS)
+        if credentials.enabled:
+            options.append(("grpc.ssl_target_name_override", server_name("router")))
+            self.channel = grpc.aio.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=credentials.ca), options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.target = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.cluster = cluster_pb2_grpc.ClusterStateServiceStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _error(e: grpc.aio.AioRpcError, max_tokens_name: str = "max_tokens") -> OpenAIError:
+    trailer = next((v for k, v in e.trailing_metadata() or () if k == "grpc-status-details-bin"), None)
+    return error_from_status(e.code(), e.details(), trailer if isinstance(trailer, bytes) else None, max_tokens_name)
+
+
+class Generation:
+    """One request's Generate call, read to its final message, as the text each choice may show."""
+
+    def __init__(self, api: RouterApi, request: pb.GenerateRequest, metadata: tuple, stops: list[str],
+                 max_tokens_name: str = "max_tokens"):
+        self.api, self.request, self.metadata = api, request, metadata
+        self.max_tokens_name = max_tokens_name
+        n = request.n or 1
+        self.scanners = [StopScanner(stops) for _ in range(n)]
+        self.received = [""] * n  # text the deltas brought
+        self.shown = [""] * n  # text the client gets: up to its first stop string
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]  # a stopped choice's: up to its stop's delta
+        self.result: pb.GenerateResult | None = None
+        self._call = None
+        self._first: pb.GenerateResponse | None = None
+
+    async def open(self) -> None:
+        """Starts the call and waits for its first message, so that a refusal (authentication,
+        validation, routing, overload) raises OpenAIError before any HTTP response has begun."""
+        self._call = self.api.target.Generate(self.request, metadata=self.metadata)
+        try:
+            self._first = await self._read()
+        except BaseException:
+            self._call.cancel()
+            raise
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str]]:
+        """(choice index, text) as the client may see it; `result` is set once this ends."""
+        message, cancelled = self._first, False
+        try:
+            while message is not None:
+                if message.HasField("final"):
+                    for i, text in self._finish(message.final):
+                        yield i, text
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await self._call.read()  # the call's status: it ends "ok", not cancelled by us
+                    return
+                i = message.delta.index
+                if 0 <= i < len(self.scanners) and not self.scanners[i].stopped:
+                    self.received[i] += message.delta.text
+                    self.token_ids[i].extend(message.delta.token_ids)
+                    text = self.scanners[i].feed(message.delta.text)
+                    self.shown[i] += text
+                    if text:
+                        yield i, text
+                if not cancelled and all(s.stopped for s in self.scanners):
+                    cancelled = True
+                    await self._cancel()
+                try:
+                    message = await (asyncio.wait_for(self._read(), FINAL_AFTER_CANCEL_S) if cancelled
+                                     else self._read())
+                except TimeoutError:
+                    log.warning("request %s: no final message %.0f s after Cancel; ending it here",
+                                self.request.request_id, FINAL_AFTER_CANCEL_S)
+                    self.result = self._without_final()
+                    return
+            raise OpenAIError(502, "the Generate stream ended without its final message")
+        finally:
+            if not self._call.done():
+                self._call.cancel()  # the client left, or the stream failed: free the request's slot
+
+    def choices(self, with_token_ids: bool) -> list[ChoiceResult]:
+        out = []
+        for c in self.result.completions:
+            stopped = c.index < len(self.scanners) and self.scanners[c.index].stopped
+            out.append(ChoiceResult(
+                index=c.index, text=self.shown[c.index] if c.index < len(self.shown) else c.text,
+                finish_reason="stop" if stopped else finish_reason_of(c),
+                speculation=speculation_json(c.speculation),
+                token_ids=(self.token_ids[c.index] if stopped else list(c.token_ids)) if with_token_ids else None))
+        return out
+
+    def usage(self) -> dict:
+        return usage_json(self.result.usage)
+
+    async def _read(self) -> pb.GenerateResponse | None:
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _error(e, self.max_tokens_name) from None
+        return None if message is grpc.aio.EOF else message
+
+    async def _cancel(self) -> None:
+        try:
+            await self.api.target.Cancel(pb.CancelRequest(request_id=self.request.request_id),
+                                         metadata=self.metadata, timeout=FINAL_AFTER_CANCEL_S)
+        except grpc.aio.AioRpcError as e:  # NOT_FOUND: it had just finished; its final is on the way
+            log.debug("Cancel of %s: %s", self.request.request_id, e.code().name)
+
+    def _finish(self, result: pb.GenerateResult) -> list[tuple[int, str]]:
+        """The text of each running choice that its deltas did not bring (a character the target held
+        back, the end held back for a possible stop string)."""
+        self.result = result
+        out = []
+        for c in result.completions:
+            i = c.index
+            if not 0 <= i < len(self.scanners) or self.scanners[i].stopped:
+                continue
+            rest = c.text[len(self.received[i]):] if c.text.startswith(self.received[i]) else ""
+            text = self.scanners[i].feed(rest)
+            text += self.scanners[i].flush()
+            self.shown[i] += text
+            if text:
+                out.append((i, text))
+        return out
+
+    def _without_final(self) -> pb.GenerateResult:
+        """What a final message would have said, from what was received (prompt tokens unknown: 0)."""
+        return pb.GenerateResult(
+            request_id=self.request.request_id, model=self.request.model,
+            completions=[pb.Completion(index=i, token_ids=ids, text=self.received[i],
+                                       finish_reason=pb.FINISH_REASON_CANCELLED)
+                         for i, ids in enumerate(self.token_ids)],
+            usage=pb.Usage(completion_tokens=sum(map(len, self.token_ids))))
+
+
+# -- the app -------------------------------------------------------------------------------------------------
+
+
+def build_app(grpc_address: str, credentials: Security) -> FastAPI:
+    """The ASGI app; its loopback channel to the router opens and closes with it (lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.api = RouterApi(grpc_address, credentials)
+        app.state.loop = asyncio.get_running_loop()
+        try:
+            yield
+        finally:
+            await app.state.api.close()
+
+    app = FastAPI(title="specpool", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown paths, methods
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(OpenAIError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, parse(CompletionRequest, await _json(request)), CompletionShape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, parse(ChatRequest, await _json(request)), ChatShape)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return {"object": "list", "data": [_model_json(m) for m in await _models(request)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        if model not in await _models(request):
+            raise OpenAIError(404, f"model: no live target serves {model!r}", param="model", code="model_not_found")
+        return _model_json(model)
+
+    return app
+
+
+async def _generate(request: Request, body: CompletionRequest | ChatRequest, shape):
+    api: RouterApi = request.app.state.api
+    request_id = uuid.uuid4().hex
+    max_tokens_name = ("max_completion_tokens" if isinstance(body, ChatRequest) and body.max_completion_tokens
+                       else "max_tokens")
+    generation = Generation(api, to_generate_request(body, request_id), _metadata(request), body.stops(),
+                            max_tokens_name)
+    head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
+    with_ids = bool(body.return_token_ids)
+    if body.stream:
+        await generation.open()
+        return StreamingResponse(_events(generation, shape, head, body.include_usage, with_ids),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def complete() -> JSONResponse:
+        await generation.open()
+        async for _ in generation.pieces():
+            pass
+        head["model"] = generation.result.model or body.model
+        return JSONResponse(shape.response(head, generation.choices(with_ids), generation.usage()))
+
+    return await _unless_client_leaves(request, complete())
+
+
+async def _events(generation: Generation, shape, head: dict, include_usage: bool,
+                  with_ids: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: OpenAI's chunks, then `data: [DONE]`. A failure after the response began is
+    an error event (the SDKs raise it)."""
+
+    def event(chunk: dict, last: bool = False) -> bytes:
+        if include_usage and not last:
+            chunk["usage"] = None  # OpenAI's: every chunk but the usage chunk says null
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    try:
+        for chunk in shape.opening(head, len(generation.scanners)):
+            yield event(chunk)
+        async for index, text in generation.pieces():
+            yield event(shape.text_chunk(head, index, text))
+        for choice in generation.choices(with_ids):
+            yield event(shape.finish_chunk(head, choice))
+        if include_usage:
+            yield event(shape.usage_chunk(head, generation.usage()), last=True)
+    except OpenAIError as e:
+        yield event(e.body(), last=True)
+    yield b"data: [DONE]\n\n"
+
+
+async def _models(request: Request) -> list[str]:
+    api: RouterApi = request.app.state.api
+    try:
+        capacity = await api.cluster.GetClusterCapacity(cluster_pb2.GetClusterCapacityRequest(),
+                                                        metadata=_metadata(request), timeout=10.0)
+    except grpc.aio.AioRpcError as e:
+        raise _error(e) from None
+    return sorted({pool.model for pool in capacity.pools if pool.targets})
+
+
+def _model_json(model: str) -> dict:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "specpool"}
+
+
+def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The caller's credentials as gRPC metadata: its Authorization header (and, which only an
+    --insecure router believes, its x-specpool-tenant)."""
+    out = []
+    for header in ("authorization", TENANT_HEADER):
+        value = request.headers.get(header)
+        if value is None:
+            continue
+        if not _PRINTABLE.match(value):
+            status = 401 if header == "authorization" else 400
+            raise OpenAIError(status, f"{header}: the header holds characters other than printable ASCII")
+        out.append((header, value))
+    return tuple(out)
+
+
+async def _json(request: Request) -> object:
+    """The request body as JSON; 413 past the gRPC message limit (the request could not be forwarded)."""
+    size, parts = 0, []
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_MESSAGE_BYTES:
+            raise OpenAIError(413, f"the request body is larger than {MAX_MESSAGE_BYTES} bytes")
+        parts.append(part)
+    try:
+        return json.loads(b"".join(parts))
+    except ValueError as e:
+        raise OpenAIError(400, f"the request body is not JSON ({e})") from None
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response, unless the client disconnects first: then the work is cancelled (its Generate
+    call too, which frees the request's slot on its replica)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, OpenAIError):
+            await task
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    return task.result()
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+
+
+def loopback_address(host: str, port: int) -> str:
+    """Where this process reaches a port it bound on `host`."""
+    if host in ("", "0.0.0.0"):
+        return f"127.0.0.1:{port}"
+    if host in ("::", "[::]"):
+        return f"[::1]:{port}"
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class HttpFront:
+    """uvicorn serving build_app on a thread with its own event loop, beside the router's gRPC server."""
+
+    def __init__(self, credentials: Security, grpc_port: int, host: str, port: int, grace_s: float = 10.0):
+        if port < 0:
+            raise ValueError(f"--http-port must be >= 0 (or -1: no HTTP front), got {port}")
+        self.credentials, self.host, self.requested_port = credentials, host, port
+        self.grace_s = grace_s
+        self.app = build_app(loopback_address(host, grpc_port), credentials)
+        self.port = 0
+        self.scheme = "https" if credentials.enabled else "http"
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        """Binds host:port (0: a free port), serves, and returns the port once the app has started."""
+        family = socket.getaddrinfo(self.host or None, self.requested_port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        self._socket = socket.create_server((self.host, self.requested_port), family=family, backlog=2048)
+        self.port = self._socket.getsockname()[1]
+        config = self._config()
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="http-front", daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError("the OpenAI-compatible HTTP front did not start; see the log above")
+            time.sleep(0.02)
+        log.info("OpenAI-compatible HTTP front on %s://%s/v1", self.scheme, loopback_address(self.host, self.port))
+        return self.port
+
+    def begin_stop(self) -> None:
+        """Stop taking connections; requests in flight finish (their gRPC calls drain with the router's)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
+    def stop(self) -> None:
+        """Once the requests in flight have answered (the router has drained its gRPC calls first), stop.
+        An idle keep-alive TLS connection is not waited for: uvicorn would wait for its client's
+        close_notify, which an idle client never sends."""
+        self.begin_stop()
+        loop = getattr(self.app.state, "loop", None)
+        if self._server is not None and loop is not None:
+            end = time.monotonic() + self.grace_s
+            while self._server.server_state.tasks and time.monotonic() < end:
+                time.sleep(0.05)
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                loop.call_soon_threadsafe(self._drop_connections)
+        if self._thread is not None:
+            self._thread.join(self.grace_s + 5.0)
+        if self._socket is not None:
+            self._socket.close()
+
+    def _drop_connections(self) -> None:
+        for connection in list(self._server.server_state.connections):
+            connection.transport.abort()
+
+    def _config(self) -> uvicorn.Config:
+        common = {"log_config": None, "log_level": "warning", "access_log": False, "lifespan": "on", "ws": "none",
+                  "proxy_headers": False, "timeout_graceful_shutdown": max(1, math.ceil(self.grace_s))}
+        if not self.credentials.enabled:
+            config = uvicorn.Config(self.app, **common)
+            config.load()
+            return config
+        # uvicorn reads the certificate and key from files: they live only until it has loaded them.
+        directory = Path(tempfile.mkdtemp(prefix="specpool-https-"))  # 0700
+        try:
+            cert, key = directory / "tls.crt", directory / "tls.key"
+            for path, data in ((cert, self.credentials.cert), (key, self.credentials.key)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            config = uvicorn.Config(self.app, ssl_certfile=str(cert), ssl_keyfile=str(key), **common)
+            config.load()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return config

@@ -1,0 +1,275 @@
+"""The router's OpenAI-compatible HTTP front (router/openai_http.py), driven by the official `openai` SDK.
+
+Redis, one tiny serve-target (random weights with the real model's tokenizer and chat template: text
+and chat work, and a token costs microseconds) and one serve-router run as processes, with TLS and
+bearer tokens as in production; the SDK checks the router's certificate against the tests' CA.
+
+- completions and chat, streamed and not, equal the Target API's Generate token for token (greedy);
+- n > 1, stop strings (the text ends before the first one, finish_reason "stop"), usage, and the
+  per-choice speculation statistics of the specpool extension;
+- a bad request is a 400 naming its field; an unknown token a 401; an unknown model a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.request
+from dataclasses import replace
+
+import openai
+import pytest
+
+from specpool.cluster.processes import ServerProcess, start_server, wait_for
+from specpool.cluster.redis_server import start_redis
+from specpool.engine.config import tiny_config
+from specpool.engine.gguf_loader import default_model_path, load_gguf, model_name, save_gguf
+from specpool.engine.model import random_weights
+from specpool_client import generate_result
+from specpool_client.v1 import target_pb2 as pb
+from specpool_client.v1 import target_pb2_grpc
+from tests.pki import CA, channel
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sum a list of ints."}]
+LOCAL = ["--port", "0", "--metrics-port", "0"]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """Redis, a tiny target that tokenizes like SmolLM2, and a router with its HTTP front."""
+    real = load_gguf(default_model_path(), only=set())  # its tokenizer, no weights
+    config = replace(tiny_config(vocab_size=real.config.vocab_size, d_model=16),
+                     bos_id=real.config.bos_id, eos_id=real.config.eos_id)
+    gguf = save_gguf(tmp_path_factory.mktemp("openai") / "tiny-chat.gguf", config, random_weights(config, seed=4),
+                     tokenizer_of=real)
+    redis = start_redis()
+    servers: list[ServerProcess] = []
+    try:
+        servers.append(start_server("target", [
+            "serve-target", "--model", str(gguf), *LOCAL, "--tenant", "target-1", "--threads", "1",
+            "--datastore", "", "--max-batch", "4", "--redis", redis.url]))
+        router = start_server("router", ["serve-router", *LOCAL, "--redis", redis.url])
+        servers.append(router)
+        assert router.http_port, "the router reports its HTTP port in its ready file"
+        wait_for(lambda: _pool_models(router) == [model_name(gguf)])
+        yield {"router": router, "model": model_name(gguf)}
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        redis.close()
+    assert "Traceback" not in router.logs(), router.logs()
+    print(router.logs())
+
+
+def _pool_models(router: ServerProcess) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=5) as reply:
+        return [p["model"] for p in json.load(reply)["pools"] if p["targets"]]
+
+
+def https() -> openai.DefaultHttpxClient:
+    """An HTTP client that trusts the cluster's CA and checks the name the router's certificate carries
+    (router.specpool), although it dials the router by address."""
+    def router_name(request) -> None:
+        request.extensions["sni_hostname"] = "router.specpool"
+
+    return openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(CA.dir / "ca.crt")),
+                                     event_hooks={"request": [router_name]})
+
+
+def client(router: ServerProcess, api_key: str | None = None) -> openai.OpenAI:
+    """The SDK as a tenant uses it: the tenant's token as its API key."""
+    return openai.OpenAI(base_url=f"https://127.0.0.1:{router.http_port}/v1", api_key=api_key or CA.token("tester"),
+                         http_client=https(), max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(pool) -> openai.OpenAI:
+    return client(pool["router"])
+
+
+@pytest.fixture(scope="module")
+def target_api(pool) -> target_pb2_grpc.TargetServiceStub:
+    return target_pb2_grpc.TargetServiceStub(channel(pool["router"].address, "router"))
+
+
+def greedy(model: str, max_tokens: int, **input) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=model, max_tokens=max_tokens, sampling=pb.SamplingParams(temperature=0))
+    if "messages" in input:
+        request.messages.messages.extend(pb.ChatMessage(**m) for m in input["messages"])
+    elif "prompt_ids" in input:
+        request.prompt_ids.ids.extend(input["prompt_ids"])
+    else:
+        request.prompt = input["prompt"]
+    return request
+
+
+def extra(choice, name: str):
+    return (choice.model_extra or {})[name]
+
+
+# -- the same tokens as the Target API ----------------------------------------------------------------------
+
+
+def test_completions_equal_the_target_api_token_for_token(pool, sdk, target_api):
+    model = pool["model"]
+    expected = generate_result(target_api, greedy(model, 12, prompt=PROMPT), timeout=60)
+    got = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                 extra_body={"return_token_ids": True})
+    choice = got.choices[0]
+    assert extra(choice, "token_ids") == list(expected.completions[0].token_ids)
+    assert choice.text == expected.completions[0].text
+    assert choice.finish_reason == "length" and got.object == "text_completion" and got.model == model
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        expected.usage.prompt_tokens, 12, expected.usage.prompt_tokens + 12)
+
+    # A prompt of token ids, as OpenAI's completions take it
+    ids = [101, 2000, 345, 77, 9000, 12]
+    by_ids = sdk.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert extra(by_ids.choices[0], "token_ids") == list(
+        generate_result(target_api, greedy(model, 8, prompt_ids=ids), timeout=60).completions[0].token_ids)
+
+
+def test_chat_equals_the_target_api_token_for_token(pool, sdk, target_api):
+    model = pool["model"]
+    expected = generate_result(target_api, greedy(model, 10, messages=CHAT), timeout=60)
+    got = sdk.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    choice = got.choices[0]
+    assert (choice.message.role, choice.message.content) == ("assistant", expected.completions[0].text)
+    assert extra(choice, "token_ids") == list(expected.completions[0].token_ids)
+    assert got.object == "chat.completion" and got.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert got.usage.completion_tokens == 10
+
+
+def test_streams_bring_the_same_text_then_finish_usage_and_statistics(pool, sdk):
+    model = pool["model"]
+    whole = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    chunks = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    finishing = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.finish_reason for c in finishing] == ["length"]
+    assert extra(finishing[0], "speculation")["target_steps"] >= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+    chat_whole = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0)
+    chat = list(sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == chat_whole.choices[0].message.content
+    assert chat[-1].choices[0].finish_reason == "length" and "speculation" in chat[-1].choices[0].model_extra
+
+
+def test_n_choices(pool, sdk):
+    model = pool["model"]
+    one = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    got = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, n=3)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2]
+    assert [c.text for c in got.choices] == [one] * 3, "greedy: every choice is the one answer"
+    assert got.usage.completion_tokens == 3 * 8
+
+    whole = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0).choices[0]
+    texts, finished = {0: "", 1: ""}, {}
+    for chunk in sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, n=2,
+                                             stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert texts == {0: whole.message.content, 1: whole.message.content}
+    assert finished == {0: "length", 1: "length"}
+
+    sampled = sdk.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=1.0, n=2)
+    assert [c.index for c in sampled.choices] == [0, 1] and 0 < sampled.usage.completion_tokens <= 16
+
+
+def test_stop_strings_end_the_text_before_them(pool, sdk):
+    model = pool["model"]
+    whole = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    expected = whole[: whole.find(stop)]
+
+    got = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "never seen"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (expected, "stop")
+    assert got.usage.prompt_tokens > 0, "the final message still came after the request was cancelled"
+
+    streamed = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                           stream=True, n=2))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == expected
+        assert mine[-1].finish_reason == "stop" and "speculation" in mine[-1].model_extra
+
+    unmet = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop="never seen")
+    assert (unmet.choices[0].text, unmet.choices[0].finish_reason) == (whole, "length")
+
+
+def test_the_speculation_extension_sets_the_method_and_reports_per_request_statistics(pool, sdk):
+    model = pool["model"]
+    plain = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"speculation": {"method": "none"}}).choices[0]
+    stats = extra(plain, "speculation")
+    assert (stats["method"], stats["drafted_tokens"], stats["acceptance"]) == ("none", 0, None)
+    ngram = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                   extra_body={"speculation": {"method": "ngram", "max_draft_tokens": 3}}).choices[0]
+    assert extra(ngram, "speculation")["method"] == "ngram"
+    assert ngram.text == plain.text, "greedy speculation is lossless"
+
+
+# -- refusals ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),  # checked by the target: its message names the field
+    ({"logprobs": 2}, "logprobs"),
+    ({"extra_body": {"speculation": {"method": "magic"}}}, "speculation.method"),
+])
+def test_a_bad_request_is_a_400_naming_its_field(pool, sdk, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=pool["model"], prompt=PROMPT, **{"max_tokens": 4, **fields})
+    assert (err.value.status_code, err.value.param) == (400, param), err.value.message
+    assert err.value.type == "invalid_request_error"
+
+
+def test_a_chat_too_long_for_the_context_names_max_completion_tokens(pool, sdk):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=pool["model"], messages=CHAT, max_completion_tokens=100_000, stream=True)
+    assert err.value.param == "max_completion_tokens", "refused before the stream began: a plain HTTP 400"
+
+
+def test_an_unknown_token_is_a_401_and_an_unknown_model_a_404(pool, sdk):
+    stranger = client(pool["router"], api_key="not-a-token-this-router-knows")
+    with pytest.raises(openai.AuthenticationError) as err:
+        stranger.completions.create(model=pool["model"], prompt=PROMPT, max_tokens=4)
+    assert err.value.status_code == 401 and err.value.type == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model=pool["model"], messages=CHAT, max_tokens=4, stream=True)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    assert err.value.param == "model"
+
+
+def test_requests_without_a_token_or_with_a_body_that_is_not_json(pool):
+    url = f"https://127.0.0.1:{pool['router'].http_port}/v1"
+    body = {"model": pool["model"], "prompt": "x", "max_tokens": 2}
+    with https() as http:
+        anonymous = http.post(f"{url}/completions", json=body)
+        assert anonymous.status_code == 401
+        assert anonymous.json()["error"]["message"].startswith("authorization:")
+        garbled = http.post(f"{url}/completions", content=b"{not json",
+                            headers={"Authorization": f"Bearer {CA.token('tester')}"})
+        assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
+        assert http.get(f"{url}/nothing-here").json()["error"]["type"] == "not_found_error"
+
+
+def test_models_lists_what_the_pool_serves(pool, sdk):
+    assert [m.id for m in sdk.models.list()] == [pool["model"]]
+    assert sdk.models.retrieve(pool["model"]).owned_by == "specpool"
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
