@@ -46,11 +46,11 @@ proto: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# Lints and packages the Helm chart (helm/specpool) into dist/; needs helm on the PATH.
+# Lints and packages the Helm chart (helm/specpool) into dist/, with the helm scripts/install_helm.py
+# fetches into .cache/helm (the one tests/helm run).
 chart:
-	@command -v helm >/dev/null || { echo "make chart needs helm on the PATH: https://helm.sh/docs/intro/install/"; exit 1; }
-	helm lint helm/specpool
-	helm package helm/specpool --destination dist
+	HELM=$$($(PYTHON) scripts/install_helm.py) && $$HELM lint --strict helm/specpool \
+		&& $$HELM package helm/specpool --destination dist
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
@@ -58,3 +58,24 @@ clean:
 # Re-runs the commands whose output README.md shows (its generated blocks); a test fails when they are stale.
 readme: setup
 	$(BIN)/python scripts/readme_outputs.py
+
+# The image every chart component runs (helm/specpool), tagged with the chart's appVersion: a chart
+# installed with image.repository=$(IMAGE) finds it without a tag. Push it yourself, e.g.
+#   make image IMAGE=registry.example.com/team/specpool && docker push registry.example.com/team/specpool:0.1.0
+# image-cuda: torch from an index of CUDA builds (PyPI's Linux wheels are; or a cuXXX index of PyTorch's
+# matching your driver), tagged <appVersion>-cuda: the chart's image.variant: cuda.
+IMAGE            ?= specpool
+APP_VERSION      := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^" ]*\)"\{0,1\}.*/\1/p' helm/specpool/Chart.yaml)
+CUDA_TORCH_INDEX ?= https://pypi.org/simple
+
+.PHONY: image image-cuda chart-schema
+
+image:
+	docker build -t $(IMAGE):$(APP_VERSION) .
+
+image-cuda:
+	docker build --build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX) -t $(IMAGE):$(APP_VERSION)-cuda .
+
+# helm/specpool/values.schema.json from its spec in scripts/chart_schema.py (tests/helm checks it is current).
+chart-schema: setup
+	$(BIN)/python scripts/chart_schema.py

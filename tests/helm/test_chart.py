@@ -133,7 +133,9 @@ def test_templates_present_and_dashboard_shipped():
         assert expected in names, expected
     configmap = (TEMPLATES / "dashboard-configmap.yaml").read_text()
     assert '.Files.Get "dashboards/specpool.json"' in configmap
-    for path in TEMPLATES.glob("*"):
+    for path in TEMPLATES.rglob("*"):  # templates/tests/ (helm test hooks) included
+        if not path.is_file():
+            continue
         text = path.read_text()
         assert text.count("{{") == text.count("}}"), f"{path.name}: unbalanced template braces"
 
@@ -369,7 +371,9 @@ def test_every_server_gets_tls_unless_insecure():
 def test_insecure_only_when_asked():
     """--insecure (and NOTES' warning about it) appears only where security.insecure is true."""
     seen = 0
-    for path in TEMPLATES.iterdir():
+    for path in TEMPLATES.rglob("*"):
+        if not path.is_file():
+            continue
         text = path.read_text()
         for offset in occurrences(text, "--insecure"):
             seen += 1

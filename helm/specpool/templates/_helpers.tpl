@@ -35,8 +35,66 @@ app.kubernetes.io/name: {{ include "specpool.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The image: the tag `make image` (or, variant cuda, `make image-cuda`) gives it unless image.tag is set. */}}
 {{- define "specpool.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $tag := printf "%s%s" .Chart.AppVersion (eq .Values.image.variant "cuda" | ternary "-cuda" "") }}
+{{- printf "%s:%s" .Values.image.repository (default $tag .Values.image.tag) }}
+{{- end }}
+
+{{- define "specpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "specpool.fullname" .) }}
+{{- else }}
+{{- .Values.serviceAccount.name | default "default" }}
+{{- end }}
+{{- end }}
+
+{{/* The pod-level fields every specpool pod shares (router, endpoint, targets, the test): its
+ServiceAccount without a mounted token, pull Secrets, the pod security context. */}}
+{{- define "specpool.podBasics" -}}
+serviceAccountName: {{ include "specpool.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* A Deployment's strategy (arg: the component's strategy value); rollingUpdate only with RollingUpdate
+(the API rejects it beside Recreate, and Helm's merge of values would carry the default's along). */}}
+{{- define "specpool.strategy" -}}
+{{- $type := .type | default "RollingUpdate" }}
+type: {{ $type }}
+{{- if and (eq $type "RollingUpdate") .rollingUpdate }}
+rollingUpdate:
+  {{- toYaml .rollingUpdate | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* A PodDisruptionBudget (arg: dict "root" $ "name" NAME "component" C "labels" (extra selector labels)
+"pdb" (the component's podDisruptionBudget value)). */}}
+{{- define "specpool.pdb" -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "specpool.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+    {{- with .labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  maxUnavailable: {{ .pdb.maxUnavailable | default 1 | toJson }}
+  selector:
+    matchLabels:
+      {{- include "specpool.selectorLabels" .root | nindent 6 }}
+      app.kubernetes.io/component: {{ .component }}
+      {{- with .labels }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
 {{- end }}
 
 {{/* Object names of the components. */}}
@@ -58,8 +116,45 @@ targets are given (--spec-endpoint), so the router pairs them by the same HOST:P
 {{- printf "%s:%v" (include "specpool.specName" .) .Values.specEndpoint.port }}
 {{- end }}
 
-{{/* Checks run once per render (router.yaml includes this): values this chart no longer takes, and
-the security settings' combinations. Renders nothing. */}}
+{{/* Endpoint instance `index` (0 .. specEndpoint.replicas-1): its object name (Deployment, Service),
+its --endpoint-id and its address (arg: dict "root" $ "index" I). Instance 0 keeps the names of a
+single endpoint. */}}
+{{- define "specpool.specInstanceName" -}}
+{{- if eq (int .index) 0 }}
+{{- include "specpool.specName" .root }}
+{{- else }}
+{{- printf "%s-spec-%d" (include "specpool.fullname" .root) (int .index) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "specpool.specInstanceId" -}}
+{{- if eq (int .index) 0 }}{{ .root.Values.specEndpoint.name }}{{ else }}{{ printf "%s-%d" .root.Values.specEndpoint.name (int .index) }}{{ end }}
+{{- end }}
+
+{{- define "specpool.specInstanceAddress" -}}
+{{- printf "%s:%v" (include "specpool.specInstanceName" .) .root.Values.specEndpoint.port }}
+{{- end }}
+
+{{/* A target tenant's object name: Deployment, Service, NetworkPolicy, PodDisruptionBudget, HPA (arg:
+dict "root" $ "tenant" NAME). Cut to 63 characters: specpool.validate fails on two that meet. */}}
+{{- define "specpool.targetName" -}}
+{{- printf "%s-target-%s" (include "specpool.fullname" .root) .tenant | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* A value of target tenant i with its source: dict "value" V "path" "targets[i].KEY" or
+"targetDefaults.KEY" (arg: dict "root" $ "index" I "tenant" ENTRY "key" KEY), for messages that name
+the value to change. */}}
+{{- define "specpool.tenantValue" -}}
+{{- if hasKey .tenant .key }}
+{{- dict "value" (index .tenant .key) "path" (printf "targets[%d].%s" (int .index) .key) | toJson }}
+{{- else }}
+{{- dict "value" (index .root.Values.targetDefaults .key) "path" (printf "targetDefaults.%s" .key) | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* Checks run once per render (router.yaml includes this): values this chart no longer takes, the
+security settings' combinations, and the rules across values that values.schema.json cannot state
+(each message names the value to change). Renders nothing. */}}
 {{- define "specpool.validate" -}}
 {{- if or .Values.redis.url (.Values.redis.existingSecret | default (dict)).name }}
 {{- fail "redis.url and redis.existingSecret are gone: use redis.external.urlSecret {name, key} (or redis.external.url for a URL without a password); the in-chart Redis now has a password (redis.auth)" }}
@@ -77,6 +172,90 @@ the security settings' combinations. Renders nothing. */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- include "specpool.validateGrace" . }}
+{{- include "specpool.validateTenants" . }}
+{{- include "specpool.validateNames" . }}
+{{- end }}
+
+{{/* Drain inside the grace period: the kubelet kills a pod terminationGracePeriodSeconds after SIGTERM,
+so a server still draining its RPCs (graceS) would be killed mid-drain. */}}
+{{- define "specpool.validateGrace" -}}
+{{- $r := .Values.router }}
+{{- if not (lt (float64 $r.graceS) (float64 $r.terminationGracePeriodSeconds)) }}
+{{- fail (printf "router.graceS (%v s) must be less than router.terminationGracePeriodSeconds (%v s): the kubelet kills the pod mid-drain" $r.graceS $r.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- if and .Values.specEndpoint.enabled (le (float64 .Values.specEndpoint.terminationGracePeriodSeconds) 10.0) }}
+{{- fail (printf "specEndpoint.terminationGracePeriodSeconds (%v s) must exceed the endpoint's 10 s drain: the kubelet kills the pod mid-drain" .Values.specEndpoint.terminationGracePeriodSeconds) }}
+{{- end }}
+{{- range $i, $tenant := .Values.targets }}
+{{- $grace := include "specpool.tenantValue" (dict "root" $ "index" $i "tenant" $tenant "key" "graceS") | fromJson }}
+{{- $term := include "specpool.tenantValue" (dict "root" $ "index" $i "tenant" $tenant "key" "terminationGracePeriodSeconds") | fromJson }}
+{{- if not (lt (float64 $grace.value) (float64 $term.value)) }}
+{{- fail (printf "%s (%v s) must be less than %s (%v s) for tenant %s: the kubelet kills the pod mid-drain" $grace.path $grace.value $term.path $term.value (toString $tenant.tenant)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Values that name tenants or endpoint instances name ones that exist. */}}
+{{- define "specpool.validateTenants" -}}
+{{- $targets := list }}
+{{- range .Values.targets }}
+{{- $targets = append $targets (toString .tenant) }}
+{{- end }}
+{{- /* The tenants requests lease draft slots as: with tokens, the tenant a caller's token names (unknown
+with an existing tokens Secret: not checked); with security.insecure, the placed target's tenant. */ -}}
+{{- $lessees := list }}
+{{- $from := "" }}
+{{- if .Values.security.insecure }}
+{{- $lessees = $targets }}
+{{- $from = "with security.insecure a request leases as its target's tenant (targets[].tenant)" }}
+{{- else if not .Values.security.tokens.existingSecret.name }}
+{{- $lessees = keys (.Values.security.tokens.tenants | default (dict "default" "")) | sortAlpha }}
+{{- $from = "a request leases as the tenant its bearer token names (security.tokens.tenants; none given: one token, for tenant default)" }}
+{{- end }}
+{{- if $from }}
+{{- range $tenant, $_ := .Values.router.tenantWeights }}
+{{- if not (has $tenant $lessees) }}
+{{- fail (printf "router.tenantWeights.%s: there is no tenant %s: %s, and the tenants are %s" $tenant $tenant $from (join ", " $lessees)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $replicas := int .Values.specEndpoint.replicas }}
+{{- range $i, $tenant := .Values.targets }}
+{{- $at := include "specpool.tenantValue" (dict "root" $ "index" $i "tenant" $tenant "key" "endpointIndex") | fromJson }}
+{{- if and (not (kindIs "invalid" $at.value)) (ge (int $at.value) $replicas) }}
+{{- fail (printf "%s: %v for tenant %s, but there are specEndpoint.replicas = %d endpoint instances (0 .. %d)" $at.path $at.value (toString $tenant.tenant) $replicas (sub $replicas 1)) }}
+{{- end }}
+{{- $hpa := include "specpool.tenantValue" (dict "root" $ "index" $i "tenant" $tenant "key" "autoscaling") | fromJson }}
+{{- if and $hpa.value.enabled (gt (int $hpa.value.minReplicas) (int $hpa.value.maxReplicas)) }}
+{{- fail (printf "%s: minReplicas %v exceeds maxReplicas %v for tenant %s" $hpa.path $hpa.value.minReplicas $hpa.value.maxReplicas (toString $tenant.tenant)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Object names are cut to 63 characters (DNS labels): two components whose names meet after the cut
+would overwrite each other's Deployment and Service. */}}
+{{- define "specpool.validateNames" -}}
+{{- $owners := dict }}
+{{- $named := list (list (include "specpool.routerName" .) "the router") }}
+{{- if include "specpool.inChartRedis" . }}
+{{- $named = append $named (list (include "specpool.redisName" .) "the in-chart Redis") }}
+{{- end }}
+{{- if .Values.specEndpoint.enabled }}
+{{- range $i := until (int .Values.specEndpoint.replicas) }}
+{{- $named = append $named (list (include "specpool.specInstanceName" (dict "root" $ "index" $i)) (printf "endpoint instance %d (specEndpoint.replicas)" $i)) }}
+{{- end }}
+{{- end }}
+{{- range $i, $tenant := .Values.targets }}
+{{- $named = append $named (list (include "specpool.targetName" (dict "root" $ "tenant" $tenant.tenant)) (printf "targets[%d].tenant (%s)" $i (toString $tenant.tenant))) }}
+{{- end }}
+{{- range $named }}
+{{- $name := index . 0 }}
+{{- if hasKey $owners $name }}
+{{- fail (printf "%s and %s both get the object name %s (names are cut to 63 characters): shorten one, or nameOverride / fullnameOverride" (index $owners $name) (index . 1) $name) }}
+{{- end }}
+{{- $_ := set $owners $name (index . 1) }}
+{{- end }}
 {{- end }}
 
 {{/* Secret names. TLS Secrets hold ca.crt, tls.crt and tls.key (the kubernetes.io/tls layout
@@ -85,18 +264,28 @@ cert-manager writes), one per component instance (arg: dict "root" $ "role" rout
 {{- define "specpool.tlsSecretName" -}}
 {{- $tls := .root.Values.security.tls }}
 {{- $fullname := include "specpool.fullname" .root }}
+{{- $index := int (.index | default 0) }}
 {{- if eq $tls.mode "existingSecrets" }}
 {{- if eq .role "router" }}
 {{- required "security.tls.existingSecrets.router: the router's TLS Secret" $tls.existingSecrets.router }}
 {{- else if eq .role "endpoint" }}
-{{- required "security.tls.existingSecrets.endpoint: the endpoint's TLS Secret" $tls.existingSecrets.endpoint }}
+{{- $given := $tls.existingSecrets.endpoint }}
+{{- if and (kindIs "slice" $given) (lt $index (len $given)) }}
+{{- required (printf "security.tls.existingSecrets.endpoint[%d]: endpoint instance %d's TLS Secret" $index $index) (index $given $index) }}
+{{- else if kindIs "slice" $given }}
+{{- fail (printf "security.tls.existingSecrets.endpoint: %d Secrets for specEndpoint.replicas instances; instance %d has none" (len $given) $index) }}
+{{- else if eq $index 0 }}
+{{- required "security.tls.existingSecrets.endpoint: the endpoint's TLS Secret" $given }}
+{{- else }}
+{{- fail (printf "security.tls.existingSecrets.endpoint: with specEndpoint.replicas > 1, a list of Secrets, one per instance (instance %d has none)" $index) }}
+{{- end }}
 {{- else }}
 {{- required (printf "security.tls.existingSecrets.targets.%s: tenant %s's TLS Secret" .name .name) (index ($tls.existingSecrets.targets | default (dict)) .name) }}
 {{- end }}
 {{- else if eq .role "router" }}
 {{- printf "%s-router-tls" $fullname }}
 {{- else if eq .role "endpoint" }}
-{{- printf "%s-spec-tls" $fullname }}
+{{- printf "%s-tls" (include "specpool.specInstanceName" (dict "root" .root "index" $index)) }}
 {{- else }}
 {{- printf "%s-target-%s-tls" $fullname .name }}
 {{- end }}
@@ -249,12 +438,32 @@ readinessProbe:
   failureThreshold: {{ $p.readiness.failureThreshold }}
 {{- end }}
 
-{{/* Resources, with nvidia.com/gpu added to requests and limits (arg: dict "resources" R "gpu" N). */}}
+{{/* Resources, with the GPUs added to requests and limits (arg: dict "resources" R "gpu" N
+"gpuResource" NAME; NAME default nvidia.com/gpu). */}}
 {{- define "specpool.resources" -}}
 {{- $r := deepCopy (default (dict) .resources) }}
+{{- $gpu := .gpuResource | default "nvidia.com/gpu" }}
 {{- if .gpu }}
-{{- $_ := set $r "limits" (merge (dict "nvidia.com/gpu" .gpu) (default (dict) $r.limits)) }}
-{{- $_ := set $r "requests" (merge (dict "nvidia.com/gpu" .gpu) (default (dict) $r.requests)) }}
+{{- $_ := set $r "limits" (merge (dict $gpu .gpu) (default (dict) $r.limits)) }}
+{{- $_ := set $r "requests" (merge (dict $gpu .gpu) (default (dict) $r.requests)) }}
 {{- end }}
 {{- toYaml $r }}
+{{- end }}
+
+{{/* /dev/shm as an in-memory emptyDir (arg: the shmSize value; empty: nothing): the volume, and the
+mount (specpool.shmMount). NCCL's intra-node transport lives there; runtimes give 64Mi by default. */}}
+{{- define "specpool.shmVolume" -}}
+{{- if . }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "specpool.shmMount" -}}
+{{- if . }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
 {{- end }}
