@@ -55,9 +55,7 @@ class Forwarding:
         if not self._end():
             return
         self.handed_over = True
-        if self.route.lease is not None:
-            self.router.leases.release(self.route.lease)
-            self.router.metrics.leases_held.set(self.router.leases.held())
+        self.router.release(self.route)
 
     def _end(self) -> bool:
         """True the first time only."""

@@ -120,11 +120,15 @@ class Router:
         self.metrics.placement_seconds.observe(time.perf_counter() - start)
         return Route(target, forwarded, decision, tenant, held[0] if held else None)
 
-    def finish(self, route: Route, outcome: str) -> None:
-        """Releases the route's slot and records the request; call once per route."""
+    def release(self, route: Route) -> None:
+        """Frees the route's draft slot, if it holds one; call once per route (or finish)."""
         if route.lease is not None:
             self.leases.release(route.lease)
             self.metrics.leases_held.set(self.leases.held())
+
+    def finish(self, route: Route, outcome: str) -> None:
+        """Releases the route's slot and records the request; call once per request, on its last route."""
+        self.release(route)
         self.metrics.requests.labels(model=route.model, outcome=outcome).inc()
         self.metrics.request_seconds.labels(model=route.model, plan=route.decision.method).observe(
             time.monotonic() - route.started_at)
