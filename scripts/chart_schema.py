@@ -264,6 +264,7 @@ VALUES = closed({
         "replicas": integer(0),
         "port": PORT,
         "metricsPort": PORT,
+        "httpPort": integer(0, 65535, description="--http-port: the OpenAI-compatible HTTP front (0: none)"),
         "tenantWeights": map_of(number(exclusive_minimum=0), "--tenant-weights: tenant -> weight > 0"),
         "graceS": number(0, description="--grace-s: drain time on SIGTERM (< terminationGracePeriodSeconds)"),
         "terminationGracePeriodSeconds": integer(1),
