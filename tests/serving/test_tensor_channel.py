@@ -168,7 +168,8 @@ def _run_peer(host: ChannelHost, peer: str, seed: int) -> PairChannel:
     process = multiprocessing.get_context("spawn").Process(target=_peer_process, args=(offer, seed))
     process.start()
     try:
-        channel = host.get(peer, timeout_s=20.0)
+        # A spawned process imports torch first: 20 s was not always enough on a loaded 2-core machine.
+        channel = host.get(peer, timeout_s=60.0)
         assert channel is not None, "peer process never joined"
         _check_echoes(channel, seed)
         assert channel.recv((1,), torch.int64).item() == seed
