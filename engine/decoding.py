@@ -49,6 +49,10 @@ class GenerationResult:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per target step
+    # Drafts verified at position k + 1 over all rounds (a chain's k+1-th draft, a tree's nodes at depth k),
+    # and of them accepted: the accepted path holds one draft per position.
+    offered_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
     branch_rounds: int = 0  # token trees: rounds whose accepted path left the first-child chain
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -62,6 +66,17 @@ class GenerationResult:
     def mean_accept_len(self) -> float:
         """Tokens emitted per target step after the first token, bonus included."""
         return (len(self.token_ids) - 1) / self.target_steps if self.target_steps else 0.0
+
+    def count_positions(self, depths: Sequence[int], accepted: int) -> None:
+        """One round's drafts by position: `depths` of the drafts verified (0: the first after the last
+        emitted token), `accepted` the length of the accepted path."""
+        for d in depths:
+            while len(self.offered_at) <= d:
+                self.offered_at.append(0)
+                self.accepted_at.append(0)
+            self.offered_at[d] += 1
+        for d in range(accepted):
+            self.accepted_at[d] += 1
 
 
 def pad_drafts(drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,6 +386,8 @@ class Decoder:
                 res.drafted_tokens += len(proposed)
                 res.accepted_tokens += len(path)
                 res.rounds.append((len(proposed), len(path)))
+                depths = token_tree.depths(d.parents[b]) if d.parents is not None else range(len(proposed))
+                res.count_positions(depths, len(path))
                 if seq.seq_id in ours:
                     self.acceptance.update(len(path), asked.offered[seq.seq_id], len(proposed))
                 # Keep the fed last token and the accepted path's K/V, in place; drop the rest.

@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from specpool.common.outcomes import UNKNOWN_MODEL
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# The registry operations whose failures are counted (server.py: read; routing.py: acquire; leases.py: renew,
+# release): their series exist from the start, so an error rate reads 0 rather than nothing.
+REGISTRY_OPS = ("read", "acquire", "renew", "release")
 
 
 class RouterMetrics:
@@ -36,6 +39,8 @@ class RouterMetrics:
         self.leases_held = Gauge("specpool_router_draft_leases_held", "Draft slots this replica holds", registry=r)
         self.registry_errors = Counter("specpool_router_registry_errors", "Redis operations that failed",
                                        ["op"], registry=r)
+        for op in REGISTRY_OPS:
+            self.registry_errors.labels(op=op)
         self.retries = Counter("specpool_router_retries", "Requests re-placed after a replica was unavailable",
                                ["model"], registry=r)
         self.migrations = Counter("specpool_router_migrations",

@@ -70,6 +70,7 @@ class Endpoint:
         self.channels = TenantChannels(channel_host)
         self.clock = clock
         self.metrics = EndpointMetrics(tenant_labels=config.tenant_labels)
+        self.metrics.max_sessions.set(config.max_sessions)
         self.sessions = SessionTable(clock, label=self.metrics.tenants.of)
         self.lock = threading.RLock()
         self.batcher = Batcher(drafters, self.sessions, self.metrics, self.lock, self.channels, self._drop, clock,

@@ -86,6 +86,8 @@ class EndpointMetrics:
             ["tenant", "model"], registry=r,
         )
         self.active_sessions = Gauge("specpool_spec_active_sessions", "Open sessions", ["tenant"], registry=r)
+        self.max_sessions = Gauge("specpool_spec_max_sessions", "Sessions this endpoint holds at most "
+                                  "(--max-sessions)", registry=r)
         self.sessions_expired = Counter(
             "specpool_spec_sessions_expired", "Sessions closed because their lease ran out", registry=r
         )
@@ -103,6 +105,11 @@ class EndpointMetrics:
         # SSD, per target model (engine.ssd_stats.SsdStats, read after each pre-speculation pass)
         self.ssd_hit_ratio = Gauge("specpool_spec_ssd_cache_hit_ratio", "Outcomes found in the speculation cache",
                                    ["model"], registry=r)
+        # The same as counters, which add up across endpoints and windows: rate(hits) / rate(lookups).
+        self.ssd_hits = Counter("specpool_spec_ssd_cache_hits", "Outcomes found in the speculation cache",
+                                ["model"], registry=r)
+        self.ssd_lookups = Counter("specpool_spec_ssd_cache_lookups", "Outcomes looked up in the speculation cache",
+                                   ["model"], registry=r)
         self.ssd_bonus_accuracy = Gauge("specpool_spec_ssd_bonus_prediction_accuracy",
                                         "Outcomes whose bonus token was the first candidate of its row", ["model"],
                                         registry=r)
@@ -115,7 +122,7 @@ class EndpointMetrics:
                                          "Moving average of one pre-speculation pass", ["model"], registry=r)
         self.ssd_forks = Gauge("specpool_spec_ssd_forks_per_sequence",
                                "Forks per sequence now: as many as fit in the verify time", ["model"], registry=r)
-        self._backups_seen: dict[tuple[str, str], int] = {}
+        self._seen: dict[tuple[int, str], int] = {}  # (id of an SsdStats, a running total's name) -> counted
         # n-gram sessions' online suffix stores (engine.suffix_store), every model's: read at scrape time.
         self.suffix_tokens = Gauge("specpool_spec_suffix_store_tokens", "Tokens held by the tenants' suffix stores",
                                    registry=r)
@@ -134,12 +141,20 @@ class EndpointMetrics:
             if rounds:
                 self.ssd_accept_length.labels(model, source).set(stats.accepted_on_miss[source] / rounds)
         for backup, count in stats.backups.items():
-            seen = self._backups_seen.get((model, backup), 0)
-            if count > seen:
-                self.ssd_backups.labels(model, backup).inc(count - seen)
-                self._backups_seen[(model, backup)] = count
+            self._count_up(self.ssd_backups.labels(model, backup), stats, f"backups/{backup}", count)
+        self._count_up(self.ssd_hits.labels(model), stats, "hits", stats.hits)
+        self._count_up(self.ssd_lookups.labels(model), stats, "lookups", stats.lookups)
         self.ssd_prespec_seconds.labels(model).set(stats.prespec_s)
         self.ssd_forks.labels(model).set(ssd.forks)
+
+    def _count_up(self, counter, stats, name: str, total: int) -> None:
+        """Moves `counter` on by what a running total of `stats` gained since the last pass (each drafter
+        keeps its own SsdStats; a model's may be several)."""
+        key = (id(stats), name)
+        gained = total - self._seen.get(key, 0)
+        if gained > 0:
+            counter.inc(gained)
+        self._seen[key] = total
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (0 when absent): for tests and the capacity API."""

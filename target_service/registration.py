@@ -51,6 +51,10 @@ class HeartbeatFields:
         methods = [Method.NGRAM]
         if has_endpoint and self.client.healthy:
             methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
+        speedups = {Method.DRAFT_MODEL: round(predicted_speedup(draft_policy, batch, expected), 4),
+                    Method.NGRAM: round(predicted_speedup(free_policy, batch, expected), 4)}
+        for method, speedup in speedups.items():
+            self.metrics.predicted(method.value, speedup)
         return {
             "address": self.address,
             "model": self.model,
@@ -60,8 +64,8 @@ class HeartbeatFields:
             "queued": queued,
             "spec_endpoint": self.client.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
-            "predicted_speedup_draft": round(predicted_speedup(draft_policy, batch, expected), 4),
-            "predicted_speedup_ngram": round(predicted_speedup(free_policy, batch, expected), 4),
+            "predicted_speedup_draft": speedups[Method.DRAFT_MODEL],
+            "predicted_speedup_ngram": speedups[Method.NGRAM],
             "methods": [m.value for m in methods],
         }
 

@@ -79,6 +79,7 @@ class Scheduler:
         self.accepting = True
         metrics.running.set_function(lambda: self.load()[0])  # read at each scrape, mid-step included
         metrics.queued.set_function(lambda: self.load()[1])
+        metrics.max_batch.set(decoder.cache.max_slots)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scheduler")
         self._thread.start()
 
@@ -147,6 +148,7 @@ class Scheduler:
                     self._inbox.remove(r)
             for r in queued:
                 r.cancelled = True
+                self.metrics.queue_wait.observe(time.monotonic() - r.submitted_at)
                 self._finish(r)
             request = self._running.get(rid)
             if request is not None:
@@ -161,6 +163,7 @@ class Scheduler:
                 if not self._inbox or self._inbox[0].n > self.decoder.free_slots:
                     return
                 request = self._inbox.popleft()
+            self.metrics.admitted(request, time.monotonic())
             request.counts = [SequenceCounts() for _ in range(request.n)]
             for i in range(request.n):
                 seq_id = request.seq_id(i)
