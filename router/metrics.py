@@ -6,9 +6,14 @@ dashboards and the capacity API (DecisionCount.plan) know it by it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from specpool.common.outcomes import UNKNOWN_MODEL
+from specpool.common.registry import EndpointRegistration, guarantees
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # The registry operations whose failures are counted (server.py: read; routing.py: acquire; leases.py: renew,
@@ -46,6 +51,14 @@ class RouterMetrics:
         self.migrations = Counter("specpool_router_migrations",
                                   "Streams continued on another replica after theirs failed mid-stream",
                                   ["model"], registry=r)
+        self._guarantees = _Guarantees()  # no series until watch_guarantees
+        r.register(self._guarantees)
+
+    def watch_guarantees(self, endpoints: Callable[[], Iterable[EndpointRegistration]],
+                         shares: Mapping[str, float]) -> None:
+        """specpool_router_guaranteed_slots{endpoint, tenant}: the draft slots each weighted tenant is
+        guaranteed on each live endpoint (what leases reserve), read from the registry view at scrape."""
+        self._guarantees.endpoints, self._guarantees.shares = endpoints, shares
 
     def count(self, outcome: str, model: str = UNKNOWN_MODEL) -> None:
         """One request that ended without a route to count it (Router.finish counts those with one)."""
@@ -60,3 +73,18 @@ class RouterMetrics:
                     labels = sample.labels
                     out.append((labels["model"], labels["plan"], labels["reason"], int(sample.value)))
         return sorted(out)
+
+
+class _Guarantees(Collector):
+    def __init__(self):
+        self.endpoints: Callable[[], Iterable[EndpointRegistration]] = list
+        self.shares: Mapping[str, float] = {}
+
+    def collect(self):
+        family = GaugeMetricFamily("specpool_router_guaranteed_slots", "Draft slots reserved for a weighted "
+                                   "tenant on an endpoint: floor(max_sessions * weight / sum of weights)",
+                                   labels=["endpoint", "tenant"])
+        for endpoint in self.endpoints() if self.shares else ():
+            for tenant, slots in guarantees(endpoint.max_sessions, self.shares).items():
+                family.add_metric([endpoint.id, tenant], slots)
+        yield family

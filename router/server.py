@@ -110,6 +110,7 @@ def main(args: argparse.Namespace) -> int:
     keeper = LeaseKeeper(registry, config.tenant_weights, config.lease_ttl_s,
                          on_error=lambda op: metrics.registry_errors.labels(op=op).inc()).start()
     router = Router(view, keeper, metrics, config)
+    metrics.watch_guarantees(lambda: view.snapshot().endpoints, config.tenant_weights)
     try:
         registry.client.ping()
     except redis.RedisError as e:
