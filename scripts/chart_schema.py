@@ -37,39 +37,25 @@ def closed(properties: dict, *, required: tuple[str, ...] = (), description: str
     return schema
 
 
-def integer(minimum: int | None = None, maximum: int | None = None, description: str = "") -> dict:
-    schema: dict = {"type": "integer"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
+def _schema(type_: str, description: str = "", **keywords) -> dict:
+    """{"type": type_, ...} with the keywords that are set (not None or "")."""
+    schema: dict = {"type": type_}
+    schema.update({k: v for k, v in keywords.items() if v is not None and v != ""})
     if description:
         schema["description"] = description
     return schema
+
+
+def integer(minimum: int | None = None, maximum: int | None = None, description: str = "") -> dict:
+    return _schema("integer", description, minimum=minimum, maximum=maximum)
 
 
 def number(minimum: float | None = None, exclusive_minimum: float | None = None, description: str = "") -> dict:
-    schema: dict = {"type": "number"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if exclusive_minimum is not None:
-        schema["exclusiveMinimum"] = exclusive_minimum
-    if description:
-        schema["description"] = description
-    return schema
+    return _schema("number", description, minimum=minimum, exclusiveMinimum=exclusive_minimum)
 
 
 def string(pattern: str = "", description: str = "", min_length: int = 0, max_length: int = 0) -> dict:
-    schema: dict = {"type": "string"}
-    if pattern:
-        schema["pattern"] = pattern
-    if min_length:
-        schema["minLength"] = min_length
-    if max_length:
-        schema["maxLength"] = max_length
-    if description:
-        schema["description"] = description
-    return schema
+    return _schema("string", description, pattern=pattern, minLength=min_length or None, maxLength=max_length or None)
 
 
 def enum(*values: str, description: str = "") -> dict:
