@@ -10,6 +10,9 @@ prompts is sent as concurrent Generate calls through the Target API, and the wal
 first submit to the last answer is what the chunk costs, as for the in-process modes. routed-http:
 routed's requests through the router's OpenAI-compatible HTTP front instead (POST /v1/completions,
 streaming off, with the `openai` SDK), so what the front costs is routed-http against routed.
+routed-ray and routed-ray-ar: the same cluster file's members as Ray actors (`specpool up --ray`,
+cluster/ray_launcher.py) on the Ray cluster at --ray (unset: a one-node Ray on 127.0.0.1 that the
+run starts and stops), so what launching on Ray costs is routed-ray against routed, in one run.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ METHODS = {
 }
 REMOTE_MODES = tuple(METHODS)
 TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
-ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None}  # None: the router plans (AUTO)
+ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None,  # None: the router plans (AUTO)
+                  "routed-ray": None, "routed-ray-ar": Method.NONE}
+RAY_NAMESPACE = "specpool-bench"
 # SSD's layout, chosen on 2-core AVX-512 machines: drafting overlaps verification only when each has
 # a core of its own. Recorded in every report that ran SSD.
 SSD_ENDPOINT_CPUS, SSD_TARGET_CPUS = [1], [0]
@@ -137,8 +142,11 @@ class RemoteCluster:
 class RoutedCluster:
     """The cluster of the routed modes, started on first use and stopped by close()."""
 
-    def __init__(self, model_path: Path, config_path: Path | None = None):
+    def __init__(self, model_path: Path, config_path: Path | None = None, ray_address: str | None = None):
         self.config = ClusterConfig.load(config_path).with_free_ports()
+        self.ray_address = ray_address  # of the routed-ray modes (None: a one-node Ray of the run's own)
+        self.ray_cluster = None
+        self._own_ray = False
         models = {Path(t.model).resolve() if t.model else default_model_path().resolve() for t in self.config.targets}
         if models != {model_path.resolve()}:
             raise ValueError(f"routed modes: the cluster config serves {sorted(map(str, models))}, the bench measures "
@@ -146,6 +154,9 @@ class RoutedCluster:
         self.cluster: Cluster | None = None
 
     def runner(self, mode: str, max_tokens: int):
+        if mode.startswith("routed-ray"):
+            stub = target_pb2_grpc.TargetServiceStub(self._on_ray().router_channel("alpha"))
+            return target_api_runner(stub, ROUTED_METHODS[mode], max_tokens)
         if self.cluster is None:
             self.cluster = Cluster.start(self.config, progress=lambda text: log.info("cluster: %s", text))
         if mode == "routed-http":
@@ -154,9 +165,32 @@ class RoutedCluster:
         stub = target_pb2_grpc.TargetServiceStub(self.cluster.router_channel("alpha"))
         return target_api_runner(stub, ROUTED_METHODS[mode], max_tokens)
 
+    def _on_ray(self):
+        """The cluster as Ray actors, started on first use."""
+        if self.ray_cluster is None:
+            import ray
+
+            from specpool.cluster.ray_launcher import RayCluster, ray_cpus_needed
+
+            if self.ray_address is None and not ray.is_initialized():
+                # Logical CPUs enough for the file's asks: the members' pins and threads decide the real ones.
+                ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=ray_cpus_needed(self.config),
+                         include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+                         namespace=RAY_NAMESPACE)
+                self._own_ray = True
+            self.ray_cluster = RayCluster.start(self.config, address=self.ray_address, namespace=RAY_NAMESPACE,
+                                                progress=lambda text: log.info("ray cluster: %s", text))
+        return self.ray_cluster
+
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.stop()
+        if self.ray_cluster is not None:
+            self.ray_cluster.down()
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
 
 
 def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | None, max_tokens: int,

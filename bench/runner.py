@@ -77,6 +77,7 @@ class BenchConfig:
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
     threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
     cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/default.yaml)
+    ray_address: str | None = None  # routed-ray modes: the Ray cluster (None: a one-node Ray of the run's own)
     endpoint_args: tuple[str, ...] = ()  # remote modes: further serve-spec flags
 
 
@@ -268,7 +269,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if any(m in ROUTED_METHODS for m in cfg.modes):
         from specpool.bench.remote import RoutedCluster
 
-        routed = RoutedCluster(cfg.model_path, cfg.cluster_config)
+        routed = RoutedCluster(cfg.model_path, cfg.cluster_config, cfg.ray_address)
     try:
         rows = _run_batches(cfg, model, prompts, remote, routed)
     finally:
@@ -295,7 +296,9 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _reference(mode: str, modes) -> str:
     if mode.startswith("hf-"):
         return "hf-ar"
-    if mode in ("routed", "routed-http") and "routed-ar" in modes:
+    if mode == "routed-ray" and "routed-ray-ar" in modes:
+        return "routed-ray-ar"
+    if mode in ("routed", "routed-http", "routed-ray") and "routed-ar" in modes:
         return "routed-ar"
     return "ar"
 

@@ -19,11 +19,30 @@ class ConfigError(ValueError):
     """A cluster file that does not describe a cluster; the message names the key."""
 
 
+PLACEMENTS = ("spread", "strict_spread", "with_endpoint")
+
+
+@dataclass(frozen=True, slots=True)
+class RaySpec:
+    """What a member's actor asks of a Ray cluster (`specpool up --ray`, cluster/ray_launcher.py); a
+    local `specpool up` ignores it. Ray places the actor on a node that has these resources."""
+
+    num_cpus: float | None = None  # None: the member's threads, else 1
+    num_gpus: float = 0
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources, e.g. {draft_device: 1}
+    max_restarts: int = -1  # times Ray restarts the member after its server dies (-1: always)
+    # Targets only: replicas of the tenant at start, and where they go: spread (Ray's SPREAD, best
+    # effort), strict_spread (each on a node of its own), with_endpoint (on its endpoint's node).
+    replicas: int = 1
+    placement: str = "spread"
+
+
 @dataclass(frozen=True, slots=True)
 class RedisSpec:
     port: int = 0  # 0: a free port
     url: str | None = None  # an external Redis: nothing is started
     data_dir: str | None = None  # keep the registry on disk across restarts
+    ray: RaySpec = RaySpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +54,7 @@ class RouterSpec:
     tenant_weights: dict[str, float] = field(default_factory=dict)
     cpus: tuple[int, ...] | None = None
     args: tuple[str, ...] = ()  # further serve-router flags
+    ray: RaySpec = RaySpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +67,7 @@ class EndpointSpec:
     port: int = 0
     metrics_port: int = 0
     args: tuple[str, ...] = ()  # further serve-spec flags
+    ray: RaySpec = RaySpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +84,7 @@ class TargetSpec:
     port: int = 0
     metrics_port: int = 0
     args: tuple[str, ...] = ()  # further serve-target flags
+    ray: RaySpec = RaySpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +126,8 @@ class ClusterConfig:
                 raise ConfigError(f"{where}: targets[{i}].endpoint: no endpoint named {t.endpoint!r} (have {names})")
             if (t.max_batch or 1) < 1 or (t.max_context or 64) < 64:
                 raise ConfigError(f"{where}: targets[{i}]: max_batch must be >= 1 and max_context >= 64")
+            if t.ray.placement == "with_endpoint" and (t.endpoint == "" or not names):
+                raise ConfigError(f"{where}: targets[{i}].ray.placement: with_endpoint needs an endpoint to pair with")
         for i, e in enumerate(self.endpoints):
             if e.max_sessions is not None and e.max_sessions < 1:
                 raise ConfigError(f"{where}: endpoints[{i}].max_sessions must be >= 1, got {e.max_sessions}")
@@ -164,6 +188,8 @@ def _build(cls: type, raw: dict, where: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}.tenant_weights: expected a mapping tenant -> weight, got {value!r}")
             value = dict(value)
+        elif f.name == "ray":
+            value = _ray(value, f"{where}.ray", targets=cls.__name__ == "TargetSpec")
         elif f.name == "model" and value == "default":
             value = None
         elif value is not None or "None" not in f.type:
@@ -175,3 +201,29 @@ def _build(cls: type, raw: dict, where: str):
         return cls(**values)
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from e
+
+
+def _ray(raw, where: str, targets: bool) -> RaySpec:
+    _check_keys(raw, RaySpec, where)
+    if not targets and ({"replicas", "placement"} & set(raw)):
+        raise ConfigError(f"{where}: replicas and placement are for targets only")
+
+    def number(key: str, value, least: float) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{where}.{key}: expected a number >= {least:g}, got {value!r}")
+        return value
+
+    values = dict(raw)
+    for key in ("num_cpus", "num_gpus"):
+        if values.get(key) is not None:
+            number(key, values[key], 0)
+    resources = values.get("resources") or {}
+    if not isinstance(resources, dict):
+        raise ConfigError(f"{where}.resources: expected a mapping name -> amount, got {resources!r}")
+    values["resources"] = {str(k): number(f"resources.{k}", v, 0) for k, v in resources.items()}
+    for key, least in (("max_restarts", -1), ("replicas", 1)):
+        if key in values and (not isinstance(values[key], int) or isinstance(values[key], bool) or values[key] < least):
+            raise ConfigError(f"{where}.{key}: expected an integer >= {least}, got {values[key]!r}")
+    if values.get("placement", "spread") not in PLACEMENTS:
+        raise ConfigError(f"{where}.placement: expected one of {list(PLACEMENTS)}, got {values['placement']!r}")
+    return RaySpec(**values)

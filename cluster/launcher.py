@@ -79,6 +79,23 @@ def router_command(r: RouterSpec, index: int) -> list[str]:
     return args + list(r.args)
 
 
+def endpoint_of(config: ClusterConfig, t: TargetSpec) -> str:
+    """The name of the endpoint t drafts on ("": none)."""
+    first = config.endpoints[0].name if config.endpoints else ""
+    return first if t.endpoint is None else t.endpoint
+
+
+def target_tiers(targets: tuple[TargetSpec, ...]) -> tuple[list[TargetSpec], list[TargetSpec]]:
+    """(the first target of each model, dtype and thread count; the others). Those share a cached
+    step-cost table: the first of each starts alone, so a first run measures it once and not under
+    its siblings' load."""
+    firsts: dict[tuple, TargetSpec] = {}
+    for t in targets:
+        firsts.setdefault((t.model, t.dtype, t.threads), t)
+    leaders = list(firsts.values())
+    return leaders, [t for t in targets if t not in leaders]
+
+
 # -- the running cluster -------------------------------------------------------------------------------
 
 
@@ -156,21 +173,14 @@ class Cluster:
         say(f"endpoints: starting {', '.join(jobs) or 'none'} (loading draft models)")
         self.endpoints = self._start_tier(jobs, spawn)
 
-        first = self.config.endpoints[0].name if self.config.endpoints else ""
         jobs = {}
         for t in self.config.targets:
-            endpoint = first if t.endpoint is None else t.endpoint
+            endpoint = endpoint_of(self.config, t)
             address = self.endpoints[endpoint].address if endpoint else None
             jobs[t.tenant] = (target_command(t, address) + security_args, t.cpus, t.threads)
         say(f"targets: starting {', '.join(jobs) or 'none'} (loading models; the first run measures step costs)")
-        # Targets of one model, dtype and thread count share a cached step-cost table: the first of
-        # each starts alone, so a first run measures it once and not under its siblings' load.
-        firsts: dict[tuple, str] = {}
-        for t in self.config.targets:
-            firsts.setdefault((t.model, t.dtype, t.threads), t.tenant)
-        leaders = set(firsts.values())
-        self.targets = self._start_tier({k: v for k, v in jobs.items() if k in leaders}, spawn)
-        self.targets |= self._start_tier({k: v for k, v in jobs.items() if k not in leaders}, spawn)
+        for tier in target_tiers(self.config.targets):
+            self.targets |= self._start_tier({t.tenant: jobs[t.tenant] for t in tier}, spawn)
 
         r = self.config.routers
         jobs = {router_name(r, i): (router_command(r, i) + security_args, r.cpus, None) for i in range(r.count)}
@@ -312,7 +322,8 @@ def _cpus_text(cpus) -> str:
 def format_members(cluster: Cluster) -> str:
     rows = [("role", "name", "address", "metrics", "")]
     for m in cluster.members():
-        metrics = f"http://127.0.0.1:{m.metrics_port}/metrics" if m.metrics_port else "-"
+        host = m.address.rpartition(":")[0]
+        metrics = f"http://{host}:{m.metrics_port}/metrics" if m.metrics_port else "-"
         rows.append((m.role, m.name, m.address, metrics, m.detail))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -46,10 +46,11 @@ class ServerProcess:
     log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
     command: list[str] = field(default_factory=list)  # what started it, for restart()
     env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # the address it listens on (--host; a Ray node's own on Ray)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -87,7 +88,7 @@ class ServerProcess:
     def metric_total(self, sample: str, **labels: str) -> float:
         """The sum of one sample name's values (e.g. specpool_target_generated_tokens_total) over the
         series on the server's /metrics whose labels include `labels`; OSError when it does not answer."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
         total = 0.0
         for m in re.finditer(rf"^{re.escape(sample)}(?:{{(.*)}})? (\S+)$", text, re.MULTILINE):
@@ -99,7 +100,7 @@ class ServerProcess:
         """Whether its /readyz (the metrics port, plain HTTP: no credentials needed) answers 200: the
         HTTP face of the readiness its gRPC health service reports."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2.0) as reply:
+            with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/readyz", timeout=2.0) as reply:
                 return reply.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -113,15 +114,16 @@ def start_server(
     env: dict[str, str] | None = None,
     echo: bool = False,
     module: str = "specpool.cli",
+    host: str = "127.0.0.1",
 ) -> ServerProcess:
     """Run `specpool <args>` (`python -m <module> <args>`) and block until it serves; raises with its
     log if it dies or is not ready in timeout_s. The server drains and exits by itself if this process
-    dies (specpool/common/serving.py)."""
+    dies (specpool/common/serving.py). `host`: the address args make it listen on (--host)."""
     cmd = [sys.executable, "-m", module, *args]
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid()), **(env or {})}
-    server = ServerProcess(name, None, env=env)
+    server = ServerProcess(name, None, env=env, host=host)
     _launch(server, cmd, timeout_s, echo)
     return server
 

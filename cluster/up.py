@@ -3,7 +3,9 @@
 The embedded default (cluster/default.yaml) is Redis, one router, two target services (tenants
 "alpha" and "beta" of SmolLM2-135M-Instruct) and one speculation endpoint, all registering in
 Redis. Other topologies are other files (cluster/examples/). cluster/config.py reads the file,
-cluster/launcher.py starts and stops the servers.
+cluster/launcher.py starts and stops the servers. With --ray the members run as actors on a Ray
+cluster instead (cluster/ray_launcher.py) and stay up after `specpool up` returns: `specpool scale`
+and `specpool down` act on them.
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ def add_arguments(p) -> None:
     p.add_argument("--log-format", default=None, choices=FORMATS,
                    help=f"every server's log lines as text or as JSON objects, one a line (default: ${LOG_FORMAT_ENV}, "
                         "which the servers inherit, else text)")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run the members as actors on the Ray cluster at ADDRESS (alone: auto, the local node's or "
+                        "$RAY_ADDRESS) and return; `specpool down` stops them")
+    p.add_argument("--node-ip-address", default=None,
+                   help="with --ray: this process's own address towards the Ray cluster (default: Ray's choice)")
+    p.add_argument("--namespace", default="specpool", help="with --ray: the Ray namespace of the cluster's actors")
 
 
 def main(args) -> int:
     config = ClusterConfig.load(args.config)
     if args.free_ports:
         config = config.with_free_ports()
+    if args.ray is not None:
+        return _up_on_ray(config, args)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame) -> None:
@@ -88,4 +98,34 @@ def main(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 0
+
+
+def _up_on_ray(config: ClusterConfig, args) -> int:
+    from specpool.cluster.ray_launcher import RayCluster
+
+    def on_signal(signum: int, _frame) -> None:
+        raise KeyboardInterrupt  # a start cut short removes what it started
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    started = time.monotonic()
+    try:
+        cluster = RayCluster.start(config, address=args.ray, node_ip=args.node_ip_address, namespace=args.namespace,
+                                   insecure=args.insecure, log_format=args.log_format, timeout_s=args.timeout_s,
+                                   progress=lambda text: print(f"[up] {text}", file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("[up] interrupted while starting; removed what had started", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"specpool cluster up on Ray in {time.monotonic() - started:.0f}s ({args.config or DEFAULT_CONFIG}), "
+          f"namespace {args.namespace!r}:")
+    print(format_members(cluster))
+    if cluster.ca is None:
+        print("WARNING: --insecure: plaintext and no authentication on every port", flush=True)
+    else:
+        print("TLS: the cluster's CA and tenants' tokens live with its actors; a client in Python: "
+              "RayCluster.attach().router_channel(TENANT)")
+    print(f"`specpool scale TENANT N` adds or drains replicas; `specpool down` stops it "
+          f"(both with --ray {args.ray} --namespace {args.namespace})")
     return 0

@@ -20,6 +20,8 @@ TOOLS = {
     "plan": ("specpool.cluster.plan", "size the speculation pool for a demand mix from measured statistics"),
     "up": ("specpool.cluster.up", "start a local cluster (default: Redis, a router, two targets, one endpoint)"),
     "demo": ("specpool.cluster.demo", "the local cluster, a short workload through its router: speedup vs AR"),
+    "scale": ("specpool.cluster.scale", "add or drain a tenant's target replicas of a Ray-launched cluster"),
+    "down": ("specpool.cluster.down", "stop a Ray-launched cluster (specpool up --ray): drain, then remove it"),
 }
 
 
@@ -145,6 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         spec_delay_ms=args.spec_delay_ms,
         threads=args.threads,
         cluster_config=Path(args.cluster) if args.cluster else None,
+        ray_address=None if args.ray in (None, "local") else args.ray,
         endpoint_args=tuple(shlex.split(args.endpoint_args)),
     )
     report = run_bench(cfg)
@@ -205,12 +208,16 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                         "(token trees of N nodes; none: the policy's budget), head-suffix[:N] (the suffix store's trees "
                         "where it is sure, else the head's), sd-remote[:K], head-remote[:K], head-tree-remote[:N], "
                         "ngram-remote, ssd, ssd-pull, routed, routed-ar, routed-http (routed through the router's "
-                        "OpenAI-compatible HTTP front), hf-ar, hf-prompt-lookup, hf-assisted")
+                        "OpenAI-compatible HTTP front), routed-ray, routed-ray-ar (the cluster's members as Ray "
+                        "actors), hf-ar, hf-prompt-lookup, hf-assisted")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",
                    help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
     b.add_argument("--cluster", default=None, help="routed modes: cluster config (default: cluster/default.yaml)")
+    b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="routed-ray modes: the Ray cluster to launch the cluster file on (unset or alone: a one-node "
+                        "Ray on 127.0.0.1 for the run)")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
     b.add_argument("--head", default="models/smollm2-135m-head", help="feature-fed head checkpoint directory")
     b.add_argument("--draft-dtype", default="bf16", choices=["auto", "fp32", "bf16"],

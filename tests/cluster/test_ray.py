@@ -1,0 +1,356 @@
+"""`specpool up --ray`, `scale`, `down`: a cluster file's members as Ray actors (cluster/ray_launcher.py).
+
+The fast tests check the cluster file's `ray:` keys and the planning (placement groups, command lines);
+the slow one runs a three-node Ray cluster on this machine (ray.cluster_utils, every node on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specpool.cluster.config import ClusterConfig, ConfigError, RaySpec
+from specpool.cluster.ray_launcher import bundle, placement_groups, ray_cpus_needed, with_host, with_ports
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ray_keys_load_with_defaults():
+    c = ClusterConfig.from_dict({
+        "endpoints": [{"name": "spec", "threads": 2, "ray": {"num_gpus": 1, "resources": {"draft_device": 1}}}],
+        "targets": [{"tenant": "alpha", "ray": {"replicas": 2, "placement": "strict_spread"}}, {"tenant": "beta"}],
+        "routers": {"ray": {"num_cpus": 0.5}},
+    })
+    assert c.endpoints[0].ray == RaySpec(num_gpus=1, resources={"draft_device": 1})
+    assert c.targets[0].ray.replicas == 2 and c.targets[1].ray == RaySpec()
+    assert bundle(c.endpoints[0].ray, c.endpoints[0].threads) == {"CPU": 2, "GPU": 1, "draft_device": 1}
+    assert ray_cpus_needed(c) == 2 + 1 * 2 + 1 + 0.5 + 1  # endpoint, alpha x2, beta, router, redis
+    assert ClusterConfig.load().targets[0].ray == RaySpec()  # files without the key: the defaults
+
+
+def test_the_ray_example_loads():
+    c = ClusterConfig.load(REPO / "cluster" / "examples" / "ray.yaml")
+    assert [(g.name, g.strategy) for g in placement_groups(c)] == [("pack:spec", "STRICT_PACK"),
+                                                                 ("spread:alpha", "STRICT_SPREAD")]
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"targets": [{"tenant": "a", "ray": {"num_gpu": 1}}]}, "targets[0].ray: unknown key(s) ['num_gpu']"),
+    ({"targets": [{"tenant": "a", "ray": {"num_cpus": -1}}]}, "targets[0].ray.num_cpus: expected a number >= 0"),
+    ({"targets": [{"tenant": "a", "ray": {"resources": {"x": "one"}}}]}, "targets[0].ray.resources.x: expected a number"),
+    ({"targets": [{"tenant": "a", "ray": {"resources": [1]}}]}, "targets[0].ray.resources: expected a mapping"),
+    ({"targets": [{"tenant": "a", "ray": {"replicas": 0}}]}, "targets[0].ray.replicas: expected an integer >= 1"),
+    ({"targets": [{"tenant": "a", "ray": {"max_restarts": -2}}]}, "targets[0].ray.max_restarts: expected an integer"),
+    ({"targets": [{"tenant": "a", "ray": {"placement": "pack"}}]}, "targets[0].ray.placement: expected one of"),
+    ({"targets": [{"tenant": "a", "ray": {"placement": "with_endpoint"}}]}, "targets[0].ray.placement: with_endpoint"),
+    ({"endpoints": [{"name": "e", "ray": {"replicas": 2}}]}, "endpoints[0].ray: replicas and placement are for targets"),
+    ({"routers": {"ray": ["num_cpus"]}}, "routers.ray: expected a mapping"),
+])
+def test_bad_ray_keys_name_the_key(raw, message):
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_dict(raw, "f.yaml")
+    assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(("targets", "groups"), [
+    ([{"tenant": "a"}], []),  # spread: Ray's SPREAD strategy, no group
+    ([{"tenant": "a", "ray": {"replicas": 3, "placement": "strict_spread"}}],
+     [("spread:a", "STRICT_SPREAD", ["target:a:0", "target:a:1", "target:a:2"])]),
+    ([{"tenant": "a", "ray": {"replicas": 1, "placement": "strict_spread"}}], []),  # one replica: nothing to spread
+    ([{"tenant": "a", "ray": {"placement": "with_endpoint", "replicas": 2}}, {"tenant": "b", "endpoint": "f"},
+      {"tenant": "c", "endpoint": "f", "ray": {"placement": "with_endpoint"}}],
+     [("pack:e", "STRICT_PACK", ["endpoint:e", "target:a:0", "target:a:1"]),
+      ("pack:f", "STRICT_PACK", ["endpoint:f", "target:c:0"])]),
+])
+def test_placement_groups(targets, groups):
+    c = ClusterConfig.from_dict({"endpoints": [{"name": "e"}, {"name": "f"}], "targets": targets})
+    assert [(g.name, g.strategy, [n for n, _ in g.members]) for g in placement_groups(c)] == groups
+
+
+def test_members_listen_on_their_node_and_keep_their_ports():
+    args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--host", "0.0.0.0"]  # a file's own args win
+    assert with_host(args, "endpoint", "10.0.0.7") == [
+        "serve-spec", "--host", "10.0.0.7", "--advertise-host", "10.0.0.7", "--channel-host", "10.0.0.7",
+        "--port", "0", "--metrics-port", "0", "--host", "0.0.0.0"]
+    assert with_host(["serve-router", "--port", "0"], "router", "h") == ["serve-router", "--host", "h", "--port", "0"]
+    ports = {"--port": 5, "--metrics-port": 6, "--http-port": 7}
+    assert with_ports(["serve-router", "--port", "0", "--metrics-port", "0"], ports) == [
+        "serve-router", "--port", "5", "--metrics-port", "6"]
+
+
+# -- a three-node Ray cluster on this machine -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """Three Ray nodes on 127.0.0.1, each with a custom resource naming it (node_a is the head)."""
+    # Ray resolves a loopback cluster address to this host's interface address unless told that this
+    # is no multi-host cluster; read when ray is first imported. The tests send traffic to 127.0.0.1 only.
+    previous = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the `specpool` commands the tests run inherit it
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node = {"node_ip_address": "127.0.0.1", "num_cpus": 4, "object_store_memory": 80 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "resources": {"node_a": 100},
+                                                            "include_dashboard": False})
+    for name in ("node_b", "node_c"):
+        cluster.add_node(**node, resources={name: 100})
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = previous
+
+
+def _node_ids() -> dict[str, str]:
+    import ray
+
+    return {r: n["NodeID"] for n in ray.nodes() if n["Alive"] for r in n["Resources"] if r.startswith("node_")}
+
+
+def _ray_cli(cluster, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """`specpool ARGS --ray ADDRESS` in a process of its own, as an operator runs it."""
+    out = subprocess.run([sys.executable, "-m", "specpool.cli", *args, "--ray", cluster.address,
+                          "--node-ip-address", "127.0.0.1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert (out.returncode == 0) == ok, out.stdout + out.stderr
+    return out
+
+
+def _generated(info: dict) -> float:
+    with urllib.request.urlopen(f"http://{info['address'].rpartition(':')[0]}:{info['metrics_port']}/metrics",
+                                timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(r"^specpool_target_generated_tokens_total(?:{.*})? (\S+)$", text, re.MULTILINE))
+
+
+def _cleanup(namespace: str) -> None:
+    from specpool.cluster.ray_launcher import RayCluster, _named_actors
+
+    if _named_actors(namespace):
+        RayCluster.attach(namespace=namespace).down(grace_s=5)
+
+
+def _leftovers(namespace: str) -> tuple[list[str], list[str]]:
+    from ray.util import placement_group_table
+
+    from specpool.cluster.ray_launcher import _named_actors
+
+    groups = [g["name"] for g in placement_group_table().values()
+              if g.get("name", "").startswith(f"{namespace}:") and g.get("state") != "REMOVED"]
+    return _named_actors(namespace), groups
+
+
+@pytest.mark.slow
+def test_a_ray_start_that_fails_leaves_nothing(ray_nodes, tmp_path):
+    """A pairing no node can hold (the endpoint's resources on node_c, its packed target's on node_a), and
+    a router that cannot start after Redis did: both raise, and leave no actor, group or server."""
+    from specpool.cluster.ray_launcher import RayCluster
+    from tests.conftest import tagged_processes
+
+    before = set(tagged_processes())
+    unplaceable = ClusterConfig.from_dict({
+        "endpoints": [{"name": "spec", "ray": {"resources": {"node_c": 1}}}],
+        "targets": [{"tenant": "alpha", "ray": {"placement": "with_endpoint", "resources": {"node_a": 1}}}],
+    })
+    try:
+        with pytest.raises(RuntimeError, match="placement group pack:spec"):
+            RayCluster.start(unplaceable, namespace="failing", timeout_s=5)
+        assert _leftovers("failing") == ([], [])
+        bad_router = tmp_path / "bad-router.yaml"
+        bad_router.write_text(yaml.safe_dump({"routers": {"args": ["--no-such-flag"], "ray": {"num_cpus": 0.5}},
+                                              "redis": {"ray": {"num_cpus": 0.5}}}))
+        failure = _ray_cli(ray_nodes, "up", "--config", str(bad_router), "--namespace", "failing", ok=False).stderr
+        assert "RuntimeError: router failed to start" in failure, failure
+        assert "unrecognized arguments: --no-such-flag" in failure
+        assert _leftovers("failing") == ([], [])
+        servers = {p: c for p, c in tagged_processes().items() if p not in before and ("redis-server" in c or " serve-" in c)}
+        assert not servers, servers
+    finally:
+        _cleanup("failing")
+
+
+@pytest.mark.slow
+def test_members_on_their_nodes_restart_scale_and_down(ray_nodes, tmp_path):
+    import grpc
+    import ray
+
+    from specpool.cluster.ray_launcher import RayCluster
+    from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+    from specpool.engine.decoding import generate
+    from specpool.engine.gguf_loader import model_name
+    from specpool.engine.model import Llama
+    from specpool.engine.sampling import SamplingParams
+    from specpool_client import generate_result
+    from specpool_client.v1 import target_pb2 as pb
+    from specpool_client.v1 import target_pb2_grpc
+    from tests.cluster.test_disaggregation import tiny_files
+    from tests.conftest import tagged_processes
+
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
+    light = {"num_cpus": 0.5, "resources": {"node_a": 1}}
+    target = {"model": str(gguf), "max_batch": 4, "max_context": 128, "datastore": "", "threads": 1,
+              "args": ["--draft-tokens", "3"]}
+    raw = {
+        "redis": {"ray": light},
+        "routers": {"count": 1, "tenant_weights": {"alpha": 1, "beta": 1}, "ray": light},
+        "endpoints": [{"name": "spec", "drafters": [f"{model_name(gguf)}={gguf},draft={draft}"], "threads": 1,
+                       "ray": {"resources": {"node_c": 1}}}],
+        "targets": [{"tenant": "alpha", **target, "ray": {"resources": {"node_a": 1}}},
+                    {"tenant": "beta", **target, "ray": {"resources": {"node_b": 1}}}],
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    prompts = [[3 + i, 7, 9, 11 + i, 3 + i, 7] for i in range(4)]
+    model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
+    expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), 24)]
+
+    # `specpool up --ray` from a process of its own, which returns; the members stay, found by name.
+    started = time.monotonic()
+    up = _ray_cli(ray_nodes, "up", "--config", str(path), "--timeout-s", "240").stdout
+    timings = {"up": time.monotonic() - started}
+    try:
+        cluster = RayCluster.attach()
+        assert "specpool cluster up on Ray" in up and "target    alpha:0" in up, up
+        # Every member on the node its resources name.
+        nodes, infos = _node_ids(), cluster.infos()
+        where = {name: info["node_id"] for name, info in infos.items()}
+        assert where == {"redis:registry": nodes["node_a"], "router:router": nodes["node_a"],
+                         "endpoint:spec": nodes["node_c"], "target:alpha:0": nodes["node_a"],
+                         "target:beta:0": nodes["node_b"]}, where
+        assert all(i["address"].startswith("127.0.0.1:") for i in infos.values())
+
+        stub = target_pb2_grpc.TargetServiceStub(cluster.router_channel("alpha"))
+
+        def ask(i: int, method=None):
+            result = generate_result(stub, pb.GenerateRequest(
+                prompt_ids=pb.TokenIds(ids=prompts[i]), max_tokens=24, sampling=sampling_to_pb(SamplingParams()),
+                speculation=pb.SpeculationPreference(method=method_to_pb(method))), timeout=120)
+            return list(result.completions[0].token_ids)
+
+        # Greedy through the router equals AR, speculating (the router plans) and not.
+        assert [ask(i) for i in range(len(prompts))] == expected
+        assert [ask(i, Method.NONE) for i in range(len(prompts))] == expected
+
+        # Kill alpha's actor: Ray restarts it on its node, a new server registers; no request is lost.
+        old = infos["target:alpha:0"]
+        done, failures, stop = [], [], threading.Event()
+
+        def traffic():
+            i = 0
+            while not stop.is_set():
+                try:
+                    done.append(ask(i % len(prompts)) == expected[i % len(prompts)])
+                except grpc.RpcError as e:
+                    failures.append(f"{e.code()}: {e.details()}")
+                i += 1
+
+        senders = [threading.Thread(target=traffic) for _ in range(2)]
+        for s in senders:
+            s.start()
+        killed = time.monotonic()
+        os.kill(old["actor_pid"], signal.SIGKILL)
+        new = None
+        while time.monotonic() - killed < 180:
+            new = cluster.infos("target:alpha").get("target:alpha:0")
+            if new is not None and new["actor_pid"] != old["actor_pid"]:
+                break
+            time.sleep(0.5)
+        timings["restart"] = time.monotonic() - killed
+        assert new is not None and new["actor_pid"] != old["actor_pid"], "the actor was not restarted"
+        assert new["node_id"] == old["node_id"] and new["address"] != old["address"]
+        sent_during = len(done)
+        time.sleep(3)  # traffic goes on after the restart too
+        stop.set()
+        for s in senders:
+            s.join(150)
+        assert not failures, failures
+        assert all(done) and sent_during > 0 and len(done) > sent_during, (len(done), sent_during)
+
+        # `specpool scale alpha 2` from another process: the new replica starts taking traffic.
+        started = time.monotonic()
+        out = _ray_cli(ray_nodes, "scale", "alpha", "2").stdout
+        timings["scale"] = time.monotonic() - started
+        assert "added target:alpha:1" in out, out
+        replica = cluster.infos("target:alpha")["target:alpha:1"]
+        assert replica["node_id"] == nodes["node_a"]
+        for _ in range(10):
+            assert [ask(i) for i in range(len(prompts))] == expected
+            if _generated(replica) > 0:
+                break
+        assert _generated(replica) > 0, "the new replica took no request"
+
+        # A router comes back on its node and its address: clients keep their channel.
+        router = cluster.infos("router")["router:router"]
+        killed = time.monotonic()
+        os.kill(router["actor_pid"], signal.SIGKILL)
+        while time.monotonic() - killed < 120:
+            again = cluster.infos("router").get("router:router")
+            if again is not None and again["actor_pid"] != router["actor_pid"]:
+                break
+            time.sleep(0.5)
+        timings["router restart"] = time.monotonic() - killed
+        assert again["address"] == router["address"] and again["node_id"] == router["node_id"], (again, router)
+        assert [ask(i) for i in range(len(prompts))] == expected
+
+        # `specpool down` from another process: nothing of the cluster is left.
+        server_pids = [i["server_pid"] for i in cluster.infos().values() if i]
+        started = time.monotonic()
+        _ray_cli(ray_nodes, "down")
+        timings["down"] = time.monotonic() - started
+        assert _leftovers("specpool") == ([], [])
+        alive = {p: c for p, c in tagged_processes().items() if p in server_pids or "redis-server" in c
+                 or " serve-" in c}
+        assert not alive, alive
+        print(f"timings (s): {', '.join(f'{k} {v:.1f}' for k, v in timings.items())}")
+    finally:
+        _cleanup("specpool")
+    assert ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_placement_groups_pair_and_spread(ray_nodes, tmp_path):
+    """with_endpoint: a target on its endpoint's node (STRICT_PACK), and a replica added later beside it
+    too; strict_spread: a tenant's replicas on distinct nodes (STRICT_SPREAD)."""
+    from specpool.cluster.ray_launcher import RayCluster
+    from specpool.engine.gguf_loader import model_name
+    from tests.cluster.test_disaggregation import tiny_files
+
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
+    target = {"model": str(gguf), "max_batch": 2, "max_context": 64, "datastore": "", "threads": 1}
+    config = ClusterConfig.from_dict({
+        "redis": {"ray": {"num_cpus": 0.5}},
+        "routers": {"count": 0},
+        "endpoints": [{"name": "spec", "drafters": [f"{model_name(gguf)}={gguf},draft={draft}"], "threads": 1,
+                       "ray": {"resources": {"node_c": 1}}}],
+        "targets": [{"tenant": "alpha", **target, "ray": {"placement": "with_endpoint"}},
+                    {"tenant": "beta", **target, "ray": {"placement": "strict_spread", "replicas": 2}}],
+    })
+    cluster = RayCluster.start(config, namespace="placed", timeout_s=240)
+    try:
+        nodes, where = _node_ids(), {n: i["node_id"] for n, i in cluster.infos().items()}
+        assert where["endpoint:spec"] == where["target:alpha:0"] == nodes["node_c"], where
+        assert where["target:beta:0"] != where["target:beta:1"], where
+        assert cluster.scale("alpha", 2) == (["target:alpha:1"], [])
+        assert cluster.infos("target:alpha")["target:alpha:1"]["node_id"] == nodes["node_c"]
+        assert cluster.scale("beta", 1) == ([], ["target:beta:1"])
+        assert list(cluster.actors("target:beta")) == ["target:beta:0"]
+    finally:
+        cluster.down()
+    assert _leftovers("placed") == ([], [])
