@@ -1,11 +1,18 @@
-"""AR decoding at batch 1: specpool's engine against transformers' generate, side by side in one run.
+"""AR decoding at batch 1: specpool's engine in each weight format (q4: the GGUF's own 4-bit blocks
+through the int4 kernel; fp32; bf16 where native) against transformers' generate, side by side in
+one run.
 
 Every engine decodes the same chat-templated prompt for the same number of tokens (stop tokens
 ignored), in interleaved repetitions, so machine noise hits all of them alike; medians are reported.
-The bandwidth floor is the bytes of weights one decode step must read divided by the measured
-streaming-read bandwidth of this machine.
+The bandwidth floor is the bytes of weights one decode step reads (as each format holds them)
+divided by the streaming-read bandwidth measured in the same run. Each specpool format is also
+compared with specpool's fp32 path (the GGUF dequantized): its logits' largest difference over the
+prompt and the fp32 path's greedy tokens, and whether its greedy tokens are the same (else where
+they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-step cost table
+T(1, K) for K drafts, the cost the speculation policy plans with (engine/speculation_policy.py).
 
     python -m specpool.bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
+    SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.bench.ar_speed ...   # the AVX2 class, fresh process
 """
 
 from __future__ import annotations
@@ -18,22 +25,23 @@ from pathlib import Path
 
 import torch
 
-from specpool.common.machine import machine_info, memory_read_gbps
+from specpool.common.machine import machine_info, machine_line, memory_read_gbps
 from specpool.engine.decoding import generate
-from specpool.engine.device import DTYPES, native_bf16
-from specpool.engine.gguf_loader import default_model_path
+from specpool.engine.device import DTYPES, int4_kernels, native_bf16
+from specpool.engine.gguf_loader import default_model_path, load_gguf
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import measure_step_costs
+from specpool.engine.tokenizer import Tokenizer
 
 PROMPT = "Write a Python function that returns the factorial of n."
 
 
 def weight_bytes(model: Llama) -> int:
-    """Bytes one decode step streams: every layer matrix plus the LM head (norms are negligible)."""
-    c = model.config
-    per_layer = c.d_model * (c.d_model + 2 * c.kv_dim) + c.d_model * c.d_model + 3 * c.d_model * c.ffn_dim
-    elements = c.n_layers * per_layer + c.vocab_size * c.d_model
-    return elements * torch.finfo(model.dtype).bits // 8
+    """Bytes one decode step streams: every layer matrix plus the LM head, as the model holds them
+    (norms and the one embedding row are negligible)."""
+    matrices = [model.lm_head] + [layer[k] for layer in model.layers for k in ("wqkv", "wo", "w_gate_up", "w_down")]
+    return sum(m.nbytes for m in matrices)
 
 
 def until_stop(tokens: list[int], stop: int) -> list[int]:
@@ -51,8 +59,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens each engine decodes per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; medians are reported")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: all cores)")
+    ap.add_argument("--draft-lens", default="0,1,2,4,8",
+                    help="K of the verify-step cost table T(1, K) (empty: no table)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     return ap
+
+
+def logits_along(model: Llama, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] fp32 logits of every position, one forward."""
+    cache = model.new_cache(1, len(tokens))
+    return model.forward(cache, [cache.allocate()], [tokens], all_logits=True)[0]
+
+
+def against_fp32(model: Llama, fp32: Llama, prompt: list[int], fp32_out: list[int], out: list[int]) -> dict:
+    """How far a format's numerics are from the fp32 path: the largest logit difference over the prompt
+    and the fp32 path's greedy continuation, and where its greedy tokens first differ, with the fp32
+    path's top-2 gap there (a near-tie: either token is the model's)."""
+    tokens = prompt + fp32_out[:-1]
+    ref = logits_along(fp32, tokens)
+    diff = (logits_along(model, tokens) - ref).abs()
+    row = {"logits_max_abs_diff_vs_fp32": round(diff.max().item(), 4),
+           "logits_mean_abs_diff_vs_fp32": round(diff.mean().item(), 5),
+           "same_tokens_as_fp32": out == fp32_out}
+    if out != fp32_out:
+        i = next(j for j, (a, b) in enumerate(zip(fp32_out, out)) if a != b)
+        at = ref[len(prompt) - 1 + i]
+        row |= {"first_divergence": i, "fp32_top2_gap_there": round(float(at[fp32_out[i]] - at[out[i]]), 4)}
+    return row
 
 
 def main() -> None:
@@ -62,23 +95,27 @@ def main() -> None:
 
     import transformers
 
+    print(machine_line())
     path = default_model_path()
-    engines = {}
-    prompt_ids = None
+    gguf = load_gguf(path)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    eos = gguf.config.eos_id
     # bf16 only where this CPU computes it natively: elsewhere it would run ~60x slower (or load as fp32).
     dtypes = ("fp32", "bf16") if native_bf16("cpu") else ("fp32",)
     if len(dtypes) == 1:
-        print(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16: fp32 engines only")
-    for dtype in dtypes:
-        model, tokenizer = Llama.from_gguf(path, dtype=dtype, device="cpu")
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-        eos = model.config.eos_id
+        print(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16: fp32 dense engines only")
+    formats = (("q4",) if int4_kernels("cpu") else ()) + dtypes
+    engines, models = {}, {}
+    for fmt in formats:
+        model = models[fmt] = Llama(gguf.config, gguf.weights, fmt, "cpu", blocks=gguf.blocks)
 
-        def ours(model=model, prompt_ids=prompt_ids):
+        def ours(model=model):
             [r] = generate(model, [prompt_ids], SamplingParams(), args.tokens, stop_ids=[])
             return r.token_ids, len(r.token_ids) / (r.prefill_s + r.decode_s)
 
-        engines[f"specpool-{dtype}"] = (ours, weight_bytes(model))
+        engines[f"specpool-{fmt}"] = (ours, weight_bytes(model))
+    del gguf
 
     for dtype in (DTYPES[d] for d in dtypes):
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
@@ -95,6 +132,7 @@ def main() -> None:
 
         engines[f"transformers-{'fp32' if dtype == torch.float32 else 'bf16'}"] = (theirs, None)
 
+    gbps = memory_read_gbps()
     for fn, _ in engines.values():  # warm-up: first calls pay one-off allocation costs
         fn()
     speeds: dict[str, list[float]] = {name: [] for name in engines}
@@ -104,9 +142,10 @@ def main() -> None:
             outputs[name], tps = fn()
             speeds[name].append(tps)
         print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{n} {s[-1]:.1f}" for n, s in speeds.items()))
+    gbps = max(gbps, memory_read_gbps())  # the better of two probes: before and after the timed runs
 
-    gbps = memory_read_gbps()
     base = statistics.median(speeds["transformers-fp32"])
+    ours_fp32 = statistics.median(speeds["specpool-fp32"])
     rows = []
     for name, (_, nbytes) in engines.items():
         tps = statistics.median(speeds[name])
@@ -120,8 +159,20 @@ def main() -> None:
         }
         if nbytes:
             floor = nbytes / (gbps * 1e9)
-            row |= {"bandwidth_floor_s": round(floor, 5), "times_floor": round(1 / tps / floor, 2)}
+            row |= {"speedup_vs_specpool_fp32": round(tps / ours_fp32, 3), "weight_bytes_per_token": nbytes,
+                    "bandwidth_floor_s": round(floor, 5), "times_floor": round(1 / tps / floor, 2)}
+            fmt = name.removeprefix("specpool-")
+            if fmt != "fp32":
+                row |= against_fp32(models[fmt], models["fp32"], prompt_ids, outputs["specpool-fp32"], outputs[name])
         rows.append(row)
+
+    lens = [int(k) for k in args.draft_lens.split(",") if k.strip()]
+    step_costs = {}
+    if lens:
+        for fmt, model in models.items():  # interleaved within each table (measure_step_costs), not across
+            seconds = measure_step_costs(model, (1,), tuple(lens), repeats=5).seconds[0]
+            step_costs[f"specpool-{fmt}"] = {"ms": {k: round(t * 1e3, 2) for k, t in zip(lens, seconds)},
+                                             "vs_k0": {k: round(t / seconds[0], 3) for k, t in zip(lens, seconds)}}
 
     report = {
         "machine": machine_info() | {"memory_read_gbps": round(gbps, 1)},
@@ -130,13 +181,26 @@ def main() -> None:
         "new_tokens": args.tokens,
         "repeats": args.repeats,
         "results": rows,
+        "verify_step_costs_batch1": step_costs,
     }
     print(f"\nAR batch 1, {args.tokens} new tokens, median of {args.repeats} (memory read {gbps:.1f} GB/s)")
-    print(f"{'engine':<20} {'tok/s':>7} {'ms/tok':>7} {'vs hf-fp32':>10} {'x floor':>8} {'same tokens':>12}")
+    print(f"{'engine':<20} {'tok/s':>7} {'ms/tok':>7} {'vs hf-fp32':>10} {'vs fp32':>8} {'MB/tok':>7} "
+          f"{'x floor':>8} {'same as hf':>10}  vs specpool-fp32")
     for r in rows:
+        versus = ""
+        if "logits_max_abs_diff_vs_fp32" in r:
+            versus = f"logits max |diff| {r['logits_max_abs_diff_vs_fp32']:.3f}, greedy " + (
+                "same" if r["same_tokens_as_fp32"] else
+                f"differs at token {r['first_divergence']} (fp32 top-2 gap {r['fp32_top2_gap_there']:.4f})")
         print(f"{r['engine']:<20} {r['tokens_per_s']:>7.1f} {1e3 * r['time_per_output_token_s']:>7.1f} "
-              f"{r['speedup_vs_transformers_fp32']:>9.2f}x {r.get('times_floor', float('nan')):>8.1f} "
-              f"{r['outputs_match_transformers_fp32']!s:>12}")
+              f"{r['speedup_vs_transformers_fp32']:>9.2f}x {r.get('speedup_vs_specpool_fp32', float('nan')):>7.2f}x "
+              f"{r.get('weight_bytes_per_token', float('nan')) / 1e6:>7.0f} {r.get('times_floor', float('nan')):>8.1f} "
+              f"{r['outputs_match_transformers_fp32']!s:>10}  {versus}")
+    if step_costs:
+        print("\nverify step T(1, K), batch 1, K drafts (ms; ratio to K=0), best of 5")
+        print(f"{'engine':<20} " + " ".join(f"{'K=' + str(k):>14}" for k in lens))
+        for name, table in step_costs.items():
+            print(f"{name:<20} " + " ".join(f"{table['ms'][k]:>7.1f} ({table['vs_k0'][k]:.2f})" for k in lens))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -280,6 +280,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "machine": machine_info(),
         "model": cfg.model_path.name,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "weight_format": model.format.name,  # q4: the GGUF's 4-bit blocks (engine/linear.py)
         "draft_dtype": str(resolve_dtype(cfg.draft_dtype, model.device)).removeprefix("torch."),
         "policy_min_gain": SpeculationPolicy.min_gain,
         "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,

