@@ -18,7 +18,6 @@ from gguf import GGMLQuantizationType
 
 from specpool.engine.gguf_loader import QuantizedBlocks
 
-
 # The row count oneDNN lays the weights out for. Prepacked for 1 row, the layout is the plain one
 # ("ab"), and every product of 2 or more rows ran a slower path: the 30 layers + head of the 135M
 # model took 33 ms for 1 row but 49 for 2 and 61 for 9 on AVX2 (fp32, 2 cores), 39 -> 48 -> 61 ms on
