@@ -104,9 +104,12 @@ class RequestFields(logging.Filter):
 
 
 def fields(record: logging.LogRecord) -> dict[str, object]:
-    """The record's request fields, then its other extra fields, in the order they were given."""
+    """The record's request fields, then its other extra fields, in the order they were given. Private
+    names (a leading `_`) are left out: libraries' record factories add them to every record (Ray's
+    `_ray_timestamp_ns`), they are not the caller's `extra`."""
     out = {name: getattr(record, name) for name in REQUEST_FIELDS if getattr(record, name, None) is not None}
-    out.update((k, v) for k, v in record.__dict__.items() if k not in _STANDARD and k not in out)
+    out.update((k, v) for k, v in record.__dict__.items()
+               if k not in _STANDARD and not k.startswith("_") and k not in out)
     return out
 
 

@@ -102,3 +102,23 @@ def test_the_format_comes_from_the_flag_else_the_environment(monkeypatch):
     finally:
         root.handlers[:] = before[0]
         root.setLevel(before[1])
+
+
+def test_attributes_other_libraries_add_to_every_record_are_not_fields(lines):
+    """Ray (once imported) sets a record factory that puts _ray_timestamp_ns on every record: a private
+    attribute, not something the caller passed in `extra`, so it stays off the line."""
+    logger, handler, stream = lines
+    handler.setFormatter(logs.TextFormatter("%(message)s"))
+    default = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = default(*args, **kwargs)
+        record._ray_timestamp_ns = 1
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        logger.warning("placed", extra={"replica": "t1"})
+    finally:
+        logging.setLogRecordFactory(default)
+    assert stream.getvalue().splitlines() == ["placed replica=t1"]
