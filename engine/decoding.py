@@ -252,11 +252,12 @@ class Decoder:
             if self.drafter is not None:
                 self.drafter.release(seq.seq_id)
 
-    def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None):
+    def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None,
+                 prefill: bool = False):
         """The target's forward over the batch -> (logits, its features [B, T, d] when the drafter reads
         them, else None)."""
         out = self.model.forward(self.cache, [s.slot for s in batch], feed, all_logits=all_logits,
-                                 features=self._wants_features, parents=parents)
+                                 features=self._wants_features, parents=parents, prefill=prefill)
         return out if self._wants_features else (out, None)
 
     @staticmethod
@@ -269,7 +270,7 @@ class Decoder:
         batch, self.waiting = self.waiting, []
         for seq in batch:
             seq.slot = self.cache.allocate()
-        logits, hidden = self._forward(batch, [s.prompt for s in batch], all_logits=False)  # [B, V]
+        logits, hidden = self._forward(batch, [s.prompt for s in batch], all_logits=False, prefill=True)  # [B, V]
         moved = []
         for rows, params in _groups(batch):
             try:

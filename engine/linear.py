@@ -7,7 +7,9 @@ and an 8-row verify step costs about the same as a 1-row decode step, once the w
 out for several rows (PREPACK_ROWS).
 
 A GGUF's 4-bit matrices can instead run through torch's weight-only int4 kernel on the file's own
-blocks (Int4Linear): a quarter of bf16's bytes, at a cost that grows with the row count.
+blocks (Int4Linear): a quarter of bf16's bytes, at a cost that grows with the row count. Prefill steps
+(a prompt's many rows, where that kernel is 1.5-2.5x slower than dense) run a dense twin of the same
+weights instead: `.prefill` of every matrix here.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class Linear:
         """Bytes of weights one product reads."""
         return self.weight.numel() * self.weight.element_size()
 
+    @property
+    def prefill(self) -> Linear:
+        """The matrix for prefill steps: this one."""
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if self._onednn:
@@ -67,29 +74,35 @@ class Int4Linear:
 
     The kernel takes rows in blocks of 4 and dequantizes the weights again for each block, so its
     cost is a step function of the row count: 1-4 rows cost about one block, 5-8 two, 9-12 three.
+    For a prompt's rows that makes it slower than dense (the gate/up matrix of SmolLM2-135M, 125 rows:
+    3.1 ms, vs 2.2 fp32 and 1.2 bf16 through oneDNN; AVX-512 EPYC, 2 cores), so prefill steps run
+    `prefill`, the same weights dequantized and dense. Decode and verify steps never do: their rows
+    must go through one kernel, so that a verify step's logits equal a decode step's bit for bit.
     """
 
     GROUP = 32
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-        """q: [out, in] integers in 0..15; scale, zero: [out, in / 32]."""
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, prefill: Linear):
+        """q: [out, in] integers in 0..15; scale, zero: [out, in / 32]; prefill: the dense twin."""
+        self.prefill = prefill
         self.out_features, self.in_features = q.shape
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     @classmethod
-    def from_blocks(cls, blocks: QuantizedBlocks) -> Int4Linear:
+    def from_blocks(cls, blocks: QuantizedBlocks, prefill: Linear) -> Int4Linear:
         if blocks.kind == GGMLQuantizationType.Q4_0:
             d, q = blocks.fields()
-            return cls(q, d, torch.zeros_like(d))
+            return cls(q, d, torch.zeros_like(d), prefill)
         if blocks.kind == GGMLQuantizationType.Q4_1:
             d, m, q = blocks.fields()
-            return cls(q, d, m + 8 * d)
+            return cls(q, d, m + 8 * d, prefill)
         raise ValueError(f"no int4 layout for {blocks.kind.name}")
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one product reads: the 4-bit values and the bf16 (scale, zero) pairs."""
+        """Bytes of weights one decode or verify product reads: the 4-bit values and the bf16 (scale, zero)
+        pairs."""
         return self.weight.nbytes + self.scales_and_zeros.nbytes
 
     @staticmethod

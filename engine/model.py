@@ -66,13 +66,14 @@ class Llama:
         def linear(*names: str) -> Linear | Int4Linear:
             """One matrix over these weights stacked along their outputs: the int4 kernel on the file's
             blocks where every part has blocks it reads, else dense."""
+            dense = self.format.dense_dtype
+            dense = Linear(torch.cat([w(n, dense) for n in names]) if len(names) > 1 else w(names[0], dense))
             parts = [blocks.get(n) for n in names]
             if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
                 stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
                 if Int4Linear.supports(stacked):
-                    return Int4Linear.from_blocks(stacked)
-            dense = self.format.dense_dtype
-            return Linear(torch.cat([w(n, dense) for n in names]) if len(names) > 1 else w(names[0], dense))
+                    return Int4Linear.from_blocks(stacked, prefill=dense)
+            return dense
 
         if "output_ids" in weights and weights["lm_head"].shape[0] != len(weights["output_ids"]):
             raise ValueError("lm_head rows must match output_ids")
@@ -166,6 +167,7 @@ class Llama:
         features: bool = False,
         fed_features: torch.Tensor | None = None,
         parents: Sequence[Sequence[int]] | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Feed tokens[b] to the sequence in slots[b]; advance its cache length.
 
@@ -181,6 +183,11 @@ class Llama:
         position of its depth past that prefix and sees only the prefix and its ancestors; K/V are
         written in feed order (`KVCache.keep_path` moves an accepted path's into place), so a tree can
         grow over several calls. None: every row is a chain.
+
+        `prefill`: the rows are prompts (a scheduler's prefill step, never mixed with decode rows), so
+        quantized matrices run their dense twin (engine/linear.py), faster for many rows. Its logits may
+        differ from the quantized kernel's in rounding; AR and speculation share the prefill, and every
+        decode and verify step runs the one kernel.
         """
         if self.config.feature_fed != (fed_features is not None):
             raise ValueError("fed_features are required by a feature-fed model, and only by one")
@@ -220,6 +227,8 @@ class Llama:
             visible = (rel < 0) | ((rel < n) & in_tree)  # [B, T, L]
             pos = base + depth.gather(1, node)  # the positions RoPE sees
         ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
+        # Float64 attention makes decode and verify agree bit for bit (see __init__); a prefill need not.
+        attention_dtype = self.dtype if prefill else self.attention_dtype
 
         # Rows may start at different positions: an additive mask says which cached keys each query
         # sees. A lone prefill from position 0 is plain causal attention and needs none.
@@ -229,7 +238,7 @@ class Llama:
             if not tree:
                 visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
             visible = visible.to(dev)
-            mask = torch.zeros(visible.shape, dtype=self.attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            mask = torch.zeros(visible.shape, dtype=attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]  # [B, 1, T, L]
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
         slot_index = torch.tensor(list(slots), device=dev)
@@ -251,7 +260,11 @@ class Llama:
             feats = fed_features.to(dev, self.dtype)
             x = self.fc(torch.cat([F.rms_norm(x, (cfg.d_model,), self.embed_norm, cfg.norm_eps),
                                    F.rms_norm(feats, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1))
-        for li, layer in enumerate(self.layers):
+        if prefill:
+            matrices = [{k: getattr(m, "prefill", m) for k, m in layer.items()} for layer in self.layers]
+        else:
+            matrices = self.layers
+        for li, layer in enumerate(matrices):
             h = F.rms_norm(x, (cfg.d_model,), layer["attn_norm"], cfg.norm_eps)
             qkv = layer["wqkv"](h).view(B, T, H + 2 * Hkv, D)
             # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
@@ -262,7 +275,7 @@ class Llama:
                 qk = qkv[:, :, : H + Hkv].unflatten(-1, (D // 2, 2))
                 x0, x1 = qk[..., 0], qk[..., 1]
                 qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-            q, k, v = qk[:, :, :H].to(self.attention_dtype), qk[:, :, H:], qkv[:, :, H + Hkv :]
+            q, k, v = qk[:, :, :H].to(attention_dtype), qk[:, :, H:], qkv[:, :, H + Hkv :]
             if block_write:
                 end = starts[0] + T
                 cache.k[li, slots[0] : slots[0] + B, :, starts[0] : end] = k.transpose(1, 2)
@@ -276,7 +289,7 @@ class Llama:
             else:
                 keys = cache.k[li, slot_index, :, :kv_len]
                 values = cache.v[li, slot_index, :, :kv_len]
-            keys, values = keys.to(self.attention_dtype), values.to(self.attention_dtype)
+            keys, values = keys.to(attention_dtype), values.to(attention_dtype)
             if T <= SHORT_STEP and B > 1:
                 attn = _short_attention(q, keys, values, mask)
             else:
@@ -294,7 +307,8 @@ class Llama:
         hidden = x  # [B, T, d]: every position's, also when only the last logits are asked for
         if not all_logits:
             x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
-        logits = self.lm_head(F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)).float()
+        lm_head = self.lm_head.prefill if prefill else self.lm_head
+        logits = lm_head(F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)).float()
         if self.output_ids is not None:
             full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids, logits)

@@ -71,7 +71,7 @@ def test_blocks_read_as_gguf_dequantizes_them(kind):
 @pytest.mark.parametrize("kind", [Q4_0, Q4_1])
 def test_int4_linear_is_dequantize_then_matmul_within_bf16_rounding(kind):
     blocks = _blocks(kind, 64, 160)
-    lin = Int4Linear.from_blocks(blocks)
+    lin = Int4Linear.from_blocks(blocks, prefill=Linear(blocks.dequantize()))
     x = torch.randn(9, 160)
     assert_within_bf16_rounding(lin, blocks, x)
     y = lin(x)
@@ -123,11 +123,18 @@ def test_tiny_q4_model_runs_its_blocks_and_stays_close_to_fp32(tiny_q4_gguf, tmp
     assert outs[0].dtype == torch.float32
     assert (outs[0] - outs[1]).abs().max() < 0.05 * outs[1].abs().max()
 
-    # Greedy speculation through the q4 path equals its own AR decoding.
+    # Greedy speculation through the q4 path equals its own AR decoding. Both prefill through the dense
+    # twins (once each), and decode or verify through the int4 kernel only.
+    calls = {"int4": 0, "prefill": 0}
+    for layer in q4.layers:
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            layer[name] = _Counted(layer[name], calls)
     ar = generate(q4, [prompt], SamplingParams(), 16, stop_ids=[])[0].token_ids
+    assert calls == {"int4": 15 * 4 * len(q4.layers), "prefill": 4 * len(q4.layers)}
     from specpool.engine.ngram import NgramDrafter
     sd = generate(q4, [prompt], SamplingParams(), 16, NgramDrafter(), 3, stop_ids=[])[0].token_ids
     assert sd == ar
+    assert calls["prefill"] == 2 * 4 * len(q4.layers)
 
     # Each format gets a cost table of its own.
     kwargs = {"batch_sizes": (1,), "draft_lens": (0, 1), "context_len": 8, "repeats": 1}
@@ -135,6 +142,25 @@ def test_tiny_q4_model_runs_its_blocks_and_stays_close_to_fp32(tiny_q4_gguf, tmp
     cached_step_costs(fp32, "tiny", tmp_path, **kwargs)
     keys = sorted(json.loads(p.read_text())["key"].split("|")[2] for p in tmp_path.iterdir())
     assert keys == ["fp32", "q4"]
+
+
+class _Counted:
+    """A q4 matrix that counts its products through the int4 kernel and through its dense prefill twin."""
+
+    def __init__(self, inner: Int4Linear, calls: dict[str, int]):
+        self.inner, self.calls = inner, calls
+
+    def __call__(self, x):
+        self.calls["int4"] += 1
+        return self.inner(x)
+
+    @property
+    def prefill(self):
+        def dense(x):
+            self.calls["prefill"] += 1
+            return self.inner.prefill(x)
+
+        return dense
 
 
 PROBE = """
@@ -192,7 +218,7 @@ def test_int4_linear_on_the_shipped_blocks(shipped):
         blocks = shipped.blocks[name]
         assert blocks.kind == Q4_1 and torch.equal(blocks.dequantize(), shipped.weights[name])
         x = torch.randn(5, blocks.shape[1]) * 2
-        assert_within_bf16_rounding(Int4Linear.from_blocks(blocks), blocks, x)
+        assert_within_bf16_rounding(Int4Linear.from_blocks(blocks, prefill=Linear(blocks.dequantize())), blocks, x)
 
 
 def _all_logits(model, tokens):
