@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench proto lint chart clean readme
+.PHONY: setup run test test-fast bench bench-deps proto lint chart clean readme
 
 setup: $(STAMP)
 
@@ -29,10 +29,20 @@ test: setup
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
-bench: setup
+bench: bench-deps
 	$(BIN)/python -m specpool.bench.ar_speed --json bench/results/ar_speed.json
-	$(BIN)/specpool bench --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
-		--modes ar,sd,ngram,ngram:8,hf-ar,hf-prompt-lookup,hf-assisted --json bench/results/humaneval_greedy.json
+	$(BIN)/specpool bench --dtype q4 --workload humaneval --limit 40 --max-tokens 128 --batch-sizes 1,16 \
+		--modes ar,sd,ngram,ssd,llamacpp-ar,llamacpp-lookup,hf-ar,hf-prompt-lookup \
+		--json bench/results/humaneval_q4_llamacpp.json
+
+# llama.cpp for the bench's llamacpp-* modes and ar_speed's row (bench/llamacpp_peer.py). PyPI has its
+# source only: pip builds the library for this CPU (about 5 minutes on 2 cores, once: pip keeps the
+# wheel); its tools and examples are not needed.
+LLAMACPP            := llama-cpp-python==0.3.36
+LLAMACPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF
+bench-deps: setup
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet '$(LLAMACPP)'
 
 # The stubs live in the client package (specpool_client.v1, client/) and are committed; re-run after
 # editing a .proto. Their imports of each other are made relative, so the package is theirs to name.

@@ -1,6 +1,6 @@
 """AR decoding at batch 1: specpool's engine in each weight format (q4: the GGUF's own 4-bit blocks
-through the int4 kernel; fp32; bf16 where native) against transformers' generate, side by side in
-one run.
+through the int4 kernel; fp32; bf16 where native) against transformers' generate and llama.cpp (where
+llama-cpp-python is installed: `make bench-deps`), side by side in one run.
 
 Every engine decodes the same chat-templated prompt for the same number of tokens (stop tokens
 ignored), in interleaved repetitions, so machine noise hits all of them alike; medians are reported.
@@ -9,7 +9,8 @@ divided by the streaming-read bandwidth measured in the same run. Each specpool 
 compared with specpool's fp32 path (the GGUF dequantized): its logits' largest difference over the
 prompt and the fp32 path's greedy tokens, and whether its greedy tokens are the same (else where
 they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-step cost table
-T(1, K) for K drafts, the cost the speculation policy plans with (engine/speculation_policy.py).
+T(1, K) for K drafts, the cost the speculation policy plans with (engine/speculation_policy.py), and
+llama.cpp's own for the same feeds.
 
     python -m specpool.bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
     SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.bench.ar_speed ...   # the AVX2 class, fresh process
@@ -34,6 +35,11 @@ from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import measure_step_costs
 from specpool.engine.tokenizer import Tokenizer
 
+try:
+    from specpool.bench.llamacpp_peer import LlamaCpp
+except ImportError:
+    LlamaCpp = None
+
 PROMPT = "Write a Python function that returns the factorial of n."
 
 
@@ -42,6 +48,14 @@ def weight_bytes(model: Llama) -> int:
     (norms and the one embedding row are negligible)."""
     matrices = [model.lm_head] + [layer[k] for layer in model.layers for k in ("wqkv", "wo", "w_gate_up", "w_down")]
     return sum(m.nbytes for m in matrices)
+
+
+def file_matrix_bytes(gguf) -> int:
+    """Bytes of the file's own layer matrices and LM head (its blocks as stored): what llama.cpp reads."""
+    names = ["embed" if gguf.config.tie_embeddings else "lm_head"] + [
+        n for n in gguf.blocks if n.startswith("layers.") and n.rsplit(".", 1)[-1] in
+        ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    return sum(gguf.blocks[n].data.nbytes for n in names)
 
 
 def until_stop(tokens: list[int], stop: int) -> list[int]:
@@ -115,6 +129,17 @@ def main() -> None:
             return r.token_ids, len(r.token_ids) / (r.prefill_s + r.decode_s)
 
         engines[f"specpool-{fmt}"] = (ours, weight_bytes(model))
+    llm = None
+    if LlamaCpp is None:
+        print("llama-cpp-python is not installed (make bench-deps): no llama.cpp row")
+    else:
+        llm = LlamaCpp(path, torch.get_num_threads(), sequences=1)
+
+        def llamacpp():
+            run = llm.generate([prompt_ids], args.tokens, stop=False)
+            return run.token_ids[0], run.tokens_per_s
+
+        engines["llamacpp"] = (llamacpp, file_matrix_bytes(gguf))
     del gguf
 
     for dtype in (DTYPES[d] for d in dtypes):
@@ -146,6 +171,7 @@ def main() -> None:
 
     base = statistics.median(speeds["transformers-fp32"])
     ours_fp32 = statistics.median(speeds["specpool-fp32"])
+    llamacpp_tps = statistics.median(speeds["llamacpp"]) if llm else None
     rows = []
     for name, (_, nbytes) in engines.items():
         tps = statistics.median(speeds[name])
@@ -157,12 +183,14 @@ def main() -> None:
             "outputs_match_transformers_fp32": until_stop(outputs[name], eos)
             == outputs["transformers-fp32"][: len(until_stop(outputs[name], eos))],
         }
+        if llamacpp_tps:
+            row["speedup_vs_llamacpp"] = round(tps / llamacpp_tps, 3)
         if nbytes:
             floor = nbytes / (gbps * 1e9)
             row |= {"speedup_vs_specpool_fp32": round(tps / ours_fp32, 3), "weight_bytes_per_token": nbytes,
                     "bandwidth_floor_s": round(floor, 5), "times_floor": round(1 / tps / floor, 2)}
             fmt = name.removeprefix("specpool-")
-            if fmt != "fp32":
+            if fmt not in ("fp32", "llamacpp"):
                 row |= against_fp32(models[fmt], models["fp32"], prompt_ids, outputs["specpool-fp32"], outputs[name])
         rows.append(row)
 
@@ -171,8 +199,12 @@ def main() -> None:
     if lens:
         for fmt, model in models.items():  # interleaved within each table (measure_step_costs), not across
             seconds = measure_step_costs(model, (1,), tuple(lens), repeats=5).seconds[0]
-            step_costs[f"specpool-{fmt}"] = {"ms": {k: round(t * 1e3, 2) for k, t in zip(lens, seconds)},
-                                             "vs_k0": {k: round(t / seconds[0], 3) for k, t in zip(lens, seconds)}}
+            step_costs[f"specpool-{fmt}"] = seconds
+        if llm:
+            step_costs["llamacpp"] = llm.step_costs(lens)
+        step_costs = {name: {"ms": {k: round(t * 1e3, 2) for k, t in zip(lens, seconds)},
+                             "vs_k0": {k: round(t / seconds[0], 3) for k, t in zip(lens, seconds)}}
+                      for name, seconds in step_costs.items()}
 
     report = {
         "machine": machine_info() | {"memory_read_gbps": round(gbps, 1)},
@@ -184,8 +216,8 @@ def main() -> None:
         "verify_step_costs_batch1": step_costs,
     }
     print(f"\nAR batch 1, {args.tokens} new tokens, median of {args.repeats} (memory read {gbps:.1f} GB/s)")
-    print(f"{'engine':<20} {'tok/s':>7} {'ms/tok':>7} {'vs hf-fp32':>10} {'vs fp32':>8} {'MB/tok':>7} "
-          f"{'x floor':>8} {'same as hf':>10}  vs specpool-fp32")
+    print(f"{'engine':<20} {'tok/s':>7} {'ms/tok':>7} {'vs hf-fp32':>10} {'vs fp32':>8} {'vs llcpp':>8} "
+          f"{'MB/tok':>7} {'x floor':>8} {'same as hf':>10}  vs specpool-fp32")
     for r in rows:
         versus = ""
         if "logits_max_abs_diff_vs_fp32" in r:
@@ -194,6 +226,7 @@ def main() -> None:
                 f"differs at token {r['first_divergence']} (fp32 top-2 gap {r['fp32_top2_gap_there']:.4f})")
         print(f"{r['engine']:<20} {r['tokens_per_s']:>7.1f} {1e3 * r['time_per_output_token_s']:>7.1f} "
               f"{r['speedup_vs_transformers_fp32']:>9.2f}x {r.get('speedup_vs_specpool_fp32', float('nan')):>7.2f}x "
+              f"{r.get('speedup_vs_llamacpp', float('nan')):>7.2f}x "
               f"{r.get('weight_bytes_per_token', float('nan')) / 1e6:>7.0f} {r.get('times_floor', float('nan')):>8.1f} "
               f"{r['outputs_match_transformers_fp32']!s:>10}  {versus}")
     if step_costs:

@@ -3,12 +3,14 @@
 Modes are interleaved chunk by chunk (each chunk of `batch_size` prompts runs through every
 mode before the next chunk, in an order that rotates by one mode per chunk), so noise on this
 shared machine falls on all modes alike.
-Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar).
+Speedups are against `ar` of the same run, batch size and temperature (hf-* against hf-ar, llamacpp-*
+against llamacpp-ar); every row is also compared with llamacpp-ar when it ran (the CPU runtime to beat).
 
 Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
 sd:K and ngram:K (fixed draft length K); head[:K] (the feature-fed head); sd-tree[:N] and head-tree[:N]
 (token trees of N nodes, or of the policy's budget); head-suffix[:N] (trees from a suffix store over the
 workload's prompts and outputs where it is sure, else the head's: engine/hybrid_drafter.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
+llamacpp-ar and llamacpp-lookup[:K] (llama.cpp on the same GGUF, batched as its server batches: bench/llamacpp_peer.py);
 the modes through servers in bench/remote.py. routed and routed-http are compared with routed-ar (AR
 through the same router and servers) when both run, so the router's planning is what the ratio measures;
 routed-ar itself with in-process ar.
@@ -207,6 +209,8 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             runners[mode] = routed.runner(name, cfg.max_tokens)
         elif name.startswith("hf-"):
             runners[mode] = _hf_runner(name, cfg, batch_size)
+        elif name in ("llamacpp-ar", "llamacpp-lookup"):
+            runners[mode] = _llamacpp_runner(cfg, batch_size, int(k or 10) if name == "llamacpp-lookup" else 0)
         else:
             raise ValueError(f"unknown mode {mode!r}")
     # AR on the cores of every mode that used fewer, or more, than the bench's own threads.
@@ -218,15 +222,15 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
     return runners
 
 
-_HF_CACHE: dict[str, object] = {}
+_PEERS: dict[str, object] = {}
 
 
 def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
     from specpool.bench import peers
 
-    if "target" not in _HF_CACHE:
-        _HF_CACHE["target"] = peers.load_hf_target(cfg.model_path)
-    hf = _HF_CACHE["target"]
+    if "target" not in _PEERS:
+        _PEERS["target"] = peers.load_hf_target(cfg.model_path)
+    hf = _PEERS["target"]
     if name == "hf-ar":
         return _hf(lambda p, sp: peers.hf_generate(
             hf, p, cfg.max_tokens, batch_size=batch_size, temperature=sp.temperature, seed=sp.seed))
@@ -236,12 +240,25 @@ def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
         return _hf(lambda p, sp: peers.hf_prompt_lookup(
             hf, p, cfg.max_tokens, num_tokens=10, temperature=sp.temperature, seed=sp.seed))
     if name == "hf-assisted":
-        if "draft" not in _HF_CACHE:
-            _HF_CACHE["draft"] = peers.load_hf_draft(cfg.draft_dir, cfg.model_path)
-        draft = _HF_CACHE["draft"]
+        if "draft" not in _PEERS:
+            _PEERS["draft"] = peers.load_hf_draft(cfg.draft_dir, cfg.model_path)
+        draft = _PEERS["draft"]
         return _hf(lambda p, sp: peers.hf_assisted(
             hf, draft, p, cfg.max_tokens, temperature=sp.temperature, seed=sp.seed))
     raise ValueError(f"unknown mode {name!r}")
+
+
+def _llamacpp_runner(cfg: BenchConfig, batch_size: int, lookup: int) -> Runner:
+    """llama.cpp decoding each chunk's prompts as one batch of sequences on the bench's threads."""
+    from specpool.bench.llamacpp_peer import LlamaCpp
+
+    if _PEERS.get("llamacpp_batch") != batch_size:  # one context per batch size: its sequence count
+        if "llamacpp" in _PEERS:
+            _PEERS["llamacpp"].close()
+        _PEERS["llamacpp"] = LlamaCpp(cfg.model_path, torch.get_num_threads(), sequences=batch_size)
+        _PEERS["llamacpp_batch"] = batch_size
+    llm = _PEERS["llamacpp"]
+    return _hf(lambda p, sp: llm.generate(p, cfg.max_tokens, sp.temperature, sp.seed, lookup=lookup))
 
 
 def first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: list[int]) -> float:
@@ -297,6 +314,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _reference(mode: str, modes) -> str:
     if mode.startswith("hf-"):
         return "hf-ar"
+    if mode.startswith("llamacpp-"):
+        return "llamacpp-ar"
     if mode == "routed-ray" and "routed-ray-ar" in modes:
         return "routed-ray-ar"
     if mode in ("routed", "routed-http", "routed-ray") and "routed-ar" in modes:
@@ -324,6 +343,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
             for mode in order[c % len(order):] + order[: c % len(order)]:
                 runners[mode](chunk, params, totals[mode])
         threads = torch.get_num_threads()
+        llamacpp = totals.get("llamacpp-ar")
         for mode, t in totals.items():
             ref = totals.get(_reference(mode, totals))
             tps = t.new_tokens / t.seconds
@@ -343,6 +363,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 # verify-step time / mean accepted length: the time per token if drafting cost nothing
                 "draft_free_bound_s": round(t.verify_seconds / t.new_tokens, 5) if t.verify_seconds else None,
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
+                "speedup_vs_llamacpp_ar": round(tps / (llamacpp.new_tokens / llamacpp.seconds), 3) if llamacpp else None,
                 "target_cores": hw.target_cores,
                 "cores_used": hw.cores,
                 "hardware": hw.layout,
@@ -357,9 +378,14 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
             }
             if ref is not None and cfg.temperature == 0:
                 near, bad = 0, 0
+                gap, tie = lambda p, r, o: first_divergence_gap(model, p, r, o), NEAR_TIE
+                if mode.startswith("llamacpp-"):  # its own logits, and its kernels' looser agreement
+                    from specpool.bench.llamacpp_peer import NEAR_TIE as LLAMACPP_NEAR_TIE
+
+                    gap, tie = _PEERS["llamacpp"].divergence_gap, LLAMACPP_NEAR_TIE
                 for p, r, o in zip(prompts, ref.outputs, t.outputs):
                     if r != o:
-                        if first_divergence_gap(model, p, r, o) < NEAR_TIE:
+                        if gap(p, r, o) < tie:
                             near += 1
                         else:
                             bad += 1
@@ -371,9 +397,9 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
 def print_table(report: dict) -> None:
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
             ("draft_free_bound_s", 8), ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5),
-            ("speedup_vs_ar", 7), ("cores_used", 5), ("speedup_vs_ar_target_cores", 7),
+            ("speedup_vs_ar", 7), ("speedup_vs_llamacpp_ar", 7), ("cores_used", 5), ("speedup_vs_ar_target_cores", 7),
             ("speedup_vs_ar_all_cores", 7), ("outputs_match_ar", 6), ("near_ties", 5)]
-    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "cores",
+    heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "vs-llcpp", "cores",
              "vs-tgt", "vs-all", "match", "ties"]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
     for row in report["results"]:

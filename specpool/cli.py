@@ -210,7 +210,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                         "where it is sure, else the head's), sd-remote[:K], head-remote[:K], head-tree-remote[:N], "
                         "ngram-remote, ssd, ssd-pull, routed, routed-ar, routed-http (routed through the router's "
                         "OpenAI-compatible HTTP front), routed-ray, routed-ray-ar (the cluster's members as Ray "
-                        "actors), hf-ar, hf-prompt-lookup, hf-assisted")
+                        "actors), hf-ar, hf-prompt-lookup, hf-assisted (transformers), llamacpp-ar, llamacpp-lookup[:K] "
+                        "(llama.cpp: make bench-deps)")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",
