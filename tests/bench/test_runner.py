@@ -85,4 +85,6 @@ def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():
             for r in (r for r in modes if r["temperature"] == 0):
                 if r["mode"] in ("ar", "routed-ar") and r["outputs_match_ar"] is None:
                     continue  # the reference the others were compared with
+                if r["mode"].startswith("llamacpp-"):
+                    continue  # a peer whose kernels compute 1 and many rows differently: reported, not ours
                 assert r["outputs_match_ar"], f"{path.name}: batch {batch}, {r['mode']} differs from AR"
