@@ -29,7 +29,7 @@ class RouterMetrics:
         # Each client request once, however it ended (specpool/common/outcomes.py), refused ones included:
         # model "unknown" when it ended before it was placed.
         self.requests = Counter("specpool_router_requests", "Client requests by outcome: ok, cancelled, invalid, "
-                                "not_found, rejected, unavailable, expired, error", ["model", "outcome"], registry=r)
+                                "not_found, unauthenticated, rejected, unavailable, expired, error", ["model", "outcome"], registry=r)
         self.request_seconds = Histogram("specpool_router_request_seconds", "Routing to the last response",
                                          ["model", "plan"], buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("specpool_router_time_to_first_token_seconds",

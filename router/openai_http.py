@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from specpool.common import outcomes
 from specpool.common.security import TENANT_HEADER, Security, server_name
 from specpool.common.serving import MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
 from specpool.router.openai_schema import (
@@ -50,6 +51,7 @@ from specpool.router.openai_schema import (
     CompletionRequest,
     CompletionShape,
     OpenAIError,
+    R,
     StopScanner,
     error_from_status,
     finish_reason_of,
@@ -211,8 +213,11 @@ class Generation:
 # -- the app -------------------------------------------------------------------------------------------------
 
 
-def build_app(grpc_address: str, credentials: Security) -> FastAPI:
-    """The ASGI app; its loopback channel to the router opens and closes with it (lifespan)."""
+def build_app(grpc_address: str, credentials: Security,
+              on_refused: Callable[[str], None] | None = None) -> FastAPI:
+    """The ASGI app; its loopback channel to the router opens and closes with it (lifespan).
+    `on_refused(outcome)` hears each completion request the front refuses itself, before forwarding
+    (the router counts the ones it forwards)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -238,13 +243,22 @@ def build_app(grpc_address: str, credentials: Security) -> FastAPI:
         log.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(OpenAIError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
 
+    async def accepted(request: Request, schema: type[R]) -> tuple[R, tuple[tuple[str, str], ...]]:
+        """The request's body and credentials, or its refusal (counted)."""
+        try:
+            return parse(schema, await _json(request)), _metadata(request)
+        except OpenAIError as e:
+            if on_refused is not None:
+                on_refused(outcomes.UNAUTHENTICATED if e.status == 401 else outcomes.INVALID)
+            raise
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, parse(CompletionRequest, await _json(request)), CompletionShape)
+        return await _generate(request, *await accepted(request, CompletionRequest), CompletionShape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(request, parse(ChatRequest, await _json(request)), ChatShape)
+        return await _generate(request, *await accepted(request, ChatRequest), ChatShape)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -259,12 +273,13 @@ def build_app(grpc_address: str, credentials: Security) -> FastAPI:
     return app
 
 
-async def _generate(request: Request, body: CompletionRequest | ChatRequest, shape):
+async def _generate(request: Request, body: CompletionRequest | ChatRequest, metadata: tuple[tuple[str, str], ...],
+                    shape):
     api: RouterApi = request.app.state.api
     request_id = uuid.uuid4().hex
     max_tokens_name = ("max_completion_tokens" if isinstance(body, ChatRequest) and body.max_completion_tokens
                        else "max_tokens")
-    generation = Generation(api, to_generate_request(body, request_id), _metadata(request), body.stops(),
+    generation = Generation(api, to_generate_request(body, request_id), metadata, body.stops(),
                             max_tokens_name)
     head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
     with_ids = bool(body.return_token_ids)
@@ -390,12 +405,13 @@ def loopback_address(host: str, port: int) -> str:
 class HttpFront:
     """uvicorn serving build_app on a thread with its own event loop, beside the router's gRPC server."""
 
-    def __init__(self, credentials: Security, grpc_port: int, host: str, port: int, grace_s: float = 10.0):
+    def __init__(self, credentials: Security, grpc_port: int, host: str, port: int, grace_s: float = 10.0,
+                 on_refused: Callable[[str], None] | None = None):
         if port < 0:
             raise ValueError(f"--http-port must be >= 0 (or -1: no HTTP front), got {port}")
         self.credentials, self.host, self.requested_port = credentials, host, port
         self.grace_s = grace_s
-        self.app = build_app(loopback_address(host, grpc_port), credentials)
+        self.app = build_app(loopback_address(host, grpc_port), credentials, on_refused)
         self.port = 0
         self.scheme = "https" if credentials.enabled else "http"
         self._server: uvicorn.Server | None = None

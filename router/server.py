@@ -132,13 +132,17 @@ def main(args: argparse.Namespace) -> int:
 
     # Every forwarded request holds a server thread until its replica answers.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = serving.Admission(args.max_in_flight, serving.method_names(service, "Generate"),
+    generate = serving.method_names(service, "Generate")
+    admission = serving.Admission(args.max_in_flight, generate,
                                   on_refused=lambda _method: metrics.count(outcomes.REJECTED))
     # Tenants' programs call the router with bearer tokens, not certificates.
     server, port = serving.build_server(config.port, host=config.host, admission=admission, credentials=credentials,
-                                client_certificates=False)
-    # The HTTP front forwards each request to this gRPC port: it only translates.
-    http = HttpFront(credentials, port, config.host, args.http_port, config.grace_s) if args.http_port != -1 else None
+                                        client_certificates=False,
+                                        on_refused=serving.counting(generate, metrics.count))
+    # The HTTP front forwards each request to this gRPC port: it only translates (and counts what it
+    # refuses itself, before forwarding).
+    http = (HttpFront(credentials, port, config.host, args.http_port, config.grace_s, on_refused=metrics.count)
+            if args.http_port != -1 else None)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
     cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [

@@ -30,6 +30,7 @@ from specpool.common.serving import (
     add_health_and_reflection,
     add_security_arguments,
     build_server,
+    counting,
     method_names,
     redis_url_from,
     report_ready,
@@ -365,9 +366,11 @@ def main(args: argparse.Namespace) -> int:
 
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
-    admission = Admission(args.max_batch + args.max_queue, method_names(service, "Generate"),
+    generate = method_names(service, "Generate")
+    admission = Admission(args.max_batch + args.max_queue, generate,
                           on_refused=lambda _method: metrics.count(outcomes.REJECTED))
-    server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials)
+    server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials,
+                                on_refused=counting(generate, metrics.count))
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
                               credentials)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)

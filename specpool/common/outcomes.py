@@ -1,12 +1,12 @@
 """How a request ended, as the router's and the targets' requests_total counters label it (`outcome`).
 
 From the gRPC status it ended with: ok; cancelled (the client cancelled or went away); invalid (the
-request cannot be served as sent: a bad field, a duplicate request id); not_found (no live target
-serves the model it names: a wrong name, or a model whose every replica is gone; NOT_FOUND);
-unauthenticated and permission_denied (a replica's answer passed on: a router's own refusals of
-credentials happen in its interceptor, before any request is counted); rejected (no room: admission, a
-full queue; RESOURCE_EXHAUSTED); unavailable (no live replica, or draining); expired (its deadline
-passed, queued or running); error (anything else, INTERNAL and FAILED_PRECONDITION included).
+request cannot be served as sent: a bad field, bytes or a body that do not parse, a duplicate request
+id); not_found (no live target serves the model it names: a wrong name, or a model whose every replica
+is gone; NOT_FOUND); unauthenticated (no credentials the server knows: refused by its interceptor, or
+by the router's HTTP front) and permission_denied (a replica's answer passed on); rejected (no room:
+admission, a full queue; RESOURCE_EXHAUSTED); unavailable (no live replica, or draining); expired (its
+deadline passed, queued or running); error (anything else, INTERNAL and FAILED_PRECONDITION included).
 """
 
 from __future__ import annotations

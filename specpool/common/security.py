@@ -30,7 +30,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from specpool.common import errors
+from specpool.common import errors, outcomes
 
 log = logging.getLogger(__name__)
 
@@ -333,8 +333,9 @@ class Security:
         tenant = self.tokens.tenant_of(token) if token and self.tokens is not None else None
         return Identity("tenant", tenant) if tenant else None
 
-    def interceptor(self) -> grpc.ServerInterceptor:
-        return _Authenticate(self)
+    def interceptor(self, on_refused: Callable[[str, str], None] | None = None) -> grpc.ServerInterceptor:
+        """Authenticates every call; `on_refused(method, "unauthenticated")` hears each refusal."""
+        return _Authenticate(self, on_refused)
 
     # -- client side --
 
@@ -357,8 +358,9 @@ class Security:
 class _Authenticate(grpc.ServerInterceptor):
     """UNAUTHENTICATED for a call that proves no identity, before the servicer sees it."""
 
-    def __init__(self, security: Security):
+    def __init__(self, security: Security, on_refused: Callable[[str, str], None] | None = None):
         self.security = security
+        self.on_refused = on_refused
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -367,6 +369,8 @@ class _Authenticate(grpc.ServerInterceptor):
 
         def check(context) -> None:
             if self.security.caller(context) is None:
+                if self.on_refused is not None:
+                    self.on_refused(handler_call_details.method, outcomes.UNAUTHENTICATED)
                 errors.abort(context, grpc.StatusCode.UNAUTHENTICATED, "authorization",
                              "send a bearer token the router's tokens file lists (metadata 'authorization: "
                              "Bearer <token>') or a client certificate from this cluster's CA")

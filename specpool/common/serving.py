@@ -25,7 +25,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specpool.common import errors, logs, security
+from specpool.common import errors, logs, outcomes, security
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -84,19 +84,22 @@ def redis_url_from(args: argparse.Namespace) -> str | None:
 
 def build_server(port: int, host: str = "127.0.0.1", admission: Admission | None = None,
                  credentials: security.Security | None = None,
-                 client_certificates: bool = True) -> tuple[grpc.Server, int]:
+                 client_certificates: bool = True,
+                 on_refused: Callable[[str, str], None] | None = None) -> tuple[grpc.Server, int]:
     """A thread-pool gRPC server bound (not started) on host:port; port 0 picks a free port.
 
     A sync gRPC server runs each call on a pool thread until it ends. `admission` bounds the long calls
     (its methods); the pool has CONTROL_WORKERS threads more, so health checks, cancels and info calls
     never wait behind generation. With `credentials` every call is TLS and authenticated before a
     servicer sees it; client_certificates=True also requires mutual TLS at the handshake.
+    `on_refused(method, outcome)` hears each call refused before a servicer sees it for its credentials
+    (unauthenticated) or its bytes (invalid), so that a server can count every request it was sent.
     """
     admission = admission or Admission(64, methods=())
     credentials = credentials or security.Security.insecure()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=admission.limit + CONTROL_WORKERS, thread_name_prefix="grpc"),
-        interceptors=[credentials.interceptor(), MalformedRequests(), admission],
+        interceptors=[credentials.interceptor(on_refused), MalformedRequests(on_refused), admission],
         options=[
             *MESSAGE_SIZE_OPTIONS,
             # Without this a second server on the same port binds silently and steals half the traffic.
@@ -165,6 +168,12 @@ class Admission(grpc.ServerInterceptor):
             self._free.release()
 
 
+def counting(methods: Iterable[str], count: Callable[[str], None]) -> Callable[[str, str], None]:
+    """build_server's on_refused that counts the refused calls of `methods` (the requests) by outcome."""
+    methods = frozenset(methods)
+    return lambda method, outcome: count(outcome) if method in methods else None
+
+
 def method_names(service, *methods: str) -> list[str]:
     """Full gRPC method names ("/package.Service/Method") of a service descriptor's methods."""
     return [f"/{service.full_name}/{service.methods_by_name[m].name}" for m in methods]
@@ -192,7 +201,11 @@ class MalformedRequest(ValueError):
 
 class MalformedRequests(grpc.ServerInterceptor):
     """Bytes that are not the method's request message get INVALID_ARGUMENT, not INTERNAL plus a
-    traceback in the server's log (what gRPC does when its deserializer raises)."""
+    traceback in the server's log (what gRPC does when its deserializer raises). `on_refused(method,
+    "invalid")` hears each."""
+
+    def __init__(self, on_refused: Callable[[str, str], None] | None = None):
+        self.on_refused = on_refused
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -207,6 +220,8 @@ class MalformedRequests(grpc.ServerInterceptor):
                 return _Malformed(e)
 
         def refuse(context, bad: _Malformed) -> NoReturn:
+            if self.on_refused is not None:
+                self.on_refused(handler_call_details.method, outcomes.INVALID)
             abort_invalid(context, "request", f"not a valid {handler_call_details.method} request message "
                           f"({type(bad.error).__name__}: {bad.error})")
 

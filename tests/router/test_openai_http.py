@@ -17,6 +17,7 @@ import ssl
 import urllib.request
 from dataclasses import replace
 
+import grpc
 import openai
 import pytest
 
@@ -266,6 +267,32 @@ def test_requests_without_a_token_or_with_a_body_that_is_not_json(pool):
                             headers={"Authorization": f"Bearer {CA.token('tester')}"})
         assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
         assert http.get(f"{url}/nothing-here").json()["error"]["type"] == "not_found_error"
+
+
+def test_every_refused_request_is_counted_by_the_router_the_fronts_own_refusals_included(pool):
+    """The front refuses a body that is not JSON or breaks its schema itself (never forwarded); the
+    router's interceptors refuse calls without credentials (over HTTP or gRPC) and bytes that are not a
+    request. Each is a request, counted."""
+    router = pool["router"]
+
+    def counted(outcome: str) -> float:
+        return router.metric_total("specpool_router_requests_total", model="unknown", outcome=outcome)
+
+    before = {o: counted(o) for o in ("invalid", "unauthenticated")}
+    url = f"https://127.0.0.1:{router.http_port}/v1/completions"
+    body = {"model": pool["model"], "prompt": "x", "max_tokens": 2}
+    tester = {"Authorization": f"Bearer {CA.token('tester')}"}
+    with https() as http:
+        assert http.post(url, content=b"{not json", headers=tester).status_code == 400
+        assert http.post(url, json=body | {"temperature": -1}, headers=tester).status_code == 400
+        assert http.post(url, json=body).status_code == 401
+    with CA.client("anonymous").channel(router.address, "router") as anonymous, pytest.raises(grpc.RpcError) as err:
+        generate_result(target_pb2_grpc.TargetServiceStub(anonymous), greedy(pool["model"], 2, prompt="x"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with channel(router.address, "router") as tester_channel, pytest.raises(grpc.RpcError) as err:
+        list(tester_channel.unary_stream("/specpool.v1.TargetService/Generate")(b"\xff\xff\xff\xff", timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert {o: counted(o) - before[o] for o in before} == {"invalid": 3, "unauthenticated": 2}
 
 
 def test_models_lists_what_the_pool_serves(pool, sdk):
