@@ -1,9 +1,10 @@
 """A cluster file's members as Ray actors on an existing Ray cluster: `specpool up --ray [ADDRESS]`,
-`specpool scale TENANT N`, `specpool down`. From Python:
+`specpool scale TENANT N`, `specpool scale --endpoint NAME N`, `specpool down`. From Python:
 
     cluster = RayCluster.start(ClusterConfig.load(path), address="auto")
     stub = TargetServiceStub(cluster.router_channel("alpha"))
     cluster.scale("alpha", 2)
+    cluster.scale_endpoint("spec", 2)
     cluster.down()
 
 Each member is one detached, named actor (namespace "specpool": `scale` and `down` find them from
@@ -21,6 +22,10 @@ its endpoint (one host, for the tensor channel); strict_spread puts the tenant's
 STRICT_SPREAD group (a node each); spread asks Ray's SPREAD strategy. Replicas added later by `scale`
 go to the endpoint's node (with_endpoint) or by SPREAD: a placement group cannot grow.
 
+An endpoint scales by instances: the file's, endpoint:NAME, and more, endpoint:NAME:I, each its own
+server (id NAME-I, its own draft slots). A target starts drafting on the instance the fewest targets
+use, and keeps it: an instance that drains first has its targets replaced by ones drafting elsewhere.
+
 Secure by default as `specpool up`: one throwaway CA; its directory (certificate, key, tokens) travels
 to each actor in its arguments (held by Ray's GCS, to restart it) and the cluster's state actor,
 which `scale` and clients in other processes read. Run with --insecure only on a private network.
@@ -37,7 +42,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Self
 
@@ -172,6 +178,8 @@ class MemberServer:
         import ray
 
         self.name, self.role = name, role
+        # The endpoint instance a target drafts on: scale_endpoint counts each instance's targets.
+        self.drafts_on = args[args.index("--spec-endpoint") + 1] if "--spec-endpoint" in args else None
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.state = ray.get_actor(STATE, namespace=namespace)
@@ -200,7 +208,8 @@ class MemberServer:
         s = self.server
         return {"name": self.name, "role": self.role, "address": s.address, "metrics_port": s.metrics_port,
                 "http_port": s.http_port, "node_ip": self.node_ip, "node_id": self.node_id,
-                "server_pid": s.proc.pid, "actor_pid": os.getpid(), "alive": s.alive(), "notes": self.notes}
+                "server_pid": s.proc.pid, "actor_pid": os.getpid(), "alive": s.alive(), "notes": self.notes,
+                "drafts_on": self.drafts_on}
 
     def drain(self, grace_s: float = 20.0) -> int:
         """SIGTERM: the server finishes its in-flight requests and exits (SIGKILL after grace_s)."""
@@ -395,17 +404,21 @@ class RayCluster:
             actor_name("router", router_name(r, i)), "router", router_command(r, i), r.ray, None, r.cpus, True, None)
             for i in range(r.count)}, timeout_s, say)
 
-    def _endpoint(self, e: EndpointSpec, strategies: dict):
-        name = actor_name("endpoint", e.name)
-        return self._member(name, "endpoint", endpoint_command(e), e.ray, e.threads, e.cpus, True, strategies.get(name))
+    def _endpoint(self, e: EndpointSpec, strategies: dict, index: int = 0):
+        """The endpoint's first instance (the file's), or one more (`scale_endpoint`): its own id, NAME-i,
+        and free ports."""
+        name = actor_name("endpoint", e.name, index or None)
+        spec = replace(e, name=f"{e.name or 'endpoint'}-{index}", port=0, metrics_port=0) if index else e
+        return self._member(name, "endpoint", endpoint_command(spec), e.ray, e.threads, e.cpus, True,
+                            strategies.get(name))
 
-    def _target(self, t: TargetSpec, index: int, strategy=None):
-        import ray
-
+    def _target(self, t: TargetSpec, index: int, strategy=None, avoid: tuple[str, ...] = ()):
+        """The index-th replica of t, drafting on the instance of its endpoint with the fewest targets
+        (not one of `avoid`, instances being drained)."""
         endpoint = endpoint_of(self.config, t)
         address = None
         if endpoint:
-            info = ray.get(ray.get_actor(actor_name("endpoint", endpoint), namespace=self.namespace).info.remote())
+            info = self._least_loaded(endpoint, avoid)
             address = info["address"]
             if strategy is None and t.ray.placement == "with_endpoint":  # a replica added later: beside it
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -414,6 +427,16 @@ class RayCluster:
         strategy = strategy or (None if t.ray.placement == "with_endpoint" else "SPREAD")
         return self._member(actor_name("target", t.tenant, index), "target", target_command(t, address), t.ray,
                             t.threads, t.cpus, False, strategy)
+
+    def _least_loaded(self, endpoint: str, avoid: tuple[str, ...] = ()) -> dict:
+        """The info of the endpoint's instance (not in `avoid`) the fewest targets draft on; the first on a tie."""
+        import ray
+
+        instances = [ray.get(a.info.remote()) for n, a in self.endpoint_instances(endpoint).items() if n not in avoid]
+        if len(instances) == 1:  # as at start, while the targets are not up to count
+            return instances[0]
+        load = Counter(i["drafts_on"] for i in self.infos("target").values() if i)
+        return min(instances, key=lambda i: load[i["address"]])
 
     def _member(self, name: str, role: str, args: list[str], ray_spec: RaySpec, threads, cpus, keep_ports: bool,
                 strategy):
@@ -483,6 +506,12 @@ class RayCluster:
                                                                                     n.startswith(role + ":")))
         return {n: ray.get_actor(n, namespace=self.namespace) for n in names}
 
+    def endpoint_instances(self, endpoint: str) -> dict[str, object]:
+        """Actor name -> handle of an endpoint's running instances, the first (the file's) first."""
+        first, actors = actor_name("endpoint", endpoint), self.actors("endpoint")
+        names = [n for n in actors if n == first or n.startswith(first + ":")]
+        return {n: actors[n] for n in sorted(names, key=_index)}
+
     def infos(self, role: str | None = None, timeout_s: float = 30.0) -> dict[str, dict | None]:
         """Actor name -> its info() (None: not answering, e.g. restarting)."""
         import ray
@@ -551,11 +580,11 @@ class RayCluster:
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         running = self.actors(f"target:{tenant}")
-        indices = sorted(int(n.rpartition(":")[2]) for n in running)
+        indices = sorted(map(_index, running))
         added, drained = [], []
         if replicas > len(indices):
-            free = [i for i in range(replicas + len(indices)) if i not in indices][: replicas - len(indices)]
-            new = {actor_name("target", tenant, i): self._target(spec, i) for i in free}
+            new = {actor_name("target", tenant, i): self._target(spec, i)
+                   for i in _free(indices, replicas - len(indices))}
             say(f"{tenant}: adding {', '.join(new)}")
             self._wait(new, timeout_s, say)
             added = list(new)
@@ -564,6 +593,49 @@ class RayCluster:
             say(f"{tenant}: draining {', '.join(drained)}")
             _drain_all({n: running[n] for n in drained}, grace_s)
         return added, drained
+
+    def scale_endpoint(self, endpoint: str, instances: int, grace_s: float = 20.0, timeout_s: float = 300.0,
+                       progress=None) -> tuple[list[str], list[str]]:
+        """The endpoint's instances to `instances` (its first, the file's, always stays). New ones start
+        beside the others, each with its own id and draft slots, and take the targets added after them
+        (a new target drafts on the instance with the fewest). Before an instance drains, each target
+        drafting on it is replaced by a replica drafting on one that stays (up first, then the old one
+        drains), so no target is left without its drafts. Returns (added, drained) actor names."""
+        say = progress or (lambda text: None)
+        spec = next((e for e in self.config.endpoints if e.name == endpoint), None)
+        if spec is None:
+            raise ValueError(f"no endpoint named {endpoint!r} in this cluster (have {[e.name for e in self.config.endpoints]})")
+        if instances < 1:
+            raise ValueError(f"instances must be >= 1 (an endpoint keeps the cluster file's instance), got {instances}")
+        running = self.endpoint_instances(endpoint)
+        indices = sorted(map(_index, running))
+        added, drained = [], []
+        if instances > len(indices):
+            new = {actor_name("endpoint", endpoint, i): self._endpoint(spec, {}, i)
+                   for i in _free(indices, instances - len(indices))}
+            say(f"{endpoint}: adding {', '.join(new)}")
+            self._wait(new, timeout_s, say)
+            added = list(new)
+        elif instances < len(indices):
+            drained = [actor_name("endpoint", endpoint, i or None) for i in indices[instances:]]
+            leaving = {info["address"] for name, info in self.infos("endpoint").items() if name in drained and info}
+            for name, info in self.infos("target").items():
+                if info is not None and info["drafts_on"] in leaving:
+                    self._replace_target(name, tuple(drained), grace_s, timeout_s, say)
+            say(f"{endpoint}: draining {', '.join(drained)}")
+            _drain_all({n: running[n] for n in drained}, grace_s)
+        return added, drained
+
+    def _replace_target(self, name: str, avoid: tuple[str, ...], grace_s: float, timeout_s: float, say) -> None:
+        """A new replica of the target `name` (drafting on an endpoint instance not in `avoid`), then `name` drained."""
+        tenant = name.split(":")[1]
+        spec = next(t for t in self.config.targets if t.tenant == tenant)
+        replicas = self.actors(f"target:{tenant}")
+        [index] = _free(list(map(_index, replicas)), 1)
+        new = actor_name("target", tenant, index)
+        say(f"{name}: replaced by {new}, which drafts on an endpoint instance that stays")
+        self._wait({new: self._target(spec, index, avoid=avoid)}, timeout_s, say)
+        _drain_all({name: replicas[name]}, grace_s)
 
     def down(self, grace_s: float = 20.0) -> None:
         """Drains front to back (routers, targets, endpoints, Redis: each tier's servers finish their
@@ -608,6 +680,17 @@ def _drain_all(actors: dict, grace_s: float) -> None:
                         name, type(e).__name__)
     for actor in actors.values():
         ray.kill(actor, no_restart=True)
+
+
+def _index(name: str) -> int:
+    """A member's index: I of target:TENANT:I or endpoint:NAME:I; 0 for endpoint:NAME, the file's instance."""
+    parts = name.split(":")
+    return int(parts[2]) if len(parts) > 2 else 0
+
+
+def _free(indices: list[int], count: int) -> list[int]:
+    """The `count` lowest indices not in use."""
+    return [i for i in range(len(indices) + count) if i not in indices][:count]
 
 
 def _named_actors(namespace: str) -> list[str]:

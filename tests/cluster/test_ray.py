@@ -20,7 +20,15 @@ import pytest
 import yaml
 
 from specpool.cluster.config import ClusterConfig, ConfigError, RaySpec
-from specpool.cluster.ray_launcher import bundle, placement_groups, ray_cpus_needed, with_host, with_ports
+from specpool.cluster.ray_launcher import (
+    _free,
+    _index,
+    bundle,
+    placement_groups,
+    ray_cpus_needed,
+    with_host,
+    with_ports,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,6 +85,11 @@ def test_placement_groups(targets, groups):
     assert [(g.name, g.strategy, [n for n, _ in g.members]) for g in placement_groups(c)] == groups
 
 
+def test_member_indices():
+    assert [_index(n) for n in ("endpoint:spec", "endpoint:spec:2", "target:alpha:0", "target:a:11")] == [0, 2, 0, 11]
+    assert _free([0, 2], 2) == [1, 3] and _free([], 1) == [0]
+
+
 def test_members_listen_on_their_node_and_keep_their_ports():
     args = ["serve-spec", "--port", "0", "--metrics-port", "0", "--host", "0.0.0.0"]  # a file's own args win
     assert with_host(args, "endpoint", "10.0.0.7") == [
@@ -101,7 +114,7 @@ def ray_nodes():
     import ray
     from ray.cluster_utils import Cluster
 
-    node = {"node_ip_address": "127.0.0.1", "num_cpus": 4, "object_store_memory": 80 * 2**20}
+    node = {"node_ip_address": "127.0.0.1", "num_cpus": 8, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "resources": {"node_a": 100},
                                                             "include_dashboard": False})
     for name in ("node_b", "node_c"):
@@ -133,11 +146,12 @@ def _ray_cli(cluster, *args: str, ok: bool = True) -> subprocess.CompletedProces
     return out
 
 
-def _generated(info: dict) -> float:
+def _metric(info: dict, sample: str = "specpool_target_generated_tokens_total") -> float:
+    """A member's sample summed over its series."""
     with urllib.request.urlopen(f"http://{info['address'].rpartition(':')[0]}:{info['metrics_port']}/metrics",
                                 timeout=5) as r:
         text = r.read().decode()
-    return sum(float(v) for v in re.findall(r"^specpool_target_generated_tokens_total(?:{.*})? (\S+)$", text, re.MULTILINE))
+    return sum(float(v) for v in re.findall(rf"^{sample}(?:{{.*}})? (\S+)$", text, re.MULTILINE))
 
 
 def _cleanup(namespace: str) -> None:
@@ -292,9 +306,22 @@ def test_members_on_their_nodes_restart_scale_and_down(ray_nodes, tmp_path):
         assert replica["node_id"] == nodes["node_a"]
         for _ in range(10):
             assert [ask(i) for i in range(len(prompts))] == expected
-            if _generated(replica) > 0:
+            if _metric(replica) > 0:
                 break
-        assert _generated(replica) > 0, "the new replica took no request"
+        assert _metric(replica) > 0, "the new replica took no request"
+
+        # `specpool scale --endpoint spec 2`: the next replica drafts on the new instance, which serves it.
+        out = _ray_cli(ray_nodes, "scale", "spec", "2", "--endpoint").stdout
+        assert "added endpoint:spec:1" in out, out
+        second = cluster.infos("endpoint")["endpoint:spec:1"]
+        assert second["node_id"] == nodes["node_c"]
+        assert "added target:alpha:2" in _ray_cli(ray_nodes, "scale", "alpha", "3").stdout
+        assert cluster.infos("target:alpha")["target:alpha:2"]["drafts_on"] == second["address"]
+        for _ in range(10):
+            assert [ask(i, Method.DRAFT_MODEL) for i in range(len(prompts))] == expected
+            if _metric(second, "specpool_spec_drafted_tokens_total") > 0:
+                break
+        assert _metric(second, "specpool_spec_drafted_tokens_total") > 0, "the new instance drafted nothing"
 
         # A router comes back on its node and its address: clients keep their channel.
         router = cluster.infos("router")["router:router"]
@@ -327,7 +354,8 @@ def test_members_on_their_nodes_restart_scale_and_down(ray_nodes, tmp_path):
 @pytest.mark.slow
 def test_placement_groups_pair_and_spread(ray_nodes, tmp_path):
     """with_endpoint: a target on its endpoint's node (STRICT_PACK), and a replica added later beside it
-    too; strict_spread: a tenant's replicas on distinct nodes (STRICT_SPREAD)."""
+    too; strict_spread: a tenant's replicas on distinct nodes (STRICT_SPREAD). An endpoint's second
+    instance takes the next target; scaled back, that target is replaced by one on the first."""
     from specpool.cluster.ray_launcher import RayCluster
     from specpool.engine.gguf_loader import model_name
     from tests.cluster.test_disaggregation import tiny_files
@@ -351,6 +379,21 @@ def test_placement_groups_pair_and_spread(ray_nodes, tmp_path):
         assert cluster.infos("target:alpha")["target:alpha:1"]["node_id"] == nodes["node_c"]
         assert cluster.scale("beta", 1) == ([], ["target:beta:1"])
         assert list(cluster.actors("target:beta")) == ["target:beta:0"]
+
+        assert cluster.scale_endpoint("spec", 2) == (["endpoint:spec:1"], [])
+        endpoints = {n: i["address"] for n, i in cluster.infos("endpoint").items()}
+        assert cluster.scale("alpha", 3) == (["target:alpha:2"], [])
+        alpha = cluster.infos("target:alpha")
+        assert alpha["target:alpha:2"]["drafts_on"] == endpoints["endpoint:spec:1"], "the least used instance"
+        assert alpha["target:alpha:2"]["node_id"] == nodes["node_c"]  # with_endpoint: beside its instance
+        assert [alpha[f"target:alpha:{i}"]["drafts_on"] for i in (0, 1)] == [endpoints["endpoint:spec"]] * 2
+        assert cluster.scale_endpoint("spec", 1) == ([], ["endpoint:spec:1"])
+        alpha = cluster.infos("target:alpha")
+        assert sorted(alpha) == ["target:alpha:0", "target:alpha:1", "target:alpha:3"], "alpha:2 replaced"
+        assert {i["drafts_on"] for i in alpha.values()} == {endpoints["endpoint:spec"]}
+        assert list(cluster.endpoint_instances("spec")) == ["endpoint:spec"]
+        with pytest.raises(ValueError, match="instances must be >= 1"):
+            cluster.scale_endpoint("spec", 0)
     finally:
         cluster.down()
     assert _leftovers("placed") == ([], [])
