@@ -402,6 +402,8 @@ class Decoder:
                     seq.unseen = (0 if proposed else seq.unseen) + len(taken) - min(len(path), len(taken))
         end = time.perf_counter()
         self.last_verify_s = end - start
+        if asked is not None:  # a round the draft length was chosen for: what it took, drafting included
+            self.draft_length.observe(asked.drafting_s + self.last_verify_s)
         for seq in batch:
             # Drafting counts for the sequences it drafted for: the time they waited for their drafts.
             seq.result.decode_s += end - start + (asked.drafting_s if seq.seq_id in ours else 0.0)

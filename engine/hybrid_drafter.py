@@ -102,3 +102,6 @@ class HybridDraftLength:
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
         charged = dataclasses.replace(self.policy, drafting_share=self.share.value)
         return charged.lengths(batch, acceptance)
+
+    def observe(self, seconds: float) -> None:
+        self.policy.observe(seconds)

@@ -6,17 +6,19 @@ draft position from recent rounds (AcceptanceEstimate), or, with one per-token a
 (1 - alpha^(s+1)) / (1 - alpha). The policy picks the s that maximises
 b * E(s) / (T(b, s) + D(b, s)), D being the drafting time (zero for n-gram lookups), and s = 0
 (plain decoding) when no s beats it. As the batch grows the target turns compute-bound, T grows
-with s, and the budget shrinks, as in SSSD (s ~ I_knee / b).
+with s, and the budget shrinks, as in SSSD (s ~ I_knee / b). What real rounds take beyond the table
+(RoundSlowdown, told by the decoder after each round) scales both sides of that comparison.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -44,6 +46,9 @@ class StepCosts:
     draft_lens: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]  # [batch size][draft len]
 
+    # Cached: a policy prices every length at every round, and interpolating afresh cost 0.25-0.4 ms a
+    # round (2% of a 16 ms batch-1 step). A process holds a few tables for its life: nothing leaks.
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
     def __call__(self, batch_size: int, draft_len: int) -> float:
         """Piecewise-linear in both batch size and draft length; linear extrapolation past the table."""
         per_b = [self._along_draft_len(row, draft_len) for row in self.seconds]
@@ -205,6 +210,49 @@ def as_expected(acceptance: Expected | float) -> Expected:
     return lambda s: expected_tokens(acceptance, s)
 
 
+class RoundSlowdown:
+    """How much longer real rounds take than the cost table predicts, learned from the rounds run.
+
+    The table times a bare forward; a real round also asks the drafter, samples, verifies, keeps the
+    cache and updates every sequence, and each step of a draft model carries the same overheads. Near
+    break-even that error decides: priced by the table alone, a draft model ran 0.94x AR at batch 1
+    (q4, AMD EPYC). Learned as ratios (measured / predicted), so that they carry across draft lengths
+    and batch sizes, apart for plain and for speculative rounds. The speculative ratio leans back on
+    the plain one while the policy does not speculate, so that it tries again eventually, as
+    AcceptanceEstimate leans back on its prior.
+    """
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 1.0):
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._sums = [0.0, 0.0]  # decayed sums of measured / predicted, per kind of round
+        self._weights = [0.0, 0.0]
+        self._expected: tuple[int, float] | None = None  # (kind, predicted seconds) of the round chosen last
+
+    def ratio(self, speculative: bool) -> float:
+        """Measured / predicted seconds of a round of this kind (plain: 1 before any is measured;
+        speculative: the plain ratio before any is measured)."""
+        plain = (self._sums[0] + self.prior_weight) / (self._weights[0] + self.prior_weight)
+        if not speculative:
+            return plain
+        return (self._sums[1] + self.prior_weight * plain) / (self._weights[1] + self.prior_weight)
+
+    def expect(self, speculative: bool, seconds: float) -> None:
+        """The policy's prediction for the round it has just chosen."""
+        self._expected = (int(speculative), seconds)
+
+    def observe(self, seconds: float) -> None:
+        """The decoder's measurement of that round, drafting included (ignored when nothing was expected)."""
+        if self._expected is None or self._expected[1] <= 0:
+            return
+        kind, predicted = self._expected
+        self._expected = None
+        self._sums = [self.decay * x for x in self._sums]
+        self._weights = [self.decay * w for w in self._weights]
+        self._sums[kind] += seconds / predicted
+        self._weights[kind] += 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class Running:
     """A running sequence, as a draft-length policy sees it."""
@@ -223,6 +271,10 @@ class DraftLength(Protocol):
         """Per sequence of the batch, in order: the positions offered to the drafter (0: none)."""
         ...
 
+    def observe(self, seconds: float) -> None:
+        """The measured seconds of the round it last chose lengths for, drafting included."""
+        ...
+
 
 @dataclass(frozen=True)
 class FixedDraftLength:
@@ -232,6 +284,9 @@ class FixedDraftLength:
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
         return [self.max_draft] * len(batch)
+
+    def observe(self, seconds: float) -> None:
+        pass
 
 
 PLAIN_DECODING = FixedDraftLength(0)
@@ -255,6 +310,9 @@ class SpeculationPolicy:
     # The drafter grows token trees of this shape (the draft length is then the node budget): a draft
     # forward per level, the root's one token then up to `beam` nodes a level, not one per token.
     tree: TreeShape | None = None
+    # What real rounds cost beyond the table, learned from them: shared by the copies a caller makes
+    # with dataclasses.replace (a remote round's wire time, SSD's miss share), so each learns from all.
+    slowdown: RoundSlowdown = field(default_factory=RoundSlowdown, compare=False)
 
     def step_time(self, batch_size: int, draft_len: int, fill: float = 1.0) -> float:
         """Expected seconds of a round offering draft_len positions per sequence, when the drafter fills
@@ -288,8 +346,9 @@ class SpeculationPolicy:
         sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
         starting pays only if the faster steps win that time back over the `remaining` tokens.
         """
-        plain_rate = 1.0 / self.step_time(batch_size, 0)
+        plain_rate = 1.0 / (self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False))
         best_len, best_rate = self.fastest(batch_size, acceptance, fill)
+        best_rate /= self.slowdown.ratio(speculative=True)
         if best_rate <= plain_rate * self.min_gain:
             return 0
         if self.draft_costs is not None and catch_up > 1:
@@ -306,7 +365,12 @@ class SpeculationPolicy:
             return []
         catch_up = sum(r.unseen for r in batch) / n
         remaining = sum(r.remaining for r in batch) / n
-        return [self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)] * n
+        length = self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)
+        self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill))
+        return [length] * n
+
+    def observe(self, seconds: float) -> None:
+        self.slowdown.observe(seconds)
 
     def fastest(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
         """(draft length s >= 1, its expected tokens/s per sequence): the fastest speculative step."""

@@ -41,6 +41,7 @@ class TargetDraftLength:
         self.max_draft = self.free.max_draft if self.free is not None else fixed
         self._draft_model: SpeculationPolicy | None = None
         self._costs_of: pb.GetCapacityResponse | None = None  # the capacity _draft_model was built from
+        self._chosen: DraftLength = self.fixed  # the policy that chose the last round's lengths
 
     @property
     def draft_model(self) -> SpeculationPolicy | None:
@@ -55,8 +56,12 @@ class TargetDraftLength:
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
         choices = [self.client.choice(r.seq_id) for r in batch]
-        lengths = self._policy({c.method for c in choices if c.remote}).lengths(batch, acceptance)
+        self._chosen = self._policy({c.method for c in choices if c.remote})
+        lengths = self._chosen.lengths(batch, acceptance)
         return [0 if c.method is Method.NONE else min(n, c.max_draft_tokens or n) for c, n in zip(choices, lengths)]
+
+    def observe(self, seconds: float) -> None:
+        self._chosen.observe(seconds)
 
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -11,11 +12,13 @@ from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
     FixedDraftLength,
+    RoundSlowdown,
     Running,
     SpeculationPolicy,
     StepCosts,
     cached_step_costs,
     expected_tokens,
+    measure_step_costs,
 )
 
 # A memory-bound target at batch 1 (verify cost flat in s) that turns compute-bound at batch 16.
@@ -190,3 +193,73 @@ def test_a_policy_offers_its_batch_one_length_from_the_mean_catch_up_and_remaini
     assert policy.lengths(batch, acceptance) == [s, s]
     assert policy.lengths([], acceptance) == []
     assert FixedDraftLength(3).lengths(batch, acceptance) == [3, 3]
+
+
+def test_round_slowdown_learns_each_kind_of_round_and_leans_speculation_back_on_plain():
+    slowdown = RoundSlowdown(decay=0.9, prior_weight=0.1)
+    assert slowdown.ratio(speculative=False) == slowdown.ratio(speculative=True) == 1.0
+    for _ in range(50):
+        slowdown.expect(False, 0.010)
+        slowdown.observe(0.012)
+    assert slowdown.ratio(speculative=False) == pytest.approx(1.2, rel=0.01)
+    assert slowdown.ratio(speculative=True) == pytest.approx(1.2, rel=0.01)  # none measured: as plain
+    for _ in range(50):
+        slowdown.expect(True, 0.010)
+        slowdown.observe(0.020)
+    assert slowdown.ratio(speculative=True) == pytest.approx(2.0, rel=0.01)
+    slowdown.observe(1.0)  # nothing expected (a side step): ignored
+    assert slowdown.ratio(speculative=True) == pytest.approx(2.0, rel=0.01)
+    for _ in range(100):
+        slowdown.expect(False, 0.010)
+        slowdown.observe(0.012)
+    assert slowdown.ratio(speculative=True) < 1.3  # stopped speculating: leans back on plain, tries again
+
+
+def test_a_policy_stops_speculating_when_its_rounds_run_slower_than_the_table_and_tries_again_later():
+    policy = SpeculationPolicy(COSTS, max_draft=4, slowdown=RoundSlowdown(decay=0.8))
+    batch, acceptance = [Running("a", 0, 100)], AcceptanceEstimate(prior_alpha=0.2, prior_weight=1e9)
+    # The table: 1.25 tokens per 30.8 ms step against 1 per 30 ms: 1.22x, above the 1.1 margin.
+    [s] = policy.lengths(batch, acceptance)
+    assert s > 0
+    for _ in range(10):  # each speculative round takes 1.3x its prediction, each plain one its own
+        [s] = policy.lengths(batch, acceptance)
+        policy.observe(1.3 * policy.step_time(1, s))
+        if s == 0:
+            break
+    assert s == 0
+    for _ in range(30):
+        [s] = policy.lengths(batch, acceptance)
+        policy.observe(policy.step_time(1, s))
+        if s > 0:
+            break
+    assert s > 0
+
+
+class _SlowNgramDrafter(NgramDrafter):
+    """A real n-gram drafter whose every proposal takes `delay` seconds more (a slow drafter)."""
+
+    def __init__(self, delay: float):
+        super().__init__()
+        self.delay = delay
+        self.proposals = 0
+
+    def propose(self, seq_ids, num_tokens, params, generator):
+        self.proposals += 1
+        time.sleep(self.delay)
+        return super().propose(seq_ids, num_tokens, params, generator)
+
+
+def test_the_decoder_tells_the_policy_what_rounds_took_so_a_slow_drafter_is_dropped(tiny_model):
+    """The table says drafting is free and verifying costs a plain step; each proposal takes 30 plain
+    steps more, so even 3 tokens a round lose. The decoder must report each round with its drafting,
+    and the policy stop asking; the output stays AR's."""
+    plain = measure_step_costs(tiny_model, (1,), (0,), context_len=16).seconds[0][0]
+    policy = SpeculationPolicy(StepCosts((1,), (0, 8), ((plain, plain),)), max_draft=2)
+    prompt = [[5, 6, 7, 8] * 4]
+    ar = generate(tiny_model, prompt, SamplingParams(), 40, stop_ids=[])
+    slow = _SlowNgramDrafter(delay=30 * plain)
+    [spec] = generate(tiny_model, prompt, SamplingParams(), 40, slow, stop_ids=[], policy=policy,
+                      acceptance=AcceptanceEstimate(prior_alpha=0.9))
+    assert spec.token_ids == ar[0].token_ids
+    assert policy.slowdown.ratio(speculative=True) > 10  # the rounds' drafting reached the policy
+    assert 1 <= slow.proposals < spec.target_steps / 2  # and it stopped asking (it may try again later)
