@@ -23,8 +23,8 @@ CHART = REPO / "helm" / "specpool"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 RELEASE, NAMESPACE = "ci", "specpool-ci"
 # Kubernetes versions every rendering must validate against: the oldest the chart's kubeVersion allows
-# that the issue checked, and a current one (kubernetes-validate ships schemas 1.25 onwards).
-KUBE_VERSIONS = ("1.27.0", "1.35.0")
+# that the issue checked, a current one and the newest kubernetes-validate ships (schemas 1.25 onwards).
+KUBE_VERSIONS = ("1.27.0", "1.35.0", "1.37.0")
 # Custom resources with no schema in kubernetes-validate (the Prometheus Operator's, cert-manager's).
 CUSTOM_KINDS = {"ServiceMonitor", "Certificate"}
 POD_TEMPLATES = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
