@@ -110,6 +110,11 @@ class Llama:
         # a decode step at 128 positions (12.1 -> 13.7 ms) and +4.6 ms at 1000, most of it the widening:
         # the cache holds float64 instead (twice the memory; the same values, fp32 and bf16 widen exactly).
         self.attention_dtype = torch.float64 if self.format.int4 else dtype
+        # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
+        # batch (other attention lengths, other kernel blocking) into other bf16 roundings: a HumanEval
+        # prompt prefilled beside 15 others had logits 0.125 away from its own. So each prompt prefills
+        # alone, and a q4 sequence's tokens are the same whatever the batch it ran in.
+        self.prefill_alone = self.format.int4
         angles = rope_angles(config)
         self.rope_cos = angles.cos().to(self.device, dtype)  # [max_context, D/2]
         self.rope_sin = angles.sin().to(self.device, dtype)
@@ -203,6 +208,15 @@ class Llama:
                 raise ValueError(f"slot {s}: a row needs at least one token")
             if start + n > cache.max_len:
                 raise ValueError(f"slot {s}: {start + n} positions exceed the cache length {cache.max_len}")
+
+        if prefill and B > 1 and self.prefill_alone:
+            rows = [self.forward(cache, [s], [t], all_logits, features,
+                                 None if fed_features is None else fed_features[b : b + 1, : len(t)], prefill=True)
+                    for b, (s, t) in enumerate(zip(slots, tokens))]
+            if not features:
+                return _stacked(rows, T) if all_logits else torch.cat(rows)
+            logits, hidden = zip(*rows)
+            return (_stacked(logits, T) if all_logits else torch.cat(logits)), _stacked(hidden, T)
 
         dev = self.device
         ids = padded(tokens, T)
@@ -315,6 +329,11 @@ class Llama:
             full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids, logits)
         return (logits, hidden) if features else logits
+
+
+def _stacked(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Rows [1, T_i, ...] right-padded with zeros to `length` along dim 1 -> [B, length, ...]."""
+    return torch.cat([F.pad(r, (0, 0) * (r.dim() - 2) + (0, length - r.shape[1])) for r in rows])
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
