@@ -100,15 +100,15 @@ class Llama:
                     "w_down": linear(p + "w_down"),
                 }
             )
-        # Under q4, attention runs in float64, over a float64 cache. Its sums then round to the same fp32 whatever their order, so a query's output is the same bits
+        # Under q4, attention runs in float64 (the cache stays fp32: each layer widens the keys it reads).
+        # Its sums then round to the same fp32 whatever their order, so a query's output is the same bits
         # in a decode step, a verify step, a tree or a batch, as every other op of the q4 forward already
         # is (the int4 kernel, norms and elementwise ops work row by row). In fp32, attention kernels of
         # different shapes differ in the last ulp; the bf16 rounding of the next matmul's input turned
         # that into logit differences of up to ~0.6 between a decode step and a verify step, and greedy
-        # speculation no longer equalled greedy decoding (5 of 6 prompts, 128 tokens, n-gram K=2). With an
-        # fp32 cache widened layer by layer, that cost SmolLM2-135M on 2 cores of an AVX-512 EPYC +1.5 ms
-        # a decode step at 128 positions (12.1 -> 13.7 ms) and +4.6 ms at 1000, most of it the widening:
-        # the cache holds float64 instead (twice the memory; the same values, fp32 and bf16 widen exactly).
+        # speculation no longer equalled greedy decoding (5 of 6 prompts, 128 tokens, n-gram K=2). The
+        # cost, SmolLM2-135M on 2 cores of an AVX-512 EPYC: +1.5 ms a decode step at 128 positions
+        # (12.1 -> 13.7 ms), +4.6 ms at 1000.
         self.attention_dtype = torch.float64 if self.format.int4 else dtype
         # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
         # batch (other attention lengths, other kernel blocking) into other bf16 roundings: a HumanEval
@@ -158,9 +158,7 @@ class Llama:
         return cls(config, random_weights(config, seed), dtype, device)
 
     def new_cache(self, max_slots: int, max_len: int) -> KVCache:
-        """K/V in the attention's dtype (float64 under q4: see __init__)."""
-        return KVCache(self.config, max_slots, min(max_len, self.config.max_context), self.attention_dtype,
-                       self.device)
+        return KVCache(self.config, max_slots, min(max_len, self.config.max_context), self.dtype, self.device)
 
     # -- forward -----------------------------------------------------------------------------
 
