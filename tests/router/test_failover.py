@@ -2,11 +2,11 @@
 
 - a target SIGKILLed mid-stream: its streams continue on the other replica, each client sees one
   unbroken stream and one final message, greedy tokens equal to in-process AR;
-- Redis stopped for two minutes (the router used to give up after 30 s): requests keep succeeding on
-  the replicas the router knew, and one killed meanwhile stops getting requests within 5 s.
+- Redis stopped for 36 s (the router used to give up after 30 s): requests keep succeeding on the
+  replicas the router knew, and one killed meanwhile stops getting requests within 5 s.
 
-The two are slow (real processes; the second takes over two minutes); what a continuation carries is
-checked without servers.
+The two are slow (real processes; the second outlasts the old 30 s limit); what a continuation carries
+is checked without servers.
 """
 
 from __future__ import annotations
@@ -154,16 +154,16 @@ def test_streams_of_a_killed_target_continue_on_the_other_and_equal_ar(pool, tin
           f"{migrations:.0f} migrations; 8 of 8 complete and equal to AR")
 
 
-# -- case 8: Redis down for two minutes --------------------------------------------------------------
+# -- case 8: Redis down past the old 30 s limit --------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_while_redis_is_down_the_router_serves_the_replicas_it_knew(pool):
-    """Redis is stopped for SPECPOOL_TEST_REDIS_OUTAGE_S (default 120 s, at least 35: past the 30 s at
-    which the router used to give up). Two clients send short requests throughout. At 40 s one target
-    is SIGKILLed: within 5 s the router no longer lists it, and no request placed after that needs a
-    retry. Every request succeeds, during the outage and after Redis is back."""
-    outage_s = float(os.environ.get("SPECPOOL_TEST_REDIS_OUTAGE_S", "120"))
+    """Redis is stopped for SPECPOOL_TEST_REDIS_OUTAGE_S (default 36 s, at least 35: past the 30 s at
+    which the router used to give up). Two clients send short requests throughout. At the old limit,
+    30 s in, one target is SIGKILLed: within 5 s the router no longer lists it, and no request placed
+    after that needs a retry. Every request succeeds, during the outage and after Redis is back."""
+    outage_s = float(os.environ.get("SPECPOOL_TEST_REDIS_OUTAGE_S", "36"))
     assert outage_s >= 35, "the outage must outlast the old 30 s limit"
     router, targets, redis_server = pool["router"], pool["targets"], pool["redis"]
     channel = secure_channel(router.address, "router")
@@ -190,7 +190,7 @@ def test_while_redis_is_down_the_router_serves_the_replicas_it_knew(pool):
     with ThreadPoolExecutor(2) as ex:
         clients = [ex.submit(client, c) for c in range(2)]
         try:
-            time.sleep(40)
+            time.sleep(30)  # the outage itself: the router used to give up here
             served = [t.metric_total("specpool_target_requests_total") - b for t, b in zip(targets, served_before)]
             assert min(served) > 0, f"both replicas serve during the outage: {served}"
             victim.kill()
@@ -206,7 +206,7 @@ def test_while_redis_is_down_the_router_serves_the_replicas_it_knew(pool):
             assert pool_targets(router) == [survivor.address]
             during = len(succeeded)
             redis_server.start()  # empty: the registry refills from heartbeats
-            time.sleep(5)
+            wait_for(lambda: len(succeeded) >= during + 20, timeout_s=30, interval_s=0.1)  # served after it
         finally:
             stop.set()
             for c in clients:

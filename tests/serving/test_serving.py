@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from specpool.cluster.processes import wait_for
 from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
 from specpool.common.serving import Admission, abort_invalid, add_health_and_reflection, build_server
 from specpool_client import ErrorDetails
@@ -119,8 +120,16 @@ def test_admission_refuses_past_its_limit_with_a_retry_hint_and_control_calls_st
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1)
         assert check.status == SERVING
         held[0].cancel()
-        time.sleep(0.2)
-        assert next(open_stream(b"", timeout=30)) == b"started"
+
+        def admitted() -> bool:  # the cancelled stream's slot frees once its handler has returned
+            try:
+                return next(open_stream(b"", timeout=30)) == b"started"
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                return False
+
+        assert wait_for(admitted, timeout_s=5)
     finally:
         release.set()
         channel.close()

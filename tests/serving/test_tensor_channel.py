@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpool.cluster.processes import wait_for
 from specpool.common.tensor_channel import (
     ChannelBusy,
     ChannelError,
@@ -145,8 +146,15 @@ def test_offers_nobody_joins_neither_hold_up_another_pair_nor_pile_up():
         assert host.get("target-c", timeout_s=3.0) is not None
         assert time.monotonic() - t0 < 2.0, "paired only after the ghosts timed out"
         peer.close()
-        time.sleep(3.5)  # the ghosts' offers time out: room again
-        host.offer("ghost-3")
+
+        def room_again() -> bool:  # once the ghosts' offers have timed out
+            try:
+                host.offer("ghost-3")
+                return True
+            except ChannelBusy:
+                return False
+
+        assert wait_for(room_again, timeout_s=10, interval_s=0.1)
 
 
 def test_connect_refuses_a_device_the_backend_cannot_carry():
