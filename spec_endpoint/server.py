@@ -119,10 +119,10 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
             _abort(context, e)
 
     def GetCapacity(self, request, context):
-        """A target sees its own tenant's figures; operators' tools and routers see every tenant's."""
+        """A target or a tenant's client sees its own tenant's figures; operators' tools, routers and
+        endpoints see every tenant's (Identity.tenant_scope)."""
         caller = self.credentials.caller(context)
-        report = self.endpoint.capacity()
-        return wire.capacity_to(report, only=caller.name if caller.role == "target" else None)
+        return wire.capacity_to(self.endpoint.capacity(), only=caller.tenant_scope)
 
 
 def _only(request_ids) -> str | None:
