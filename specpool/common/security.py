@@ -2,13 +2,16 @@
 
 Every server speaks TLS. Services (router, target, endpoint), operators' tools and tenants' programs
 hold a certificate from the cluster's CA that names them: URI SAN spiffe://specpool/<role>/<name>, DNS
-SANs <role>.specpool and <name>.<role>.specpool. The role says what a caller may read: an `operator`
-certificate (the `specpool` tools, dashboards) and the services that run the pool see every tenant's
-figures; a `client` certificate is a tenant's (client/<tenant>) and, like a target's and a bearer
-token's tenant, sees its own tenant's alone (Identity.tenant_scope). A caller checks the server's certificate against the name it expects (a router
-dials a registered target as <tenant>.target.specpool, so a member that only wrote a heartbeat into
-Redis gets nothing). Targets and endpoints require a client certificate (mutual TLS); the router, whose
-callers are tenants' programs, takes a bearer token that the tokens file maps to a tenant.
+SANs <role>.specpool and <name>.<role>.specpool. A caller checks the server's certificate against the
+name it expects (a router dials a registered target as <tenant>.target.specpool, so a member that only
+wrote a heartbeat into Redis gets nothing). Targets and endpoints require a client certificate (mutual
+TLS); the router, whose callers are tenants' programs, asks for none and takes a bearer token that the
+tokens file maps to a tenant.
+
+The role says whose per-tenant figures a caller reads (Identity.tenant_scope): an `operator`
+certificate (operators' tools) and the services that run the pool every tenant's; a tenant's `client`
+certificate (client/<tenant>), a target's and a bearer token's tenant their own tenant's alone. Over
+HTTP (/capacity, /metrics) the operators' credential is the metrics token.
 
 The caller's identity comes from that credential, never from a header or a request field. One
 exception is delegation: a target takes the tenant a *router* names in x-specpool-tenant, because the
