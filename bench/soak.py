@@ -208,11 +208,11 @@ class Soak:
         while True:
             held = {}
             for name, target in self.cluster.targets.items():
-                with self.cluster.credentials().channel(target.address, "target", name) as channel:
+                with self.cluster.operator_credentials().channel(target.address, "target", name) as channel:
                     info = target_pb2_grpc.TargetServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=5)
                 held[f"{name} sequences"] = info.active_sequences + info.queued_requests
             for name, endpoint in self.cluster.endpoints.items():
-                with self.cluster.credentials().channel(endpoint.address, "endpoint", name) as channel:
+                with self.cluster.operator_credentials().channel(endpoint.address, "endpoint", name) as channel:
                     cap = speculation_pb2_grpc.SpeculationServiceStub(channel).GetCapacity(
                         spec_pb.GetCapacityRequest(), timeout=5)
                 held[f"{name} sessions"] = cap.active_sessions

@@ -239,6 +239,10 @@ class Cluster:
         (client/<tenant>) towards targets and endpoints."""
         return self.ca.client(tenant, tenant) if self.ca is not None else Security.insecure()
 
+    def operator_credentials(self) -> Security:
+        """An operator's tool (operator/ops): it reads every tenant's figures, where a tenant's reads its own."""
+        return self.ca.operator() if self.ca is not None else Security.insecure()
+
     def router_channel(self, tenant: str = "alpha", index: int = 0, options=None) -> grpc.Channel:
         return self.credentials(tenant).channel(self.routers[index].address, "router", options=options)
 

@@ -7,6 +7,7 @@ the statistics and the demand file, cluster/plan_report.py prints the answer and
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from specpool.cluster.plan_inputs import (
@@ -18,6 +19,7 @@ from specpool.cluster.plan_inputs import (
 )
 from specpool.cluster.plan_model import ModelStats, make_plan
 from specpool.cluster.plan_report import describe, format_table, write_svg
+from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 
 def main(args) -> int:
@@ -27,7 +29,7 @@ def main(args) -> int:
         reports = [json.loads(Path(p).read_text()) for p in args.stats]
         stats = stats_from_bench(reports, batch_size=args.batch_size, mode=args.mode, fallback_mode=args.fallback_mode)
     if args.capacity_url:
-        capacity = fetch_capacity(args.capacity_url)
+        capacity = fetch_capacity(args.capacity_url, token=os.environ.get(METRICS_TOKEN_ENV))
         sessions = sessions_from_capacity(capacity)
         if sessions is None:
             raise ValueError(f"{args.capacity_url}: no maxSessions in the capacity report")
@@ -51,7 +53,7 @@ def add_arguments(p) -> None:
                    help="`specpool bench` JSON (repeatable; e.g. one per batch size)")
     p.add_argument("--capacity-url", default=None,
                    help="a live /capacity JSON: a router's (endpoint sessions, targets' batch and predicted "
-                        "speedups) or an endpoint's (its sessions)")
+                        f"speedups) or an endpoint's (its sessions); sends ${METRICS_TOKEN_ENV} when set")
     p.add_argument("--batch-size", type=int, default=None, help="operating batch (default: the largest measured)")
     p.add_argument("--mode", default=None,
                    help="bench mode a draft slot buys (default: the fastest draft-model mode, sd/ssd)")

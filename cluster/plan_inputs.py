@@ -4,6 +4,7 @@ the demand file, as the capacity model's inputs (cluster/plan_model.py)."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from specpool.cluster.plan_model import Demand, ModelDemand, ModelStats
+from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 
 def _wire_name(model: str) -> str:
@@ -110,9 +112,17 @@ def stats_from_capacity(capacity: dict) -> dict[str, ModelStats]:
     return stats
 
 
-def fetch_capacity(url: str, timeout_s: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return json.loads(response.read().decode())
+def fetch_capacity(url: str, token: str | None = None, timeout_s: float = 10.0) -> dict:
+    """A live /capacity JSON. token: the operators' metrics token, which a server started with one wants."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read().decode())
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise ValueError(f"{url}: 401, the server wants the operators' metrics token: set "
+                             f"{METRICS_TOKEN_ENV}" + (" (the one set was refused)" if token else "")) from None
+        raise
 
 
 def load_demand(path: Path, stats: dict[str, ModelStats] | None = None, sessions: int | None = None) -> Demand:

@@ -558,6 +558,9 @@ class RayCluster:
     def credentials(self, tenant: str = "alpha") -> Security:
         return self.ca.client(tenant, tenant) if self.ca is not None else Security.insecure()
 
+    def operator_credentials(self) -> Security:
+        return self.ca.operator() if self.ca is not None else Security.insecure()
+
     def router_channel(self, tenant: str = "alpha", index: int = 0, options=None):
         return self.credentials(tenant).channel(self.router_addresses[index], "router", options=options)
 

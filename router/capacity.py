@@ -41,8 +41,11 @@ def cluster_capacity(
 
 
 def visible_to(message: pb.GetClusterCapacityResponse, tenant: str | None) -> pb.GetClusterCapacityResponse:
-    """The capacity a tenant may read: every endpoint's per-tenant leases but its own left out (None:
-    all of them), so tenants learn neither who else shares the pool nor how much they use."""
+    """The capacity a tenant may read: every endpoint's per-tenant leases but its own left out, so tenants
+    learn neither who else shares the pool nor how much they use. None keeps them all (an operator's
+    view), "" none (as wire.capacity_to's `only`)."""
+    if tenant is None:
+        return message
     out = pb.GetClusterCapacityResponse()
     out.CopyFrom(message)
     for endpoint in out.endpoints:

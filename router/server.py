@@ -153,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
     metrics_server = MetricsHttpServer(
         metrics.registry, config.metrics_port, host=args.metrics_host or config.host, health=health,
         json_routes={"/capacity": lambda operator: capacity_json(
-            capacity() if operator else visible_to(capacity(), None))})
+            visible_to(capacity(), None if operator else ""))})
     metrics_server.start()
     server.start()
     if http is not None:

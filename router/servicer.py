@@ -220,7 +220,8 @@ def _remaining(context) -> float | None:
 
 
 class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServiceServicer):
-    """A tenant sees the pools and endpoints, and of the per-tenant leases only its own."""
+    """A tenant (its token or its client certificate) sees the pools and endpoints, and of the per-tenant
+    leases only its own; operators' tools and services see every tenant's (Identity.tenant_scope)."""
 
     def __init__(self, capacity, credentials: Security):
         self.capacity = capacity
@@ -228,6 +229,5 @@ class ClusterStateServicer(cluster_pb2_grpc.ClusterStateServiceServicer):
 
     def GetClusterCapacity(self, request, context):
         caller = self.credentials.caller(context)
-        message = self.capacity()
-        return message if caller is None or caller.anonymous else visible_to(message, caller.name)
+        return visible_to(self.capacity(), caller.tenant_scope if caller is not None else "")
 

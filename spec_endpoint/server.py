@@ -11,7 +11,7 @@ import contextvars
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -119,16 +119,21 @@ class SpeculationServicer(pb_grpc.SpeculationServiceServicer):
             _abort(context, e)
 
     def GetCapacity(self, request, context):
-        """A target sees its own tenant's figures; operators' tools and routers see every tenant's."""
+        """A target or a tenant's client sees its own tenant's figures; operators' tools, routers and
+        endpoints see every tenant's (Identity.tenant_scope)."""
         caller = self.credentials.caller(context)
-        report = self.endpoint.capacity()
-        return wire.capacity_to(report, only=caller.name if caller.role == "target" else None)
+        return wire.capacity_to(self.endpoint.capacity(), only=caller.tenant_scope)
 
 
 def _only(request_ids) -> str | None:
     """The request id of a call about one request; None for a batch (its lines name the tenant alone)."""
     ids = list(request_ids)
     return ids[0] if len(ids) == 1 else None
+
+
+def capacity_route(endpoint: Endpoint) -> Callable[[bool], dict]:
+    """GET /capacity: the per-tenant figures for operators alone (those who sent the metrics token)."""
+    return lambda operator: wire.capacity_json(endpoint.capacity(), only=None if operator else "")
 
 
 def add_to_server(server: grpc.Server, endpoint: Endpoint, credentials: Security | None = None) -> serving.HealthState:
@@ -268,11 +273,8 @@ def main(args: argparse.Namespace) -> int:
                            max_joining=args.max_round_streams)
     endpoint = Endpoint(drafters, config, channel_host=channels)
     health = add_to_server(server, endpoint, credentials)
-    # Over HTTP the per-tenant figures are for operators: those holding the metrics token.
-    metrics = MetricsHttpServer(
-        endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host, health=health,
-        json_routes={"/capacity": lambda operator: wire.capacity_json(endpoint.capacity(), only=None if operator else "")},
-    )
+    metrics = MetricsHttpServer(endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
+                                health=health, json_routes={"/capacity": capacity_route(endpoint)})
     metrics.start()
     endpoint.start()
     server.start()

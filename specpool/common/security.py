@@ -1,11 +1,17 @@
 """Who may call what: TLS on every gRPC hop, identities from certificates and bearer tokens.
 
-Every server speaks TLS. Services (router, target, endpoint) and operator tools hold a certificate from
-the cluster's CA that names them: URI SAN spiffe://specpool/<role>/<name>, DNS SANs <role>.specpool and
-<name>.<role>.specpool. A caller checks the server's certificate against the name it expects (a router
-dials a registered target as <tenant>.target.specpool, so a member that only wrote a heartbeat into
-Redis gets nothing). Targets and endpoints require a client certificate (mutual TLS); the router, whose
-callers are tenants' programs, takes a bearer token that the tokens file maps to a tenant.
+Every server speaks TLS. Services (router, target, endpoint), operators' tools and tenants' programs
+hold a certificate from the cluster's CA that names them: URI SAN spiffe://specpool/<role>/<name>, DNS
+SANs <role>.specpool and <name>.<role>.specpool. A caller checks the server's certificate against the
+name it expects (a router dials a registered target as <tenant>.target.specpool, so a member that only
+wrote a heartbeat into Redis gets nothing). Targets and endpoints require a client certificate (mutual
+TLS); the router, whose callers are tenants' programs, asks for none and takes a bearer token that the
+tokens file maps to a tenant.
+
+The role says whose per-tenant figures a caller reads (Identity.tenant_scope): an `operator`
+certificate (operators' tools) and the services that run the pool every tenant's; a tenant's `client`
+certificate (client/<tenant>), a target's and a bearer token's tenant their own tenant's alone. Over
+HTTP (/capacity, /metrics) the operators' credential is the metrics token.
 
 The caller's identity comes from that credential, never from a header or a request field. One
 exception is delegation: a target takes the tenant a *router* names in x-specpool-tenant, because the
@@ -49,7 +55,10 @@ TLS_DIR_ENV = "SPECPOOL_TLS_DIR"
 TOKENS_FILE_ENV = "SPECPOOL_TOKENS_FILE"
 CA_CERT, CERT, KEY, CA_KEY, TOKENS = "ca.crt", "tls.crt", "tls.key", "ca.key", "tokens.yaml"
 TENANT_HEADER = "x-specpool-tenant"  # honoured only from a router (see module docstring)
-ROLES = ("router", "target", "endpoint", "client")
+ROLES = ("router", "target", "endpoint", "client", "operator")
+# Who reads every tenant's per-tenant figures: the services that run the pool, operators' tools, and
+# anyone on an --insecure server (where nobody is authenticated, any caller can be any tenant anyway).
+SEES_EVERY_TENANT = frozenset({"router", "endpoint", "operator", "anonymous"})
 SPIFFE_PREFIX = "spiffe://specpool/"
 INSECURE_WARNING = ("--insecure: no TLS and no authentication; any process that reaches this port can "
                     "act as any tenant. Use it only on a network nobody else can reach")
@@ -61,8 +70,9 @@ class SecurityError(RuntimeError):
 
 @dataclass(frozen=True)
 class Identity:
-    """Who a call comes from. role: router, target, endpoint, client (certificates), tenant (a bearer
-    token), or anonymous (an --insecure server: nobody is authenticated)."""
+    """Who a call comes from. role: router, target, endpoint, operator or client (certificates; a client
+    is a tenant's program, named after its tenant), tenant (a bearer token), or anonymous (an
+    --insecure server: nobody is authenticated)."""
 
     role: str
     name: str
@@ -70,6 +80,12 @@ class Identity:
     @property
     def anonymous(self) -> bool:
         return self.role == "anonymous"
+
+    @property
+    def tenant_scope(self) -> str | None:
+        """Whose per-tenant figures (sessions, token counts, leases) this caller may read: None for
+        every tenant's, else its own tenant's alone (a client, a target and a token all name one)."""
+        return None if self.role in SEES_EVERY_TENANT else self.name
 
 
 ANONYMOUS = Identity("anonymous", "")
@@ -128,8 +144,13 @@ class LocalCA:
         return {TLS_DIR_ENV: str(self.dir)}
 
     def client(self, name: str, tenant: str | None = None) -> Security:
-        """A client holding a certificate client/<name> and, given a tenant, that tenant's token."""
+        """A tenant's program holding a certificate client/<name> and, given a tenant, that tenant's
+        token. It reads only tenant <name>'s figures: operators' tools take `operator()`."""
         return Security.load(self.dir, "client", name, token=self.token(tenant) if tenant else None)
+
+    def operator(self, name: str = "ops") -> Security:
+        """An operator's tool holding a certificate operator/<name>: it reads every tenant's figures."""
+        return Security.load(self.dir, "operator", name)
 
     def issue(self, role: str, name: str, days: int = 30) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) naming role/name, for server and client use."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import prometheus_client
 import pytest
 
 from specpool.cli import main
 from specpool.cluster.plan_inputs import load_demand, stats_from_bench
 from specpool.cluster.plan_model import make_plan
 from specpool.cluster.plan_report import write_svg
+from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
 
 # One model, 2 req/s x 200 output tokens = 400 tokens/s of demand, utilization 1, no prompts.
 # One replica at batch 4: 100 tokens/s AR, 2.0x with a draft slot. An endpoint holds 4 sessions.
@@ -148,3 +150,25 @@ def test_live_capacity_gives_sessions_and_predicted_speedup(tmp_path, capsys):
     assert "recommendation: 2 speculation endpoint(s) and 2 x tiny (cost 3" in capsys.readouterr().out
     demand.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200}\n")
     assert main(["plan", "--demand", str(demand), "--capacity-url", capacity.as_uri()]) == 2  # no AR throughput
+
+
+def test_live_capacity_behind_the_metrics_token_is_read_with_it(tmp_path, monkeypatch, capsys):
+    """An operator's tool: a server started with a metrics token answers plan only with that token
+    ($SPECPOOL_METRICS_TOKEN), and without it plan says which variable to set."""
+    report = {"pools": [{"model": "tiny", "predictedSpeedupDraft": 2.0, "targets": [{"maxBatch": 4}]}],
+              "endpoints": [{"id": "spec", "maxSessions": 4}]}
+    http = MetricsHttpServer(prometheus_client.CollectorRegistry(), 0, host="127.0.0.1",
+                             json_routes={"/capacity": lambda operator: report}, token="operators-token-1234")
+    http.start()
+    try:
+        demand = tmp_path / "demand.yaml"
+        demand.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200, tokens_per_s_ar: 100}\n")
+        plan = ["plan", "--demand", str(demand), "--capacity-url", f"http://127.0.0.1:{http.port}/capacity"]
+        monkeypatch.delenv(METRICS_TOKEN_ENV, raising=False)
+        assert main(plan) == 2 and f"set {METRICS_TOKEN_ENV}" in capsys.readouterr().err
+        monkeypatch.setenv(METRICS_TOKEN_ENV, "a-tenants-guess")
+        assert main(plan) == 2 and "was refused" in capsys.readouterr().err
+        monkeypatch.setenv(METRICS_TOKEN_ENV, "operators-token-1234")
+        assert main(plan) == 0 and "endpoint capacity: 4 sessions" in capsys.readouterr().out
+    finally:
+        http.stop()

@@ -229,9 +229,11 @@ def test_every_port_refuses_plaintext_foreign_certificates_and_callers_without_c
         assert refusal(grpc.secure_channel(address, tls_only, options=server_name),
                        lambda ch: list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
                            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))) is not None
-        # The rightful callers get through.
-        rightful = (credentials("secure", "client", "ops", tenant="alpha") if role != "target"
-                    else credentials("secure", "router", "router", tenant=None))
+        # The rightful callers get through: a tenant at the router, a router at a target, an operator's
+        # tool at the endpoint.
+        rightful = {"router": credentials("secure", "client", "alpha", tenant="alpha"),
+                    "target": credentials("secure", "router", "router"),
+                    "endpoint": credentials("secure", "operator", "ops")}[role]
         assert refusal(rightful.channel(address, role, name), call) is None, f"{role} port, rightful caller"
 
 

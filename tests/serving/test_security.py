@@ -46,6 +46,20 @@ def test_a_certificate_names_its_role_and_name_by_uri_or_by_dns(ca):
     assert identity_of_certificate(_self_signed(["example.com", "x.admin.specpool"])) is None
 
 
+@pytest.mark.parametrize("identity, scope", [
+    (Identity("operator", "ops"), None), (Identity("router", "r"), None), (Identity("endpoint", "spec"), None),
+    (Identity("anonymous", ""), None),  # --insecure: nobody is authenticated, anyone may claim any tenant
+    (Identity("client", "alpha"), "alpha"), (Identity("tenant", "alpha"), "alpha"), (Identity("target", "beta"), "beta"),
+])
+def test_whose_per_tenant_figures_each_role_reads(identity, scope):
+    assert identity.tenant_scope == scope
+
+
+def test_an_operator_certificate_names_the_operator_role(ca):
+    assert ca.operator("ops").identity == Identity("operator", "ops")
+    assert identity_of_certificate(_self_signed(["ops.operator.specpool"])) == Identity("operator", "ops")
+
+
 def _self_signed(dns: list[str]) -> bytes:
     import datetime
 

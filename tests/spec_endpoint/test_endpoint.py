@@ -34,7 +34,7 @@ from specpool.spec_endpoint.messages import (
     SessionSpec,
     Transport,
 )
-from specpool.spec_endpoint.server import add_arguments, add_to_server
+from specpool.spec_endpoint.server import add_arguments, add_to_server, capacity_route
 from specpool.training.distill import DraftLM, export
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc as pb_grpc
@@ -407,6 +407,10 @@ def test_grpc_two_concurrent_streams_share_a_batch(served):
     table = model.draft_step_costs
     assert len(table.seconds) == len(table.batch_sizes) * len(table.draft_lens) > 0
     assert {t.tenant: t.drafted_tokens for t in capacity.tenants} == {"a": 3, "b": 3}
+    # Over HTTP, /capacity lists them to operators (the metrics token) alone.
+    route = capacity_route(endpoint)
+    assert [t["tenant"] for t in route(True)["tenants"]] == ["a", "b"] and route(False)["tenants"] == []
+    assert route(False)["activeSessions"] == 2
     for client in clients.values():
         client.close()
 
