@@ -21,16 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from specpool.common.errors import FieldError
+from specpool.common.speculation import Method
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +44,110 @@ Kind = Literal["target", "endpoint"]
 KINDS: tuple[str, ...] = ("target", "endpoint")
 
 
+# -- what a record's fields may hold ------------------------------------------------------------------
+# Every value is read as untrusted text: a record any of whose fields fails its parser is dropped
+# whole (Registry._members), never half-used. Bounds are far above any real member's figures.
+
+MAX_NAME_CHARS = 256  # ids, models, tenants
+MAX_LIST_ITEMS = 64  # models an endpoint drafts for, methods a target offers
+MAX_COUNT = 1 << 20  # batch sizes, queue lengths, sessions
+MAX_ACCEPT_LEN = 1024.0  # tokens per target step, bonus included
+MAX_SPEEDUP = 1000.0
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+
+
+def _optional_name(text: str) -> str:
+    if len(text) > MAX_NAME_CHARS or not text.isprintable():
+        raise ValueError(f"not at most {MAX_NAME_CHARS} printable characters")
+    return text
+
+
+def _name(text: str) -> str:
+    if not text:
+        raise ValueError("empty")
+    return _optional_name(text)
+
+
+def _address(text: str) -> str:
+    match = _ADDRESS.fullmatch(text) if len(text) <= MAX_NAME_CHARS else None
+    if match is None or not 0 < int(match[1]) < 65536:
+        raise ValueError("not host:port")
+    return text
+
+
+def _optional_address(text: str) -> str:
+    return _address(text) if text else ""
+
+
+def _number(text: str, most: float) -> float:
+    try:
+        value = float(text) if len(text) <= 64 else math.nan  # float() takes 'nan', 'inf', '1e999'
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= most:  # False for nan too
+        raise ValueError(f"not a number in [0, {most:g}]")
+    return value
+
+
+def _count(text: str) -> int:
+    value = _number(text, MAX_COUNT)
+    if not value.is_integer():
+        raise ValueError("not a whole number")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    return _number(text, 1.0)
+
+
+def _accept_len(text: str) -> float:
+    return _number(text, MAX_ACCEPT_LEN)
+
+
+def _speedup(text: str) -> float:
+    return _number(text, MAX_SPEEDUP)
+
+
+def _unix_time(text: str) -> float:
+    return _number(text, 1e11)
+
+
+def _list(text: str) -> tuple[str, ...]:
+    items = tuple(x for x in text.split(",", MAX_LIST_ITEMS) if x)
+    if len(items) > MAX_LIST_ITEMS:
+        raise ValueError(f"more than {MAX_LIST_ITEMS} items")
+    return tuple(_name(x) for x in items)
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    # A newer target may offer a method this router does not know: it is left out, not the target.
+    return tuple(m for m in _list(text) if m in _METHOD_NAMES)
+
+
+_METHOD_NAMES = frozenset(m.value for m in Method)
+
+
+def _parsed(parse: Callable[[str], object], default: object = dataclasses.MISSING):
+    """A record field read from its hash by parse(text); without a default it is required."""
+    return field(default=default, metadata={"parse": parse})
+
+
 @dataclass(frozen=True, slots=True)
 class TargetRegistration:
-    id: str  # the address a router reaches it on, host:port
-    address: str
-    model: str
-    tenant: str = ""  # its service id towards speculation endpoints
-    max_batch: int = 0
-    running: int = 0  # sequences in the batch
-    queued: int = 0  # requests waiting for a slot
-    spec_endpoint: str = ""  # address of its speculation endpoint ("" none)
-    mean_accept_len: float = 0.0  # measured tokens per target step, bonus included (0: no data yet)
+    id: str = _parsed(_name)  # its member id: the address a router reaches it on, host:port
+    address: str = _parsed(_address)
+    model: str = _parsed(_name)
+    tenant: str = _parsed(_optional_name, "")  # its service id towards speculation endpoints
+    max_batch: int = _parsed(_count, 0)
+    running: int = _parsed(_count, 0)  # sequences in the batch
+    queued: int = _parsed(_count, 0)  # requests waiting for a slot
+    spec_endpoint: str = _parsed(_optional_address, "")  # address of its speculation endpoint ("" none)
+    mean_accept_len: float = _parsed(_accept_len, 0.0)  # tokens per target step, bonus included (0: no data yet)
     # What its own hardware-aware policy predicts at batch size running + 1 (1.0: not known).
-    predicted_speedup_draft: float = 1.0
-    predicted_speedup_ngram: float = 1.0
-    methods: tuple[str, ...] = ()  # speculation it can do: draft_model, ngram, ssd
-    updated: float = 0.0  # unix seconds of the beat
+    predicted_speedup_draft: float = _parsed(_speedup, 1.0)
+    predicted_speedup_ngram: float = _parsed(_speedup, 1.0)
+    methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
+    updated: float = _parsed(_unix_time, 0.0)  # unix seconds of the beat
 
     @property
     def load(self) -> int:
@@ -67,15 +160,15 @@ class TargetRegistration:
 
 @dataclass(frozen=True, slots=True)
 class EndpointRegistration:
-    id: str
-    address: str
-    models: tuple[str, ...] = ()  # target models it drafts for
-    max_sessions: int = 0
-    active_sessions: int = 0
-    draft_busy_ratio: float = 0.0  # 0-1
-    acceptance: float = 0.0  # accepted / drafted tokens, all tenants (0-1)
-    hit_ratio: float = 0.0  # SSD speculation-cache hits / lookups (0-1)
-    updated: float = 0.0
+    id: str = _parsed(_name)
+    address: str = _parsed(_address)
+    models: tuple[str, ...] = _parsed(_list, ())  # target models it drafts for
+    max_sessions: int = _parsed(_count, 0)
+    active_sessions: int = _parsed(_count, 0)
+    draft_busy_ratio: float = _parsed(_fraction, 0.0)  # 0-1
+    acceptance: float = _parsed(_fraction, 0.0)  # accepted / drafted tokens, all tenants (0-1)
+    hit_ratio: float = _parsed(_fraction, 0.0)  # SSD speculation-cache hits / lookups (0-1)
+    updated: float = _parsed(_unix_time, 0.0)
 
 
 RECORDS: dict[str, type] = {"target": TargetRegistration, "endpoint": EndpointRegistration}
@@ -106,24 +199,20 @@ def encode_fields(fields: Mapping[str, object]) -> dict[str, str]:
     return out
 
 
-def decode_record(cls: type, raw: Mapping[str, str]):
-    """A registration from its hash; unknown fields are ignored, missing or malformed ones keep defaults."""
+def decode_record(cls: type, raw: Mapping[str, str | None]):
+    """A registration from its hash, every field checked (see _parsed); unknown fields are ignored, missing
+    optional ones keep their defaults. Raises FieldError naming the first field that is missing or bad."""
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name not in raw:
+        text = raw.get(f.name)
+        if text is None:
+            if f.default is dataclasses.MISSING:
+                raise FieldError(f.name, "required")
             continue
-        text = raw[f.name]
         try:
-            if f.type == "int":
-                kwargs[f.name] = int(float(text))
-            elif f.type == "float":
-                kwargs[f.name] = float(text)
-            elif f.type.startswith("tuple"):
-                kwargs[f.name] = tuple(x for x in text.split(",") if x)
-            else:
-                kwargs[f.name] = text
-        except ValueError:
-            log.warning("registry: %s.%s=%r is not a %s; ignored", cls.__name__, f.name, text, f.type)
+            kwargs[f.name] = f.metadata["parse"](text)
+        except ValueError as e:
+            raise FieldError(f.name, f"{e}, got {text[:40]!r}{'...' if len(text) > 40 else ''}") from None
     return cls(**kwargs)
 
 
@@ -325,9 +414,13 @@ class Registry:
     Calls raise redis.RedisError while Redis is unreachable: callers decide what an outage means.
     """
 
-    def __init__(self, redis_url: str, prefix: str = PREFIX, timeout_s: float = 1.0):
+    def __init__(self, redis_url: str, prefix: str = PREFIX, timeout_s: float = 1.0,
+                 on_dropped: Callable[[str], None] | None = None):
+        """on_dropped(kind) is called for every record a read leaves out because it is malformed."""
         self.prefix = prefix
         self.client = connect(redis_url, timeout_s)
+        self.on_dropped = on_dropped
+        self._bad: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # kind -> member id -> why dropped
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._renew = self.client.register_script(RENEW_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
@@ -345,19 +438,47 @@ class Registry:
         return self._members("endpoint")
 
     def _members(self, kind: str) -> list:
+        """The kind's live, well-formed records. Only the fields a record has are read (HMGET), so junk
+        fields cost nothing; a record that is malformed, or not a hash at all, is left out and counted."""
         index = index_key(self.prefix, kind)
         ids = sorted(self.client.smembers(index))
         if not ids:
             return []
+        names = [f.name for f in dataclasses.fields(RECORDS[kind])]
         with self.client.pipeline(transaction=False) as pipe:
             for member_id in ids:
-                pipe.hgetall(member_key(self.prefix, kind, member_id))
-            hashes = pipe.execute()
-        gone = [member_id for member_id, raw in zip(ids, hashes) if not raw]
+                pipe.hmget(member_key(self.prefix, kind, member_id), names)
+            replies = pipe.execute(raise_on_error=False)
+        records, bad, gone = [], {}, []
+        for member_id, reply in zip(ids, replies):
+            if isinstance(reply, list) and all(value is None for value in reply):
+                gone.append(member_id)
+                continue
+            try:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: the key was overwritten with a non-hash
+                    raise FieldError("record", f"unreadable ({reply})")
+                record = decode_record(RECORDS[kind], dict(zip(names, reply)))
+                if record.id != member_id:
+                    raise FieldError("id", "not the id it is registered under")
+                records.append(record)
+            except FieldError as e:
+                bad[member_id] = str(e)
         if gone:
             # Expired members leave their id in the index; a live one re-adds itself on its next beat.
             self.client.srem(index, *gone)
-        return [decode_record(RECORDS[kind], raw) for raw in hashes if raw]
+        self._dropped(kind, bad)
+        return records
+
+    def _dropped(self, kind: str, bad: dict[str, str]) -> None:
+        """Counts each dropped record; logs a member once when its record turns bad (or bad another way)."""
+        for member_id, why in bad.items():
+            if self.on_dropped is not None:
+                self.on_dropped(kind)
+            if self._bad[kind].get(member_id) != why:
+                log.warning("registry: dropped the %s record of %r: %s", kind, member_id[:MAX_NAME_CHARS], why)
+        for member_id in self._bad[kind].keys() - bad.keys():
+            log.info("registry: the %s record of %r is readable again (or gone)", kind, member_id[:MAX_NAME_CHARS])
+        self._bad[kind] = bad
 
     # -- leases
 

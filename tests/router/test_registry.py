@@ -19,6 +19,7 @@ import redis
 
 from specpool.cluster.processes import start_server, wait_for
 from specpool.cluster.redis_server import start_redis
+from specpool.common.errors import FieldError
 from specpool.common.registry import (
     EndpointRegistration,
     Heartbeat,
@@ -117,11 +118,76 @@ def test_a_heartbeat_registers_again_after_a_redis_restart(tmp_path):
         server.close()
 
 
-def test_malformed_or_unknown_fields_keep_defaults():
-    record = decode_record(EndpointRegistration, {"id": "e", "address": "a", "max_sessions": "x", "future": "1",
-                                                  "models": "m1,m2"})
-    assert record == EndpointRegistration(id="e", address="a", models=("m1", "m2"))
+def test_unknown_fields_are_ignored_and_missing_optional_ones_keep_defaults():
+    record = decode_record(EndpointRegistration, {"id": "e", "address": "h:1", "future": "1", "models": "m1,m2"})
+    assert record == EndpointRegistration(id="e", address="h:1", models=("m1", "m2"))
+    target = decode_record(TargetRegistration, {"id": "h:2", "address": "h:2", "model": "m",
+                                                "methods": "ngram,some_future_method", "max_batch": "8.0"})
+    assert target.methods == ("ngram",) and target.max_batch == 8, "a newer target's method is left out, not it"
     assert encode_fields({"a": [1, 2], "b": True, "c": 0.5}) == {"a": "1,2", "b": "1", "c": "0.5"}
+
+
+GOOD_TARGET = {"id": "10.0.0.1:7001", "address": "10.0.0.1:7001", "model": "m", "max_batch": "8"}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_batch", "1e999"), ("max_batch", "nan"), ("max_batch", "inf"), ("max_batch", "-1"), ("max_batch", "2.5"),
+    ("max_batch", "x"), ("max_batch", "9" * 5000), ("running", "-inf"), ("queued", ""),
+    ("mean_accept_len", "nan"), ("mean_accept_len", "1e308"), ("predicted_speedup_draft", "-0.5"),
+    ("predicted_speedup_ngram", "inf"), ("updated", "1e999"),
+    ("address", "10.0.0.1"), ("address", "10.0.0.1:0"), ("address", "10.0.0.1:99999"), ("address", "a b:1"),
+    ("address", ""), ("spec_endpoint", "nowhere"), ("model", ""), ("model", "m" * 300), ("tenant", "t\x00"),
+    ("methods", ",".join(["ngram"] * 100)), ("methods", "x" * 5000),
+])
+def test_a_target_field_out_of_range_or_malformed_is_named(field, value):
+    with pytest.raises(FieldError) as error:
+        decode_record(TargetRegistration, {**GOOD_TARGET, field: value})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_sessions", "1e999"), ("active_sessions", "-1"), ("draft_busy_ratio", "1.5"), ("acceptance", "nan"),
+    ("hit_ratio", "-inf"), ("models", "m\n"), ("id", ""), ("address", "[::1]"),
+])
+def test_an_endpoint_field_out_of_range_or_malformed_is_named(field, value):
+    with pytest.raises(FieldError) as error:
+        decode_record(EndpointRegistration, {"id": "e", "address": "[::1]:7100", field: value})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("missing", ["id", "address", "model"])
+def test_a_record_without_a_required_field_is_refused(missing):
+    with pytest.raises(FieldError, match=f"^{missing}: required"):
+        decode_record(TargetRegistration, {k: v for k, v in GOOD_TARGET.items() if k != missing})
+
+
+def test_a_read_drops_bad_records_counts_each_and_logs_each_member_once(registry, redis_server, caplog):
+    dropped: list[str] = []
+    reader = Registry(redis_server.url, on_dropped=dropped.append)
+    good = {**GOOD_TARGET, "id": "10.0.0.1:1", "address": "10.0.0.1:1"}
+    registry.client.hset("specpool:target:10.0.0.1:1", mapping=good)
+    registry.client.hset("specpool:target:10.0.0.1:2", mapping={**good, "id": "10.0.0.1:2", "max_batch": "1e999"})
+    registry.client.hset("specpool:target:10.0.0.1:3", mapping={**good, "id": "10.0.0.1:1"})  # not its own key
+    registry.client.set("specpool:target:10.0.0.1:4", "not a hash")
+    registry.client.hset("specpool:endpoint:e", mapping={"id": "e", "address": "h:1", "acceptance": "nan"})
+    registry.client.sadd("specpool:targets", "10.0.0.1:1", "10.0.0.1:2", "10.0.0.1:3", "10.0.0.1:4")
+    registry.client.sadd("specpool:endpoints", "e")
+    try:
+        for _ in range(2):
+            assert [t.id for t in reader.targets()] == ["10.0.0.1:1"]
+            assert reader.endpoints() == []
+        assert dropped == ["target"] * 3 + ["endpoint"] + ["target"] * 3 + ["endpoint"]
+        lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert lines == [
+            ("registry: dropped the target record of '10.0.0.1:2': max_batch: not a number in [0, 1.04858e+06], "
+            "got '1e999'"),
+            "registry: dropped the target record of '10.0.0.1:3': id: not the id it is registered under",
+            ("registry: dropped the target record of '10.0.0.1:4': record: unreadable (WRONGTYPE Operation "
+            "against a key holding the wrong kind of value)"),
+            "registry: dropped the endpoint record of 'e': acceptance: not a number in [0, 1], got 'nan'",
+        ]
+    finally:
+        reader.close()
 
 
 def test_heartbeat_rejects_bad_arguments(redis_server):
