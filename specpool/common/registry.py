@@ -2,12 +2,15 @@
 
 Schema (prefix "specpool" by default; every value is a string; ID is a member id, EP an endpoint id):
 
-    specpool:targets                 set of target ids (an index; readers prune ids whose hash is gone)
-    specpool:target:ID               hash of TargetRegistration fields; expires ttl_s after the last beat
-    specpool:endpoints               set of endpoint ids
+    specpool:target:TENANT:ID        hash of TargetRegistration fields; expires ttl_s after the last beat
+                                     (TENANT URL-quoted: no ':' and no glob character in it)
     specpool:endpoint:ID             hash of EndpointRegistration fields; expires ttl_s after the last beat
     specpool:leases:{EP}             sorted set: lease id -> expiry (Redis server time, ms)
     specpool:lease-tenants:{EP}      hash: lease id -> tenant
+
+Readers find records by SCAN, not through a shared index, so each member writes nothing but its own
+key, and Redis ACLs can hold it to that (`member_acl`): a target's user may write only keys of its
+tenant, an endpoint's only its own key. A record whose id or tenant is not its key's is dropped.
 
 The two lease keys share a hash tag ({endpoint_id}), so one Lua script may touch both on a Redis
 Cluster too. Both expire once their newest lease could have run out.
@@ -174,12 +177,38 @@ class EndpointRegistration:
 RECORDS: dict[str, type] = {"target": TargetRegistration, "endpoint": EndpointRegistration}
 
 
-def member_key(prefix: str, kind: str, member_id: str) -> str:
+def member_key(prefix: str, kind: str, member_id: str, tenant: str = "") -> str:
+    """A member's record; a target's carries its tenant (kind endpoint: tenant unused)."""
+    if kind == "target":
+        return f"{prefix}:target:{urllib.parse.quote(tenant, safe='')}:{member_id}"
     return f"{prefix}:{kind}:{member_id}"
 
 
-def index_key(prefix: str, kind: str) -> str:
-    return f"{prefix}:{kind}s"
+def _glob_escaped(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+# What a member's Redis user may run: its heartbeat (MULTI, DEL, HSET, PEXPIRE, EXEC) and nothing else.
+MEMBER_COMMANDS = ("multi", "exec", "discard", "del", "hset", "pexpire", "ping")
+# A router's: reading records (SCAN, HMGET) and the lease scripts (EVALSHA, with what the scripts call).
+ROUTER_COMMANDS = ("ping", "scan", "hmget", "evalsha", "script|load", "time", "zrangebyscore",
+                   "zremrangebyscore", "zscore", "zadd", "zrem", "hdel", "hset", "hvals", "pttl", "pexpire")
+
+
+def member_acl(prefix: str, role: str, name: str = "") -> list[str]:
+    """ACL rules (for ACL SETUSER, or a `user` line) of a role's Redis user: "target" (name: its tenant)
+    writes only its tenant's target records, "endpoint" (name: its endpoint id) only its own record,
+    "router" reads every record and writes leases."""
+    if role == "target":
+        keys = f"{prefix}:target:{urllib.parse.quote(name, safe='')}:*"
+    elif role == "endpoint":
+        keys = _glob_escaped(f"{prefix}:endpoint:{name}")
+    elif role == "router":
+        keys = f"{prefix}:*"
+    else:
+        raise ValueError(f"role must be target, endpoint or router, got {role!r}")
+    commands = ROUTER_COMMANDS if role == "router" else MEMBER_COMMANDS
+    return ["resetkeys", f"~{keys}", "nocommands", *(f"+{c}" for c in commands)]
 
 
 def lease_keys(prefix: str, endpoint_id: str) -> list[str]:
@@ -259,7 +288,7 @@ class Heartbeat:
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.prefix = prefix
-        self.key = member_key(prefix, kind, member_id)
+        self.key = member_key(prefix, kind, member_id)  # a target's follows the tenant its fields name
         self._client = connect(redis_url, timeout_s=min(1.0, interval_s))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -280,12 +309,12 @@ class Heartbeat:
         except Exception:
             log.exception("heartbeat %s: reading fields failed; beat skipped", self.key)
             return False
+        self.key = member_key(self.prefix, self.kind, self.member_id, fields.get("tenant", ""))
         try:
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(self.key)  # fields a member stops sending do not linger
                 pipe.hset(self.key, mapping=fields)
                 pipe.pexpire(self.key, int(self.ttl_s * 1000))
-                pipe.sadd(index_key(self.prefix, self.kind), self.member_id)
                 pipe.execute()
         except redis.RedisError as e:
             if self._healthy:
@@ -307,7 +336,6 @@ class Heartbeat:
         if deregister:
             try:
                 self._client.delete(self.key)
-                self._client.srem(index_key(self.prefix, self.kind), self.member_id)
             except redis.RedisError as e:
                 log.warning("heartbeat %s: could not deregister (%s); it expires in %.1fs", self.key, e, self.ttl_s)
         self._client.close()
@@ -420,7 +448,7 @@ class Registry:
         self.prefix = prefix
         self.client = connect(redis_url, timeout_s)
         self.on_dropped = on_dropped
-        self._bad: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # kind -> member id -> why dropped
+        self._bad: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # kind -> key -> why dropped
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._renew = self.client.register_script(RENEW_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
@@ -439,33 +467,29 @@ class Registry:
 
     def _members(self, kind: str) -> list:
         """The kind's live, well-formed records. Only the fields a record has are read (HMGET), so junk
-        fields cost nothing; a record that is malformed, or not a hash at all, is left out and counted."""
-        index = index_key(self.prefix, kind)
-        ids = sorted(self.client.smembers(index))
-        if not ids:
+        fields cost nothing; a record that is malformed, not its key's, or not a hash at all is left out
+        and counted."""
+        keys = sorted(self.client.scan_iter(match=_glob_escaped(f"{self.prefix}:{kind}:") + "*", count=1000))
+        if not keys:
             return []
         names = [f.name for f in dataclasses.fields(RECORDS[kind])]
         with self.client.pipeline(transaction=False) as pipe:
-            for member_id in ids:
-                pipe.hmget(member_key(self.prefix, kind, member_id), names)
+            for key in keys:
+                pipe.hmget(key, names)
             replies = pipe.execute(raise_on_error=False)
-        records, bad, gone = [], {}, []
-        for member_id, reply in zip(ids, replies):
+        records, bad = [], {}
+        for key, reply in zip(keys, replies):
             if isinstance(reply, list) and all(value is None for value in reply):
-                gone.append(member_id)
-                continue
+                continue  # expired since the scan, or a hash with none of the fields (nothing to place on)
             try:
                 if isinstance(reply, Exception):  # e.g. WRONGTYPE: the key was overwritten with a non-hash
                     raise FieldError("record", f"unreadable ({reply})")
                 record = decode_record(RECORDS[kind], dict(zip(names, reply)))
-                if record.id != member_id:
-                    raise FieldError("id", "not the id it is registered under")
+                if member_key(self.prefix, kind, record.id, getattr(record, "tenant", "")) != key:
+                    raise FieldError("id", "the record's id or tenant is not its key's")
                 records.append(record)
             except FieldError as e:
-                bad[member_id] = str(e)
-        if gone:
-            # Expired members leave their id in the index; a live one re-adds itself on its next beat.
-            self.client.srem(index, *gone)
+                bad[key.removeprefix(f"{self.prefix}:")] = str(e)
         self._dropped(kind, bad)
         return records
 
@@ -475,9 +499,9 @@ class Registry:
             if self.on_dropped is not None:
                 self.on_dropped(kind)
             if self._bad[kind].get(member_id) != why:
-                log.warning("registry: dropped the %s record of %r: %s", kind, member_id[:MAX_NAME_CHARS], why)
+                log.warning("registry: dropped the record %r: %s", member_id[:MAX_NAME_CHARS], why)
         for member_id in self._bad[kind].keys() - bad.keys():
-            log.info("registry: the %s record of %r is readable again (or gone)", kind, member_id[:MAX_NAME_CHARS])
+            log.info("registry: the record %r is readable again, or gone", member_id[:MAX_NAME_CHARS])
         self._bad[kind] = bad
 
     # -- leases

@@ -387,14 +387,16 @@ def test_capacity_json_carries_what_cluster_state_does(cluster, fakes, redis_ser
 
 
 # Records a member holding the Redis password could write (issue 38.1): a number that overflows a float,
-# nan, inf, a negative count, an unknown kind of key, a missing field, an id that is not its key's.
+# nan, inf, a negative count, a key of another type, a missing field, an id or a tenant not its key's.
 POISON = {
-    "specpool:target:10.9.9.9:1": {"id": "10.9.9.9:1", "address": "10.9.9.9:1", "model": "{model}", "max_batch": "1e999"},
-    "specpool:target:10.9.9.9:2": {"id": "10.9.9.9:2", "address": "10.9.9.9:2", "model": "{model}",
-                                   "mean_accept_len": "nan", "max_batch": "8"},
-    "specpool:target:10.9.9.9:3": {"id": "10.9.9.9:3", "address": "10.9.9.9:3", "model": "{model}", "running": "-4"},
-    "specpool:target:10.9.9.9:4": {"id": "10.9.9.9:1", "address": "10.9.9.9:4", "model": "{model}"},
-    "specpool:target:10.9.9.9:5": {"address": "10.9.9.9:5", "model": "{model}"},
+    "specpool:target::10.9.9.9:1": {"id": "10.9.9.9:1", "address": "10.9.9.9:1", "model": "{model}", "max_batch": "1e999"},
+    "specpool:target::10.9.9.9:2": {"id": "10.9.9.9:2", "address": "10.9.9.9:2", "model": "{model}",
+                                    "mean_accept_len": "nan", "max_batch": "8"},
+    "specpool:target::10.9.9.9:3": {"id": "10.9.9.9:3", "address": "10.9.9.9:3", "model": "{model}", "running": "-4"},
+    "specpool:target::10.9.9.9:4": {"id": "10.9.9.9:1", "address": "10.9.9.9:4", "model": "{model}"},
+    "specpool:target::10.9.9.9:5": {"address": "10.9.9.9:5", "model": "{model}"},
+    "specpool:target:alpha:10.9.9.9:6": {"id": "10.9.9.9:6", "address": "10.9.9.9:6", "model": "{model}",
+                                         "tenant": "target-1"},
     "specpool:endpoint:bad-ep": {"id": "bad-ep", "address": "10.9.9.9:6", "max_sessions": "inf",
                                  "models": "{model}"},
 }
@@ -409,14 +411,11 @@ def test_a_poisoned_registry_record_is_dropped_and_routing_goes_on(cluster, redi
     try:
         for key, fields in POISON.items():
             poisoner.hset(key, mapping={k: v.format(model=model) for k, v in fields.items()})
-            kind, member_id = key.split(":", 2)[1:]
-            poisoner.sadd(f"specpool:{kind}s", member_id)
-        poisoner.set("specpool:target:10.9.9.9:7", "not a hash")
-        poisoner.sadd("specpool:targets", "10.9.9.9:7")
+        poisoner.set("specpool:target::10.9.9.9:7", "not a hash")
 
         def dropped_all() -> bool:
             capacity(router)  # raises HTTPError on a 500
-            return (router.metric_total("specpool_router_registry_records_dropped_total", kind="target") >= 6
+            return (router.metric_total("specpool_router_registry_records_dropped_total", kind="target") >= 7
                     and router.metric_total("specpool_router_registry_records_dropped_total", kind="endpoint") >= 1)
 
         wait_for(dropped_all)
@@ -426,13 +425,10 @@ def test_a_poisoned_registry_record_is_dropped_and_routing_goes_on(cluster, redi
         data = capacity(router)
         listed = [t["id"] for p in data["pools"] for t in p["targets"]] + [e["id"] for e in data["endpoints"]]
         assert not [x for x in listed if x.startswith("10.9.9.9") or x == "bad-ep"], listed
-        assert "dropped the target record of '10.9.9.9:1': max_batch: not a number" in router.logs()
-        assert router.logs().count("dropped the target record of '10.9.9.9:1'") == 1, "one line per member"
+        assert "dropped the record 'target::10.9.9.9:1': max_batch: not a number" in router.logs()
+        assert router.logs().count("dropped the record 'target::10.9.9.9:1'") == 1, "one line per member"
     finally:
-        for key in [*POISON, "specpool:target:10.9.9.9:7"]:
-            kind, member_id = key.split(":", 2)[1:]
-            poisoner.delete(key)
-            poisoner.srem(f"specpool:{kind}s", member_id)
+        poisoner.delete(*POISON, "specpool:target::10.9.9.9:7")
         poisoner.close()
 
 
