@@ -318,8 +318,9 @@ class Heartbeat:
                 pipe.execute()
         except redis.RedisError as e:
             if self._healthy:
-                log.warning("heartbeat %s: Redis unavailable (%s); retrying every %.1fs",
-                            self.key, e, self.interval_s)
+                # A refusal (ResponseError: e.g. this member's Redis user may not write that key) is no outage.
+                why = "refused the write" if isinstance(e, redis.ResponseError) else "unavailable"
+                log.warning("heartbeat %s: Redis %s (%s); retrying every %.1fs", self.key, why, e, self.interval_s)
             self._healthy = False
             return False
         if not self._healthy:
