@@ -15,6 +15,8 @@ targets, then the endpoints, then Redis.
 Secure by default: a throwaway CA (specpool/common/security.py, in a 0700 temporary directory) gives
 each server a certificate naming it, every target's tenant and every weighted tenant gets a bearer
 token (`cluster.token(tenant)`, `cluster.router_channel(tenant)`), and Redis gets a random password.
+Each server logs in to Redis as a user of its own, whose ACL lets it write only its role's keys
+(specpool.common.registry.member_acl); the default user (the password) stays the operator's.
 Servers read the CA's directory and the Redis URL from the environment, so no secret is in a
 process's arguments. `insecure=True` (`specpool up --insecure`) runs plaintext and open.
 """
@@ -36,7 +38,7 @@ import grpc
 from specpool.cluster.config import ClusterConfig, EndpointSpec, RouterSpec, TargetSpec
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.common.logs import LOG_FORMAT_ENV
-from specpool.common.registry import redacted
+from specpool.common.registry import PREFIX, member_acl, redacted
 from specpool.common.security import LocalCA, Security
 from specpool.common.serving import REDIS_URL_ENV
 
@@ -150,7 +152,7 @@ class Cluster:
             data_dir = Path(self.config.redis.data_dir) if self.config.redis.data_dir else None
             self.redis = start_redis(self.config.redis.port, data_dir)
             self.redis_url = self.redis.url
-        env = {REDIS_URL_ENV: self.redis_url}  # not an argument: `ps` shows those
+        env: dict[str, str] = {}  # each server's Redis URL is added by spawn: in the environment, not an argument
         if self.log_format:
             env[LOG_FORMAT_ENV] = self.log_format
         if self.insecure:
@@ -162,14 +164,17 @@ class Cluster:
             env.update(self.ca.env)
             security_args = []
 
-        def spawn(name: str, args: list[str], cpus, threads) -> ServerProcess:
-            server_env = {**env, "OMP_NUM_THREADS": str(threads)} if threads else env
+        def spawn(name: str, args: list[str], cpus, threads, redis_url: str) -> ServerProcess:
+            server_env = {**env, REDIS_URL_ENV: redis_url}
+            if threads:
+                server_env["OMP_NUM_THREADS"] = str(threads)
             server = start_server(name, args, timeout_s=timeout_s, cpus=self._pin(name, cpus, allowed),
                                   env=server_env, echo=echo)
             say(f"{name}: ready on {server.address}")
             return server
 
-        jobs = {e.name: (endpoint_command(e) + security_args, e.cpus, e.threads) for e in self.config.endpoints}
+        jobs = {e.name: (endpoint_command(e) + security_args, e.cpus, e.threads,
+                         self._registry_url("endpoint", e.name)) for e in self.config.endpoints}
         say(f"endpoints: starting {', '.join(jobs) or 'none'} (loading draft models)")
         self.endpoints = self._start_tier(jobs, spawn)
 
@@ -177,16 +182,26 @@ class Cluster:
         for t in self.config.targets:
             endpoint = endpoint_of(self.config, t)
             address = self.endpoints[endpoint].address if endpoint else None
-            jobs[t.tenant] = (target_command(t, address) + security_args, t.cpus, t.threads)
+            jobs[t.tenant] = (target_command(t, address) + security_args, t.cpus, t.threads,
+                              self._registry_url("target", t.tenant))
         say(f"targets: starting {', '.join(jobs) or 'none'} (loading models; the first run measures step costs)")
         for tier in target_tiers(self.config.targets):
             self.targets |= self._start_tier({t.tenant: jobs[t.tenant] for t in tier}, spawn)
 
         r = self.config.routers
-        jobs = {router_name(r, i): (router_command(r, i) + security_args, r.cpus, None) for i in range(r.count)}
+        jobs = {router_name(r, i): (router_command(r, i) + security_args, r.cpus, None,
+                                    self._registry_url("router", router_name(r, i))) for i in range(r.count)}
         if jobs:
             say(f"routers: starting {', '.join(jobs)}")
         self.routers = list(self._start_tier(jobs, spawn).values())
+
+    def _registry_url(self, role: str, name: str) -> str:
+        """A member's registry URL: on the Redis started here, a user of its own that may write only its
+        role's keys (a target's: its tenant's); on an operator's Redis (redis.url), that URL."""
+        if self.redis is None:
+            return self.redis_url
+        user = f"{role}-{name}".replace(" ", "_")
+        return self.redis.add_user(user, member_acl(PREFIX, role, name))
 
     def _start_tier(self, jobs: dict, spawn) -> dict[str, ServerProcess]:
         """Starts one tier's servers in parallel; all of them or none (the started ones stop again)."""

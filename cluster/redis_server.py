@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,9 @@ class RedisProcess:
 
     Without a data_dir it keeps nothing on disk, so a restart starts empty (the registry rebuilds from
     heartbeats). With one it appends every write there and a restart reloads it.
+
+    `password` is the default user's (all commands, all keys: for operators and tests); `add_user` makes
+    a user that may do only what its ACL rules allow, as each member of `specpool up` gets.
     """
 
     port: int
@@ -58,11 +62,32 @@ class RedisProcess:
     log_tail: deque = field(default_factory=lambda: deque(maxlen=100))
     _scratch: tempfile.TemporaryDirectory | None = None
     host: str = "127.0.0.1"  # the address it binds (a Ray node's own, on Ray)
+    users: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # name -> (password, ACL rules)
 
     @property
     def url(self) -> str:
         """With the password: pass it to servers in $SPECPOOL_REDIS_URL, print it only redacted."""
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    def user_url(self, name: str) -> str:
+        """The URL a user logs in with (its password in it: pass it in $SPECPOOL_REDIS_URL, print it redacted)."""
+        password, _ = self.users[name]
+        return f"redis://{urllib.parse.quote(name, safe='')}:{password}@{self.host}:{self.port}/0"
+
+    def add_user(self, name: str, rules: list[str]) -> str:
+        """A user of its own with a fresh password, allowed only `rules` (specpool.common.registry.member_acl);
+        its URL. Kept across restarts (the users are in the config each start reads)."""
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"a Redis user name has no spaces and is not empty, got {name!r}")
+        self.users[name] = (secrets.token_urlsafe(24), list(rules))
+        if self.alive():
+            with redis.Redis.from_url(self.url, socket_timeout=5) as admin:
+                admin.execute_command("ACL", "SETUSER", *self._user_rules(name))
+        return self.user_url(name)
+
+    def _user_rules(self, name: str) -> list[str]:
+        password, rules = self.users[name]
+        return [name, "reset", "on", f">{password}", *rules]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -83,6 +108,8 @@ class RedisProcess:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.proc.stdin.write(f"requirepass {self.password}\n")
+        for name in self.users:  # on stdin, like the password: `ps` shows neither
+            self.proc.stdin.write(f"user {' '.join(self._user_rules(name))}\n")
         self.proc.stdin.close()
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5, socket_timeout=0.5)
         end = time.monotonic() + timeout_s

@@ -59,9 +59,6 @@ def capacity_json(message: pb.GetClusterCapacityResponse) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-_METHOD_NAMES = {m.value for m in Method}  # a registration may come from a newer target
-
-
 def _method(name: str) -> int:
     return method_to_pb(Method(name))
 
@@ -87,7 +84,7 @@ def _target(t: TargetRegistration, now_s: float) -> pb.TargetReplica:
         id=t.id, address=t.address, model=t.model, tenant=t.tenant, max_batch=t.max_batch,
         running=t.running, queued=t.queued, spec_endpoint=t.spec_endpoint, mean_accept_len=t.mean_accept_len,
         predicted_speedup_draft=t.predicted_speedup_draft, predicted_speedup_ngram=t.predicted_speedup_ngram,
-        methods=[_method(m) for m in t.methods if m in _METHOD_NAMES], heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
+        methods=[_method(m) for m in t.methods], heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
     )
 
 

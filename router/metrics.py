@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specpool.common.outcomes import UNKNOWN_MODEL
-from specpool.common.registry import EndpointRegistration, guarantees
+from specpool.common.registry import KINDS, EndpointRegistration, guarantees
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # The registry operations whose failures are counted (server.py: read; routing.py: acquire; leases.py: renew,
@@ -46,6 +46,11 @@ class RouterMetrics:
                                        ["op"], registry=r)
         for op in REGISTRY_OPS:
             self.registry_errors.labels(op=op)
+        self.records_dropped = Counter("specpool_router_registry_records_dropped",
+                                       "Registry records left out of a read because a field was malformed",
+                                       ["kind"], registry=r)
+        for kind in KINDS:
+            self.records_dropped.labels(kind=kind)
         self.retries = Counter("specpool_router_retries", "Requests re-placed after a replica was unavailable",
                                ["model"], registry=r)
         self.migrations = Counter("specpool_router_migrations",

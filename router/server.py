@@ -101,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
     credentials = serving.security_from(args, "router", args.name, tokens_file=args.tokens)
     if credentials.enabled and credentials.tokens is None:
         raise SystemExit("the router needs a tokens file to know its callers: --tokens FILE or SPECPOOL_TOKENS_FILE")
-    registry = Registry(config.redis_url)
     metrics = RouterMetrics()
+    registry = Registry(config.redis_url, on_dropped=lambda kind: metrics.records_dropped.labels(kind=kind).inc())
     channels = TargetChannels(credentials, lambda address: view.member_name(address))
     checks = DirectChecks(channels.health_check(timeout_s=min(1.0, config.check_interval_s)),
                           interval_s=config.check_interval_s)

@@ -2,12 +2,15 @@
 
 Schema (prefix "specpool" by default; every value is a string; ID is a member id, EP an endpoint id):
 
-    specpool:targets                 set of target ids (an index; readers prune ids whose hash is gone)
-    specpool:target:ID               hash of TargetRegistration fields; expires ttl_s after the last beat
-    specpool:endpoints               set of endpoint ids
+    specpool:target:TENANT:ID        hash of TargetRegistration fields; expires ttl_s after the last beat
+                                     (TENANT URL-quoted: no ':' and no glob character in it)
     specpool:endpoint:ID             hash of EndpointRegistration fields; expires ttl_s after the last beat
     specpool:leases:{EP}             sorted set: lease id -> expiry (Redis server time, ms)
     specpool:lease-tenants:{EP}      hash: lease id -> tenant
+
+Readers find records by SCAN, not through a shared index, so each member writes nothing but its own
+key, and Redis ACLs can hold it to that (`member_acl`): a target's user may write only keys of its
+tenant, an endpoint's only its own key. A record whose id or tenant is not its key's is dropped.
 
 The two lease keys share a hash tag ({endpoint_id}), so one Lua script may touch both on a Redis
 Cluster too. Both expire once their newest lease could have run out.
@@ -21,16 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import re
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from specpool.common.errors import FieldError
+from specpool.common.speculation import Method
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +47,110 @@ Kind = Literal["target", "endpoint"]
 KINDS: tuple[str, ...] = ("target", "endpoint")
 
 
+# -- what a record's fields may hold ------------------------------------------------------------------
+# Every value is read as untrusted text: a record any of whose fields fails its parser is dropped
+# whole (Registry._members), never half-used. Bounds are far above any real member's figures.
+
+MAX_NAME_CHARS = 256  # ids, models, tenants
+MAX_LIST_ITEMS = 64  # models an endpoint drafts for, methods a target offers
+MAX_COUNT = 1 << 20  # batch sizes, queue lengths, sessions
+MAX_ACCEPT_LEN = 1024.0  # tokens per target step, bonus included
+MAX_SPEEDUP = 1000.0
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+
+
+def _optional_name(text: str) -> str:
+    if len(text) > MAX_NAME_CHARS or not text.isprintable():
+        raise ValueError(f"not at most {MAX_NAME_CHARS} printable characters")
+    return text
+
+
+def _name(text: str) -> str:
+    if not text:
+        raise ValueError("empty")
+    return _optional_name(text)
+
+
+def _address(text: str) -> str:
+    match = _ADDRESS.fullmatch(text) if len(text) <= MAX_NAME_CHARS else None
+    if match is None or not 0 < int(match[1]) < 65536:
+        raise ValueError("not host:port")
+    return text
+
+
+def _optional_address(text: str) -> str:
+    return _address(text) if text else ""
+
+
+def _number(text: str, most: float) -> float:
+    try:
+        value = float(text) if len(text) <= 64 else math.nan  # float() takes 'nan', 'inf', '1e999'
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= most:  # False for nan too
+        raise ValueError(f"not a number in [0, {most:g}]")
+    return value
+
+
+def _count(text: str) -> int:
+    value = _number(text, MAX_COUNT)
+    if not value.is_integer():
+        raise ValueError("not a whole number")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    return _number(text, 1.0)
+
+
+def _accept_len(text: str) -> float:
+    return _number(text, MAX_ACCEPT_LEN)
+
+
+def _speedup(text: str) -> float:
+    return _number(text, MAX_SPEEDUP)
+
+
+def _unix_time(text: str) -> float:
+    return _number(text, 1e11)
+
+
+def _list(text: str) -> tuple[str, ...]:
+    items = tuple(x for x in text.split(",", MAX_LIST_ITEMS) if x)
+    if len(items) > MAX_LIST_ITEMS:
+        raise ValueError(f"more than {MAX_LIST_ITEMS} items")
+    return tuple(_name(x) for x in items)
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    # A newer target may offer a method this router does not know: it is left out, not the target.
+    return tuple(m for m in _list(text) if m in _METHOD_NAMES)
+
+
+_METHOD_NAMES = frozenset(m.value for m in Method)
+
+
+def _parsed(parse: Callable[[str], object], default: object = dataclasses.MISSING):
+    """A record field read from its hash by parse(text); without a default it is required."""
+    return field(default=default, metadata={"parse": parse})
+
+
 @dataclass(frozen=True, slots=True)
 class TargetRegistration:
-    id: str  # the address a router reaches it on, host:port
-    address: str
-    model: str
-    tenant: str = ""  # its service id towards speculation endpoints
-    max_batch: int = 0
-    running: int = 0  # sequences in the batch
-    queued: int = 0  # requests waiting for a slot
-    spec_endpoint: str = ""  # address of its speculation endpoint ("" none)
-    mean_accept_len: float = 0.0  # measured tokens per target step, bonus included (0: no data yet)
+    id: str = _parsed(_name)  # its member id: the address a router reaches it on, host:port
+    address: str = _parsed(_address)
+    model: str = _parsed(_name)
+    tenant: str = _parsed(_optional_name, "")  # its service id towards speculation endpoints
+    max_batch: int = _parsed(_count, 0)
+    running: int = _parsed(_count, 0)  # sequences in the batch
+    queued: int = _parsed(_count, 0)  # requests waiting for a slot
+    spec_endpoint: str = _parsed(_optional_address, "")  # address of its speculation endpoint ("" none)
+    mean_accept_len: float = _parsed(_accept_len, 0.0)  # tokens per target step, bonus included (0: no data yet)
     # What its own hardware-aware policy predicts at batch size running + 1 (1.0: not known).
-    predicted_speedup_draft: float = 1.0
-    predicted_speedup_ngram: float = 1.0
-    methods: tuple[str, ...] = ()  # speculation it can do: draft_model, ngram, ssd
-    updated: float = 0.0  # unix seconds of the beat
+    predicted_speedup_draft: float = _parsed(_speedup, 1.0)
+    predicted_speedup_ngram: float = _parsed(_speedup, 1.0)
+    methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
+    updated: float = _parsed(_unix_time, 0.0)  # unix seconds of the beat
 
     @property
     def load(self) -> int:
@@ -67,26 +163,52 @@ class TargetRegistration:
 
 @dataclass(frozen=True, slots=True)
 class EndpointRegistration:
-    id: str
-    address: str
-    models: tuple[str, ...] = ()  # target models it drafts for
-    max_sessions: int = 0
-    active_sessions: int = 0
-    draft_busy_ratio: float = 0.0  # 0-1
-    acceptance: float = 0.0  # accepted / drafted tokens, all tenants (0-1)
-    hit_ratio: float = 0.0  # SSD speculation-cache hits / lookups (0-1)
-    updated: float = 0.0
+    id: str = _parsed(_name)
+    address: str = _parsed(_address)
+    models: tuple[str, ...] = _parsed(_list, ())  # target models it drafts for
+    max_sessions: int = _parsed(_count, 0)
+    active_sessions: int = _parsed(_count, 0)
+    draft_busy_ratio: float = _parsed(_fraction, 0.0)  # 0-1
+    acceptance: float = _parsed(_fraction, 0.0)  # accepted / drafted tokens, all tenants (0-1)
+    hit_ratio: float = _parsed(_fraction, 0.0)  # SSD speculation-cache hits / lookups (0-1)
+    updated: float = _parsed(_unix_time, 0.0)
 
 
 RECORDS: dict[str, type] = {"target": TargetRegistration, "endpoint": EndpointRegistration}
 
 
-def member_key(prefix: str, kind: str, member_id: str) -> str:
+def member_key(prefix: str, kind: str, member_id: str, tenant: str = "") -> str:
+    """A member's record; a target's carries its tenant (kind endpoint: tenant unused)."""
+    if kind == "target":
+        return f"{prefix}:target:{urllib.parse.quote(tenant, safe='')}:{member_id}"
     return f"{prefix}:{kind}:{member_id}"
 
 
-def index_key(prefix: str, kind: str) -> str:
-    return f"{prefix}:{kind}s"
+def _glob_escaped(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+# What a member's Redis user may run: its heartbeat (MULTI, DEL, HSET, PEXPIRE, EXEC) and nothing else.
+MEMBER_COMMANDS = ("multi", "exec", "discard", "del", "hset", "pexpire", "ping")
+# A router's: reading records (SCAN, HMGET) and the lease scripts (EVALSHA, with what the scripts call).
+ROUTER_COMMANDS = ("ping", "scan", "hmget", "evalsha", "script|load", "time", "zrangebyscore",
+                   "zremrangebyscore", "zscore", "zadd", "zrem", "hdel", "hset", "hvals", "pttl", "pexpire")
+
+
+def member_acl(prefix: str, role: str, name: str = "") -> list[str]:
+    """ACL rules (for ACL SETUSER, or a `user` line) of a role's Redis user: "target" (name: its tenant)
+    writes only its tenant's target records, "endpoint" (name: its endpoint id) only its own record,
+    "router" reads every record and writes leases."""
+    if role == "target":
+        keys = f"{prefix}:target:{urllib.parse.quote(name, safe='')}:*"
+    elif role == "endpoint":
+        keys = _glob_escaped(f"{prefix}:endpoint:{name}")
+    elif role == "router":
+        keys = f"{prefix}:*"
+    else:
+        raise ValueError(f"role must be target, endpoint or router, got {role!r}")
+    commands = ROUTER_COMMANDS if role == "router" else MEMBER_COMMANDS
+    return ["resetkeys", f"~{keys}", "nocommands", *(f"+{c}" for c in commands)]
 
 
 def lease_keys(prefix: str, endpoint_id: str) -> list[str]:
@@ -106,24 +228,20 @@ def encode_fields(fields: Mapping[str, object]) -> dict[str, str]:
     return out
 
 
-def decode_record(cls: type, raw: Mapping[str, str]):
-    """A registration from its hash; unknown fields are ignored, missing or malformed ones keep defaults."""
+def decode_record(cls: type, raw: Mapping[str, str | None]):
+    """A registration from its hash, every field checked (see _parsed); unknown fields are ignored, missing
+    optional ones keep their defaults. Raises FieldError naming the first field that is missing or bad."""
     kwargs = {}
     for f in dataclasses.fields(cls):
-        if f.name not in raw:
+        text = raw.get(f.name)
+        if text is None:
+            if f.default is dataclasses.MISSING:
+                raise FieldError(f.name, "required")
             continue
-        text = raw[f.name]
         try:
-            if f.type == "int":
-                kwargs[f.name] = int(float(text))
-            elif f.type == "float":
-                kwargs[f.name] = float(text)
-            elif f.type.startswith("tuple"):
-                kwargs[f.name] = tuple(x for x in text.split(",") if x)
-            else:
-                kwargs[f.name] = text
-        except ValueError:
-            log.warning("registry: %s.%s=%r is not a %s; ignored", cls.__name__, f.name, text, f.type)
+            kwargs[f.name] = f.metadata["parse"](text)
+        except ValueError as e:
+            raise FieldError(f.name, f"{e}, got {text[:40]!r}{'...' if len(text) > 40 else ''}") from None
     return cls(**kwargs)
 
 
@@ -170,7 +288,7 @@ class Heartbeat:
         self.ttl_s = ttl_s
         self.interval_s = interval_s
         self.prefix = prefix
-        self.key = member_key(prefix, kind, member_id)
+        self.key = member_key(prefix, kind, member_id)  # a target's follows the tenant its fields name
         self._client = connect(redis_url, timeout_s=min(1.0, interval_s))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,17 +309,18 @@ class Heartbeat:
         except Exception:
             log.exception("heartbeat %s: reading fields failed; beat skipped", self.key)
             return False
+        self.key = member_key(self.prefix, self.kind, self.member_id, fields.get("tenant", ""))
         try:
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.delete(self.key)  # fields a member stops sending do not linger
                 pipe.hset(self.key, mapping=fields)
                 pipe.pexpire(self.key, int(self.ttl_s * 1000))
-                pipe.sadd(index_key(self.prefix, self.kind), self.member_id)
                 pipe.execute()
         except redis.RedisError as e:
             if self._healthy:
-                log.warning("heartbeat %s: Redis unavailable (%s); retrying every %.1fs",
-                            self.key, e, self.interval_s)
+                # A refusal (ResponseError: e.g. this member's Redis user may not write that key) is no outage.
+                why = "refused the write" if isinstance(e, redis.ResponseError) else "unavailable"
+                log.warning("heartbeat %s: Redis %s (%s); retrying every %.1fs", self.key, why, e, self.interval_s)
             self._healthy = False
             return False
         if not self._healthy:
@@ -218,7 +337,6 @@ class Heartbeat:
         if deregister:
             try:
                 self._client.delete(self.key)
-                self._client.srem(index_key(self.prefix, self.kind), self.member_id)
             except redis.RedisError as e:
                 log.warning("heartbeat %s: could not deregister (%s); it expires in %.1fs", self.key, e, self.ttl_s)
         self._client.close()
@@ -325,9 +443,13 @@ class Registry:
     Calls raise redis.RedisError while Redis is unreachable: callers decide what an outage means.
     """
 
-    def __init__(self, redis_url: str, prefix: str = PREFIX, timeout_s: float = 1.0):
+    def __init__(self, redis_url: str, prefix: str = PREFIX, timeout_s: float = 1.0,
+                 on_dropped: Callable[[str], None] | None = None):
+        """on_dropped(kind) is called for every record a read leaves out because it is malformed."""
         self.prefix = prefix
         self.client = connect(redis_url, timeout_s)
+        self.on_dropped = on_dropped
+        self._bad: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}  # kind -> key -> why dropped
         self._acquire = self.client.register_script(ACQUIRE_LUA)
         self._renew = self.client.register_script(RENEW_LUA)
         self._release = self.client.register_script(RELEASE_LUA)
@@ -345,19 +467,43 @@ class Registry:
         return self._members("endpoint")
 
     def _members(self, kind: str) -> list:
-        index = index_key(self.prefix, kind)
-        ids = sorted(self.client.smembers(index))
-        if not ids:
+        """The kind's live, well-formed records. Only the fields a record has are read (HMGET), so junk
+        fields cost nothing; a record that is malformed, not its key's, or not a hash at all is left out
+        and counted."""
+        keys = sorted(self.client.scan_iter(match=_glob_escaped(f"{self.prefix}:{kind}:") + "*", count=1000))
+        if not keys:
             return []
+        names = [f.name for f in dataclasses.fields(RECORDS[kind])]
         with self.client.pipeline(transaction=False) as pipe:
-            for member_id in ids:
-                pipe.hgetall(member_key(self.prefix, kind, member_id))
-            hashes = pipe.execute()
-        gone = [member_id for member_id, raw in zip(ids, hashes) if not raw]
-        if gone:
-            # Expired members leave their id in the index; a live one re-adds itself on its next beat.
-            self.client.srem(index, *gone)
-        return [decode_record(RECORDS[kind], raw) for raw in hashes if raw]
+            for key in keys:
+                pipe.hmget(key, names)
+            replies = pipe.execute(raise_on_error=False)
+        records, bad = [], {}
+        for key, reply in zip(keys, replies):
+            if isinstance(reply, list) and all(value is None for value in reply):
+                continue  # expired since the scan, or a hash with none of the fields (nothing to place on)
+            try:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: the key was overwritten with a non-hash
+                    raise FieldError("record", f"unreadable ({reply})")
+                record = decode_record(RECORDS[kind], dict(zip(names, reply)))
+                if member_key(self.prefix, kind, record.id, getattr(record, "tenant", "")) != key:
+                    raise FieldError("id", "the record's id or tenant is not its key's")
+                records.append(record)
+            except FieldError as e:
+                bad[key.removeprefix(f"{self.prefix}:")] = str(e)
+        self._dropped(kind, bad)
+        return records
+
+    def _dropped(self, kind: str, bad: dict[str, str]) -> None:
+        """Counts each dropped record; logs a member once when its record turns bad (or bad another way)."""
+        for member_id, why in bad.items():
+            if self.on_dropped is not None:
+                self.on_dropped(kind)
+            if self._bad[kind].get(member_id) != why:
+                log.warning("registry: dropped the record %r: %s", member_id[:MAX_NAME_CHARS], why)
+        for member_id in self._bad[kind].keys() - bad.keys():
+            log.info("registry: the record %r is readable again, or gone", member_id[:MAX_NAME_CHARS])
+        self._bad[kind] = bad
 
     # -- leases
 

@@ -3,9 +3,13 @@
 Redis registry, a tiny serve-spec with a draft model, two tiny serve-targets attached to it and registered,
 and a serve-router. REQUESTS_PER_SERVICE calls go to each of the three, concurrently, with short deadlines:
 valid and invalid values of every field, unknown enum values, duplicate ids, raw bytes to every method,
-client cancels. Afterwards:
+client cancels. Meanwhile REGISTRY_RECORDS registry records are written straight into Redis with its password,
+as any member could (issue 38.1): random and adversarial values of every field, missing fields, keys of
+the wrong type; every tenth is followed by a GET of the router's /capacity. Afterwards:
 
-- no call ended with INTERNAL or UNKNOWN, and no server logged a traceback;
+- no call ended with INTERNAL or UNKNOWN, /capacity always answered 200, and no server logged a traceback;
+- the router dropped and counted malformed records of both kinds, and once the fuzzed records expire it
+  lists the real members alone;
 - every server is alive, answers grpc.health.v1 Check, and a greedy request through the router equals AR;
 - nothing leaked: the targets run and queue nothing, the endpoint holds no session once leases expire,
   Redis holds no draft-slot lease, and each server has no more threads than it started with plus a full
@@ -19,10 +23,13 @@ requests changed. A failure names the service and index; `make_call(service, ind
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.common.registry import Registry
+from specpool.common.registry import Registry, member_key
 from specpool.engine.decoding import generate
 from specpool.engine.gguf_loader import model_name
 from specpool.engine.model import Llama
@@ -276,6 +283,100 @@ def endpoint_call(rng: random.Random, model: str) -> Call:
     return Call(SPEC_API + method, kind, raw_bytes(rng, valid.SerializeToString()), 5.0)
 
 
+# -- registry records ---------------------------------------------------------------------------------
+
+REGISTRY_RECORDS = 10_000
+RECORD_TTL_MS = 2000  # a fuzzed record expires soon after it is written, so the live ones stay few
+NUMBER_JUNK = ["1e999", "-1e999", "nan", "-nan", "inf", "-inf", "Infinity", "-1", "2.5", "1e308", "0x10", "", " ",
+               "9" * 400, "1_000", "\u0661\u0662", "8\x00"]
+NAME_JUNK = ["", "x" * 5000, "m\n", "\x00", "é" * 300]
+ADDRESS_JUNK = ["", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "127.0.0.1:-1", "a b:1", "http://h:1/",
+                "x" * 5000 + ":1", "[::1", ":1"]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: str
+    fields: dict[str, str] | None  # None: the key holds another type (wrong_type)
+    wrong_type: str = ""
+
+
+def registry_record(index: int, model: str) -> Record:
+    """The index-th fuzzed record. One that would pass serves the fuzzed model on a port where nothing
+    listens, so the pool still serves one model (requests naming none stay valid) and a request placed on
+    it fails over. Member ids come from a small set, so records overwrite one another."""
+    rng = random.Random(f"{SEED}/registry/{index}")
+    kind = rng.choice(["target", "endpoint"])
+    address = pick(rng, ["127.0.0.1:1", "[::1]:2", "localhost:3"], ADDRESS_JUNK, 0.2)
+    member_id = pick(rng, [address if kind == "target" else f"fz-ep-{rng.randrange(4)}"],
+                     [*NAME_JUNK[1:], "other:1"], 0.05)
+    tenant = pick(rng, ["", "fz-a", "t0"], NAME_JUNK[1:], 0.1)
+    # Mostly the key its fields name; else another tenant's (a target claiming to be another tenant's).
+    key = member_key("specpool", kind, member_id, tenant if rng.random() < 0.95 else rng.choice(["", "t1", "fz-b"]))
+    if rng.random() < 0.04:
+        return Record(key, None, rng.choice(["string", "list", "set", "zset"]))
+
+    def count() -> str:
+        return pick(rng, ["0", "1", "8", "16", "8.0"], NUMBER_JUNK, 0.3)
+
+    def fraction() -> str:
+        return pick(rng, ["0", "0.5", "1"], [*NUMBER_JUNK, "1.5"], 0.3)
+
+    def speedup() -> str:
+        return pick(rng, ["0.8", "1.0", "1.6"], NUMBER_JUNK, 0.3)
+
+    common = {"id": lambda: member_id, "address": lambda: address,
+              "updated": lambda: pick(rng, [f"{time.time():.3f}"], NUMBER_JUNK, 0.2)}
+    if kind == "target":
+        makers = {**common, "model": lambda: pick(rng, [model], NAME_JUNK, 0.1),
+                  "tenant": lambda: tenant,
+                  "max_batch": count, "running": count, "queued": count,
+                  "spec_endpoint": lambda: pick(rng, ["", "127.0.0.1:1"], ADDRESS_JUNK[1:], 0.2),
+                  "mean_accept_len": speedup, "predicted_speedup_draft": speedup, "predicted_speedup_ngram": speedup,
+                  "methods": lambda: pick(rng, ["ngram", "draft_model,ngram", "ssd,draft_model,ngram"],
+                                          ["teleport", "ngram,,,", ",".join(["ngram"] * 200), "x" * 5000], 0.3)}
+    else:
+        makers = {**common, "models": lambda: pick(rng, [model, f"{model},other"],
+                                                   [",".join(["m"] * 500), "x" * 100_000, "m\t"], 0.2),
+                  "max_sessions": count, "active_sessions": count, "draft_busy_ratio": fraction,
+                  "acceptance": fraction, "hit_ratio": fraction}
+    fields = {name: make() for name, make in makers.items() if rng.random() < 0.92}  # some go missing
+    if rng.random() < 0.05:
+        fields["id"] = "someone-else:1"  # a record that claims another member's id
+    if rng.random() < 0.05:
+        fields["future_field"] = text(rng)
+    return Record(key, fields)
+
+
+def write_record(client, record: Record) -> None:
+    """As a member holding the password could: the record, with a short TTL."""
+    key = record.key
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        if record.fields:
+            pipe.hset(key, mapping=record.fields)
+        elif record.wrong_type:
+            {"string": lambda: pipe.set(key, "junk"), "list": lambda: pipe.rpush(key, "junk"),
+             "set": lambda: pipe.sadd(key, "junk"), "zset": lambda: pipe.zadd(key, {"junk": 1.0})}[record.wrong_type]()
+        pipe.pexpire(key, RECORD_TTL_MS)
+        pipe.execute()
+
+
+def listed_members(router: ServerProcess) -> tuple[set[str], set[str]]:
+    """The target and endpoint ids the router's /capacity lists."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=10) as reply:
+        data = json.load(reply)
+    return {t["id"] for p in data["pools"] for t in p["targets"]}, {e["id"] for e in data["endpoints"]}
+
+
+def capacity_status(router: ServerProcess) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def make_call(service: str, index: int, model: str = "tiny") -> Call:
     """The index-th generated call to a service: the same for the same SEED, whatever ran before."""
     rng = random.Random(f"{SEED}/{service}/{index}")
@@ -394,11 +495,28 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     start = time.monotonic()
     stop_at = start + FUZZ_BUDGET_S
 
+    poisoner, router = cluster["registry"].client, cluster["router"]
+    real = listed_members(router)  # what the fuzzed records must not change once they expire
+    assert real == ({t.address for t in cluster["targets"]}, {cluster["registry"].endpoints()[0].id})
+    capacity_codes: Counter = Counter()
+
+    def poison(index: int) -> None:
+        write_record(poisoner, registry_record(index, model))
+        if index % 10 == 0:
+            status = capacity_status(router)
+            with lock:
+                capacity_codes[status] += 1
+                if status != 200:
+                    offenders.append(("registry", index, grpc.StatusCode.UNKNOWN, f"/capacity answered {status}"))
+
     def run(job: tuple[str, int]) -> None:
         service, index = job
         if time.monotonic() > stop_at:
             with lock:
                 skipped[service] += 1
+            return
+        if service == "registry":
+            poison(index)
             return
         code, details = send(channels[service], make_call(service, index, model))
         with lock:
@@ -407,8 +525,9 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
                 offenders.append((service, index, code, details))
             seconds[service] = time.monotonic() - start
 
-    # Interleaved, so the three services are fuzzed at once (the router's calls reach both targets).
-    jobs = [(s, i) for i in range(REQUESTS_PER_SERVICE) for s in SERVICES]
+    # Interleaved, so the three services and the registry are fuzzed at once (the router's calls reach both targets).
+    counts = {**dict.fromkeys(SERVICES, REQUESTS_PER_SERVICE), "registry": REGISTRY_RECORDS}
+    jobs = [(s, i) for i in range(max(counts.values())) for s in counts if i < counts[s]]
     with ThreadPoolExecutor(CONCURRENCY * len(SERVICES)) as pool:
         list(pool.map(run, jobs))
     elapsed = time.monotonic() - start
@@ -416,6 +535,7 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
         print(f"{service}: {sum(codes[service].values())} calls in {seconds.get(service, elapsed):.0f} s "
               f"(seed {SEED}): {dict(codes[service].most_common())}")
 
+    print(f"registry: {REGISTRY_RECORDS} records written, /capacity answered {dict(capacity_codes)}")
     shown = "\n".join(f"  {service} #{index}: {code.name} {details[:300]!r}\n    {make_call(service, index, model).describe()}"
                       for service, index, code, details in offenders[:5])
     assert not offenders, f"{len(offenders)} calls got INTERNAL or UNKNOWN (seed {SEED}); the first:\n{shown}"
@@ -432,6 +552,9 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING, server.name
     tracebacks = {s.name: s.logs().split("Traceback", 1)[1][:3000] for s in servers if "Traceback" in s.logs()}
+    for kind in ("target", "endpoint"):
+        assert router.metric_total("specpool_router_registry_records_dropped_total", kind=kind) > 0, kind
+    wait_for(lambda: listed_members(router) == real, timeout_s=RECORD_TTL_MS / 1000 + 10)
     assert not tracebacks, "servers logged tracebacks:\n" + "\n".join(f"{n}: {t}" for n, t in tracebacks.items())
     prompt = [5, 6, 7, 8, 5, 6, 7]
     tiny, _ = Llama.from_gguf(cluster["gguf"], dtype="fp32", device="cpu")

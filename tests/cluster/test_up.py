@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import io
+import urllib.parse
 from pathlib import Path
 
 import pytest
+import redis
 
 from specpool.cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError
+from specpool.common.serving import REDIS_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,6 +81,13 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
         assert fell_back == (cpu_kind == "no-native-bf16" or not native_bf16("cpu"))
         members = {m.role for m in cluster.members()}
         assert members == {"router", "target", "endpoint", "redis"}
+        # Each server logs in to Redis as a user of its own, which writes only its own role's records.
+        users = {s.name: urllib.parse.urlsplit(s.env[REDIS_URL_ENV]).username for s in cluster.servers()}
+        assert users == {"spec": "endpoint-spec", "alpha": "target-alpha", "beta": "target-beta",
+                         **{r.name: f"router-{r.name}" for r in cluster.routers}}
+        alpha = redis.Redis.from_url(cluster.targets["alpha"].env[REDIS_URL_ENV])
+        with alpha, pytest.raises(redis.exceptions.NoPermissionError):
+            alpha.hset("specpool:target:beta:127.0.0.1:1", "model", "m")
         out = io.StringIO()
         report = run_demo(cluster, [(f"p{i}", p) for i, p in enumerate(prompts)], 24, out=out)
         auto, ar = report.totals[AUTO], report.totals[NONE]

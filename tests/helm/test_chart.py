@@ -422,7 +422,7 @@ def test_no_redis_url_or_password_on_command_lines():
     helpers = template_text("_helpers.tpl")
     redis_env = re.search(r'define "specpool.redisEnv".*?\{\{- end \}\}\n\{\{- end \}\}', helpers, re.DOTALL).group(0)
     entries = re.findall(rf"- name: {REDIS_URL_ENV}\n(.*?)(?=\n- name:|\n\{{\{{-)", redis_env, re.DOTALL)
-    assert len(entries) == 4, entries  # external urlSecret, external url, auth.existingSecret, generated
+    assert len(entries) == 3, entries  # external urlSecret, external url, the in-chart Redis (a member's own user)
     for entry in entries:
         # From a Secret key, or composed by Kubernetes from a password that itself comes from a Secret.
         assert "secretKeyRef" in entry or "$(SPECPOOL_REDIS_PASSWORD)" in entry, entry
@@ -439,7 +439,7 @@ def test_redis_has_a_password_and_protected_mode():
     assert "protected-mode no" not in text and '"no"' not in text
     # The password reaches redis-server through its config file, mounted from the Secret.
     assert re.search(r"command: \[redis-server\]\n\s+args: \[/etc/redis/redis.conf\]", text)
-    assert re.search(r"redis.conf: \{\{ include \"specpool.redisConf\"", text)
+    assert re.search(r"\$conf := include \"specpool.redisConf\"", text) and "redis.conf: {{ $conf | b64enc }}" in text
     assert "mountPath: /etc/redis" in text
     # Generated once and kept across upgrades.
     assert "randAlphaNum 32" in text and 'lookup "v1" "Secret"' in text

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specpool.common.registry import member_acl
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specpool"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -330,6 +332,35 @@ def test_defaults(rendered):
 
     conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
     assert "protected-mode yes" in conf and re.search(r'^requirepass "\w{32}"$', conf, re.MULTILINE), conf
+
+
+@pytest.mark.parametrize("values", ["default-values.yaml", "two-endpoints-values.yaml"])
+def test_each_member_logs_in_to_the_in_chart_redis_as_its_own_user(rendered, values):
+    """Issue 38: every pod held the Redis password. Now each member has a user whose rules are exactly
+    member_acl's (tests/router/test_registry.py shows what they allow), with its own password."""
+    import base64
+
+    secret = objects(rendered, values, "Secret")[f"{RELEASE}-specpool-redis"]
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    users = dict(re.findall(r"^user (\S+) reset on >\w{32} (.*)$", conf, re.MULTILINE))
+    logins = {}
+    for name, deployment in objects(rendered, values, "Deployment").items():
+        if name.endswith("-redis"):
+            continue
+        env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        user = env["SPECPOOL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"].removeprefix("user-")
+        assert env["SPECPOOL_REDIS_URL"]["value"].startswith(f"redis://{user}:$(SPECPOOL_REDIS_PASSWORD)@"), name
+        assert f"user-{user}" in secret["data"], name
+        logins[name.removeprefix(f"{RELEASE}-specpool-")] = user
+    roles = {"router": member_acl("specpool", "router")}
+    for deployment, user in logins.items():
+        if user.startswith("target-"):
+            roles[user] = member_acl("specpool", "target", user.removeprefix("target-"))
+        elif user.startswith("endpoint-"):
+            roles[user] = member_acl("specpool", "endpoint", user.removeprefix("endpoint-"))
+    assert users == {user: " ".join(rules) for user, rules in roles.items()}
+    assert logins["router"] == "router" and logins["target-alpha"] == "target-alpha"
+    assert len({u for u in logins.values() if u.startswith("endpoint-")}) == (2 if "two" in values else 1)
 
 
 def chart_app_version() -> str:

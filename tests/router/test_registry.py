@@ -19,6 +19,7 @@ import redis
 
 from specpool.cluster.processes import start_server, wait_for
 from specpool.cluster.redis_server import start_redis
+from specpool.common.errors import FieldError
 from specpool.common.registry import (
     EndpointRegistration,
     Heartbeat,
@@ -27,6 +28,7 @@ from specpool.common.registry import (
     decode_record,
     encode_fields,
     guarantees,
+    member_acl,
     redacted,
 )
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
@@ -70,12 +72,11 @@ def test_a_member_registers_and_drops_out_when_it_stops_beating(registry, redis_
             queued=1, spec_endpoint="127.0.0.1:7100", mean_accept_len=1.7, predicted_speedup_draft=1.4,
             predicted_speedup_ngram=1.1, methods=("draft_model", "ngram"), updated=t.updated)
         assert abs(t.updated - time.time()) < 2
-        assert 0 < registry.client.pttl("specpool:target:127.0.0.1:7001") <= 500
+        assert 0 < registry.client.pttl("specpool:target:t1:127.0.0.1:7001") <= 500, "keyed by tenant and id"
     finally:
         beat.stop(deregister=False)  # as if it crashed
     assert registry.targets(), "still listed until its TTL runs out"
     wait_for(lambda: not registry.targets(), timeout_s=2.0)
-    assert registry.client.smembers("specpool:targets") == set(), "readers prune the index"
 
 
 def test_deregistering_removes_a_member_at_once(registry, redis_server):
@@ -117,11 +118,115 @@ def test_a_heartbeat_registers_again_after_a_redis_restart(tmp_path):
         server.close()
 
 
-def test_malformed_or_unknown_fields_keep_defaults():
-    record = decode_record(EndpointRegistration, {"id": "e", "address": "a", "max_sessions": "x", "future": "1",
-                                                  "models": "m1,m2"})
-    assert record == EndpointRegistration(id="e", address="a", models=("m1", "m2"))
+def test_unknown_fields_are_ignored_and_missing_optional_ones_keep_defaults():
+    record = decode_record(EndpointRegistration, {"id": "e", "address": "h:1", "future": "1", "models": "m1,m2"})
+    assert record == EndpointRegistration(id="e", address="h:1", models=("m1", "m2"))
+    target = decode_record(TargetRegistration, {"id": "h:2", "address": "h:2", "model": "m",
+                                                "methods": "ngram,some_future_method", "max_batch": "8.0"})
+    assert target.methods == ("ngram",) and target.max_batch == 8, "a newer target's method is left out, not it"
     assert encode_fields({"a": [1, 2], "b": True, "c": 0.5}) == {"a": "1,2", "b": "1", "c": "0.5"}
+
+
+GOOD_TARGET = {"id": "10.0.0.1:7001", "address": "10.0.0.1:7001", "model": "m", "max_batch": "8"}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_batch", "1e999"), ("max_batch", "nan"), ("max_batch", "inf"), ("max_batch", "-1"), ("max_batch", "2.5"),
+    ("max_batch", "x"), ("max_batch", "9" * 5000), ("running", "-inf"), ("queued", ""),
+    ("mean_accept_len", "nan"), ("mean_accept_len", "1e308"), ("predicted_speedup_draft", "-0.5"),
+    ("predicted_speedup_ngram", "inf"), ("updated", "1e999"),
+    ("address", "10.0.0.1"), ("address", "10.0.0.1:0"), ("address", "10.0.0.1:99999"), ("address", "a b:1"),
+    ("address", ""), ("spec_endpoint", "nowhere"), ("model", ""), ("model", "m" * 300), ("tenant", "t\x00"),
+    ("methods", ",".join(["ngram"] * 100)), ("methods", "x" * 5000),
+])
+def test_a_target_field_out_of_range_or_malformed_is_named(field, value):
+    with pytest.raises(FieldError) as error:
+        decode_record(TargetRegistration, {**GOOD_TARGET, field: value})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_sessions", "1e999"), ("active_sessions", "-1"), ("draft_busy_ratio", "1.5"), ("acceptance", "nan"),
+    ("hit_ratio", "-inf"), ("models", "m\n"), ("id", ""), ("address", "[::1]"),
+])
+def test_an_endpoint_field_out_of_range_or_malformed_is_named(field, value):
+    with pytest.raises(FieldError) as error:
+        decode_record(EndpointRegistration, {"id": "e", "address": "[::1]:7100", field: value})
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("missing", ["id", "address", "model"])
+def test_a_record_without_a_required_field_is_refused(missing):
+    with pytest.raises(FieldError, match=f"^{missing}: required"):
+        decode_record(TargetRegistration, {k: v for k, v in GOOD_TARGET.items() if k != missing})
+
+
+def test_a_read_drops_bad_records_counts_each_and_logs_each_member_once(registry, redis_server, caplog):
+    dropped: list[str] = []
+    reader = Registry(redis_server.url, on_dropped=dropped.append)
+    good = {**GOOD_TARGET, "id": "10.0.0.1:1", "address": "10.0.0.1:1", "tenant": "t1"}
+    registry.client.hset("specpool:target:t1:10.0.0.1:1", mapping=good)
+    registry.client.hset("specpool:target:t1:10.0.0.1:2", mapping={**good, "id": "10.0.0.1:2", "max_batch": "1e999"})
+    registry.client.hset("specpool:target:t1:10.0.0.1:3", mapping={**good, "id": "10.0.0.1:1"})  # another's id
+    registry.client.hset("specpool:target:t2:10.0.0.1:5", mapping={**good, "id": "10.0.0.1:5"})  # another's tenant
+    registry.client.set("specpool:target:t1:10.0.0.1:4", "not a hash")
+    registry.client.hset("specpool:endpoint:e", mapping={"id": "e", "address": "h:1", "acceptance": "nan"})
+    try:
+        for _ in range(2):
+            assert [t.id for t in reader.targets()] == ["10.0.0.1:1"]
+            assert reader.endpoints() == []
+        assert dropped == (["target"] * 4 + ["endpoint"]) * 2
+        lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert lines == [
+            ("registry: dropped the record 'target:t1:10.0.0.1:2': max_batch: not a number in [0, 1.04858e+06], "
+             "got '1e999'"),
+            "registry: dropped the record 'target:t1:10.0.0.1:3': id: the record's id or tenant is not its key's",
+            ("registry: dropped the record 'target:t1:10.0.0.1:4': record: unreadable (WRONGTYPE Operation "
+             "against a key holding the wrong kind of value)"),
+            "registry: dropped the record 'target:t2:10.0.0.1:5': id: the record's id or tenant is not its key's",
+            "registry: dropped the record 'endpoint:e': acceptance: not a number in [0, 1], got 'nan'",
+        ]
+    finally:
+        reader.close()
+
+
+def beats(url: str, kind: str, member_id: str, fields: dict) -> bool:
+    """Whether one heartbeat of the member, logged in at url, is taken."""
+    heartbeat = Heartbeat(url, kind, member_id, lambda: fields)
+    try:
+        return heartbeat.beat()
+    finally:
+        heartbeat.stop(deregister=False)
+
+
+def test_a_members_redis_user_writes_only_its_own_record(redis_server, registry):
+    """Issue 38: every member held the one Redis password, so any could rewrite every record. A member's
+    user (as `specpool up` makes them) writes its own record; a target's, any of its tenant's replicas."""
+    t0 = redis_server.add_user("target-t0", member_acl("specpool", "target", "t0"))
+    e1 = redis_server.add_user("endpoint-e*", member_acl("specpool", "endpoint", "e*"))
+    router = redis_server.add_user("router-r", member_acl("specpool", "router"))
+    endpoint = {"address": "127.0.0.1:7100", "max_sessions": 4}
+    assert beats(t0, "target", "127.0.0.1:7001", target_fields(tenant="t0"))
+    assert beats(t0, "target", "127.0.0.1:7002", target_fields(tenant="t0", address="127.0.0.1:7002"))
+    assert not beats(t0, "target", "127.0.0.1:7003", target_fields(tenant="t1")), "another tenant's record"
+    assert not beats(t0, "endpoint", "e*", endpoint), "an endpoint's record"
+    assert beats(e1, "endpoint", "e*", endpoint)
+    assert not beats(e1, "endpoint", "e2", endpoint), "'*' in its id is no wildcard"
+    assert not beats(e1, "target", "127.0.0.1:7004", target_fields(tenant="t0")), "a target's record"
+    for url in (t0, e1, router):
+        with redis.Redis.from_url(url) as client:
+            for command in (["FLUSHALL"], ["CONFIG", "SET", "requirepass", "x"], ["ACL", "SETUSER", "x", "on"],
+                            ["EVAL", "return 1", "0"], ["SET", "specpool:target:t0:x", "1"]):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.execute_command(*command)
+    reader = Registry(router)
+    try:
+        assert sorted(t.id for t in reader.targets()) == ["127.0.0.1:7001", "127.0.0.1:7002"]
+        assert [e.id for e in reader.endpoints()] == ["e*"]
+        assert reader.acquire("e*", "t0", "l1", 4, {"t0": 1.0}, 60) and reader.held("e*") == {"t0": 1}
+        assert reader.renew("e*", "l1", 60) and reader.release("e*", "l1")
+    finally:
+        reader.close()
 
 
 def test_heartbeat_rejects_bad_arguments(redis_server):

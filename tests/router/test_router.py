@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import redis
 
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
@@ -383,6 +384,53 @@ def test_capacity_json_carries_what_cluster_state_does(cluster, fakes, redis_ser
         assert refused.value.code == 401
     finally:
         operators.stop()
+
+
+# Records a member holding the Redis password could write (issue 38.1): a number that overflows a float,
+# nan, inf, a negative count, a key of another type, a missing field, an id or a tenant not its key's.
+POISON = {
+    "specpool:target::10.9.9.9:1": {"id": "10.9.9.9:1", "address": "10.9.9.9:1", "model": "{model}", "max_batch": "1e999"},
+    "specpool:target::10.9.9.9:2": {"id": "10.9.9.9:2", "address": "10.9.9.9:2", "model": "{model}",
+                                    "mean_accept_len": "nan", "max_batch": "8"},
+    "specpool:target::10.9.9.9:3": {"id": "10.9.9.9:3", "address": "10.9.9.9:3", "model": "{model}", "running": "-4"},
+    "specpool:target::10.9.9.9:4": {"id": "10.9.9.9:1", "address": "10.9.9.9:4", "model": "{model}"},
+    "specpool:target::10.9.9.9:5": {"address": "10.9.9.9:5", "model": "{model}"},
+    "specpool:target:alpha:10.9.9.9:6": {"id": "10.9.9.9:6", "address": "10.9.9.9:6", "model": "{model}",
+                                         "tenant": "target-1"},
+    "specpool:endpoint:bad-ep": {"id": "bad-ep", "address": "10.9.9.9:6", "max_sessions": "inf",
+                                 "models": "{model}"},
+}
+
+
+def test_a_poisoned_registry_record_is_dropped_and_routing_goes_on(cluster, redis_server):
+    """Issue 38.1: one record whose max_batch read as '1e999' left 1 request in 20 succeeding (the rest
+    UNKNOWN) and /capacity answering 500. Written with the password (every member holds it), bad records
+    and a key that is not a hash are left out and counted; other tenants' requests keep succeeding."""
+    router, model = cluster["routers"][0], cluster["model"]
+    poisoner = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        for key, fields in POISON.items():
+            poisoner.hset(key, mapping={k: v.format(model=model) for k, v in fields.items()})
+        poisoner.set("specpool:target::10.9.9.9:7", "not a hash")
+
+        def dropped_all() -> bool:
+            capacity(router)  # raises HTTPError on a 500
+            return (router.metric_total("specpool_router_registry_records_dropped_total", kind="target") >= 7
+                    and router.metric_total("specpool_router_registry_records_dropped_total", kind="endpoint") >= 1)
+
+        wait_for(dropped_all)
+        for i in range(20):
+            result = generate_result(stub(router, "alpha"), request(model, f"after-poison-{i}", max_tokens=2))
+            assert len(result.completions[0].token_ids) == 2
+        data = capacity(router)
+        assert data["registry_reachable"] is True, "a key of another type once made every read look like an outage"
+        listed = [t["id"] for p in data["pools"] for t in p["targets"]] + [e["id"] for e in data["endpoints"]]
+        assert not [x for x in listed if x.startswith("10.9.9.9") or x == "bad-ep"], listed
+        assert "dropped the record 'target::10.9.9.9:1': max_batch: not a number" in router.logs()
+        assert router.logs().count("dropped the record 'target::10.9.9.9:1'") == 1, "one line per member"
+    finally:
+        poisoner.delete(*POISON, "specpool:target::10.9.9.9:7")
+        poisoner.close()
 
 
 # -- leases and a Redis restart, against real tiny targets ----------------------------------------------

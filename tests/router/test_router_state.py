@@ -34,7 +34,7 @@ class Clock:
 
 def beat(url: str, member_id: str, model: str = "m") -> Heartbeat:
     """One synchronous beat (no thread): enough for a snapshot to see the member."""
-    heartbeat = Heartbeat(url, "target", member_id, lambda: {"address": member_id, "model": model, "max_batch": 4},
+    heartbeat = Heartbeat(url, "target", member_id, lambda: {"address": f"{member_id}:1", "model": model, "max_batch": 4},
                           ttl_s=60.0)
     assert heartbeat.beat()
     return heartbeat
@@ -45,7 +45,7 @@ def test_the_snapshot_is_cached_and_survives_an_outage_checked_directly(redis_se
     of their own (here a fake check; the router's asks grpc.health.v1), however long the outage."""
     registry, clock = Registry(redis_server.url), Clock()
     errors = []
-    answering = {"t1": True, "t2": True}
+    answering = {"t1:1": True, "t2:1": True}  # by address
     checks = DirectChecks(lambda addresses: [answering[a] for a in addresses], interval_s=3600, misses=2)
     view = ClusterView(registry, max_age_s=0.25, checks=checks, clock=clock, on_error=lambda: errors.append(1))
     beat(redis_server.url, "t1")
@@ -59,17 +59,17 @@ def test_the_snapshot_is_cached_and_survives_an_outage_checked_directly(redis_se
     clock.now += 0.3
     stale = view.snapshot()
     assert not stale.reachable and [t.id for t in stale.targets] == ["t1", "t2"] and errors
-    answering["t2"] = False
+    answering["t2:1"] = False
     for _ in range(checks.misses):  # what the checking thread does every interval_s (an hour here)
         checks.check_once()
     clock.now += 3600
     assert [t.id for t in view.snapshot().targets] == ["t1"], "an hour on: t1 still answers, t2 does not"
-    answering["t2"] = True
+    answering["t2:1"] = True
     checks.check_once()
     clock.now += 0.3
     assert [t.id for t in view.snapshot().targets] == ["t1", "t2"], "t2 answers again"
 
-    answering["t2"] = False
+    answering["t2:1"] = False
     for _ in range(checks.misses):
         checks.check_once()
     redis_server.start()  # empty: no persistence

@@ -338,10 +338,12 @@ set, its generated password and the specpool pods' URL). */}}
 {{- end }}
 
 {{/* SPECPOOL_REDIS_URL, always from a Secret (the servers read it when no registry flag is given, so
-a password never shows in a process's arguments). With redis.auth.existingSecret the URL is composed
-from the password's env var (Kubernetes expands $(VAR) in env values). */}}
+a password never shows in a process's arguments); arg: dict "root" $ "user" USER (specpool.redisUsers).
+On the in-chart Redis each member logs in as its own user, with a password from the Redis Secret
+(Kubernetes expands $(VAR) in env values); an external Redis's URL is given to all as it is. */}}
 {{- define "specpool.redisEnv" -}}
-{{- $r := .Values.redis }}
+{{- $root := .root }}
+{{- $r := $root.Values.redis }}
 {{- if $r.external.urlSecret.name }}
 - name: SPECPOOL_REDIS_URL
   valueFrom:
@@ -352,36 +354,51 @@ from the password's env var (Kubernetes expands $(VAR) in env values). */}}
 - name: SPECPOOL_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ printf "%s-redis-url" (include "specpool.fullname" .) }}
+      name: {{ printf "%s-redis-url" (include "specpool.fullname" $root) }}
       key: url
-{{- else if $r.auth.existingSecret.name }}
+{{- else }}
 - name: SPECPOOL_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "specpool.redisPasswordSecret" . }}
-      key: {{ include "specpool.redisPasswordKey" . }}
+      name: {{ include "specpool.redisSecretName" $root }}
+      key: {{ printf "user-%s" .user }}
 - name: SPECPOOL_REDIS_URL
-  value: {{ printf "redis://:$(SPECPOOL_REDIS_PASSWORD)@%s:%v/0" (include "specpool.redisName" .) $r.port | quote }}
-{{- else }}
-- name: SPECPOOL_REDIS_URL
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "specpool.redisSecretName" . }}
-      key: url
+  value: {{ printf "redis://%s:$(SPECPOOL_REDIS_PASSWORD)@%s:%v/0" .user (include "specpool.redisName" $root) $r.port | quote }}
 {{- end }}
 {{- end }}
 
-{{/* Env entries every server gets: the registry URL (from a Secret), the metrics token when one is
-configured, and the pod's IP (what targets advertise to routers, and the endpoint's tensor-channel
-host). TLS settings are set in each server's template, next to its flags. */}}
+{{/* The in-chart Redis' users, one per member (YAML: user -> ACL rules), the rules exactly as
+specpool.common.registry.member_acl writes them (tests/helm checks that): a target tenant's user
+writes only its tenant's records, an endpoint instance's only its own record, the routers' reads
+every record and runs the lease scripts. Tenants and endpoint ids are DNS labels: no glob
+character, nothing to quote. */}}
+{{- define "specpool.redisUsers" -}}
+{{- $member := "resetkeys ~specpool:%s nocommands +multi +exec +discard +del +hset +pexpire +ping" }}
+{{- $users := dict "router" "resetkeys ~specpool:* nocommands +ping +scan +hmget +evalsha +script|load +time +zrangebyscore +zremrangebyscore +zscore +zadd +zrem +hdel +hset +hvals +pttl +pexpire" }}
+{{- if .Values.specEndpoint.enabled }}
+{{- range $i := until (int .Values.specEndpoint.replicas) }}
+{{- $id := include "specpool.specInstanceId" (dict "root" $ "index" $i) }}
+{{- $_ := set $users (printf "endpoint-%s" $id) (printf $member (printf "endpoint:%s" $id)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.targets }}
+{{- $_ := set $users (printf "target-%s" .tenant) (printf $member (printf "target:%s:*" .tenant)) }}
+{{- end }}
+{{- toYaml $users }}
+{{- end }}
+
+{{/* Env entries every server gets (arg: dict "root" $ "user" its Redis user): the registry URL (from a
+Secret), the metrics token when one is configured, and the pod's IP (what targets advertise to routers,
+and the endpoint's tensor-channel host). TLS settings are set in each server's template, next to its
+flags. */}}
 {{- define "specpool.commonEnv" -}}
 {{- include "specpool.redisEnv" . }}
-{{- with include "specpool.metricsTokenSecret" . }}
+{{- with include "specpool.metricsTokenSecret" .root }}
 - name: SPECPOOL_METRICS_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ . }}
-      key: {{ include "specpool.metricsTokenKey" $ }}
+      key: {{ include "specpool.metricsTokenKey" $.root }}
 {{- end }}
 - name: POD_IP
   valueFrom:
