@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from specpool.common import logs, serving
+from specpool.common import http_limits, logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
@@ -272,6 +272,7 @@ def main(args: argparse.Namespace) -> int:
     metrics = MetricsHttpServer(
         endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host, health=health,
         json_routes={"/capacity": lambda operator: wire.capacity_json(endpoint.capacity(), only=None if operator else "")},
+        limits=http_limits.from_args(args),
     )
     metrics.start()
     endpoint.start()
