@@ -34,10 +34,10 @@ class GuardedH11Protocol(H11Protocol):
         if refused is not None:
             self._answer_and_close(refused)
         else:
-            self._await("head", self.limits.header_timeout_s)  # silence before the first byte counts too
+            self._expect("head", self.limits.header_timeout_s)  # silence before the first byte counts too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._await("", None)
+        self._expect("", None)
         if self._counted:
             self._counted = False
             self.counter.release(self._address)
@@ -45,22 +45,23 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self._reading and self.conn.their_state is h11.IDLE:
-            self._await("head", self.limits.header_timeout_s)  # a keep-alive connection's next request
+            self._expect("head", self.limits.header_timeout_s)  # a keep-alive connection's next request
         super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is h11.SEND_BODY:
             if self._reading != "body":
-                self._await("body", self.limits.body_timeout_s)
+                self._expect("body", self.limits.body_timeout_s)
         elif self.conn.their_state is not h11.IDLE:  # the whole request is in (or the connection failed)
-            self._await("", None)
+            self._expect("", None)
 
-    def _await(self, reading: str, timeout_s: float | None) -> None:
+    def _expect(self, reading: str, within_s: float | None) -> None:
+        """Wait `within_s` for `reading` ("head", "body"; "": nothing, no deadline)."""
         if self._deadline is not None:
             self._deadline.cancel()
         self._reading = reading
-        self._deadline = self.loop.call_later(timeout_s, self._too_late) if timeout_s is not None else None
+        self._deadline = self.loop.call_later(within_s, self._too_late) if within_s is not None else None
 
     def _too_late(self) -> None:
         self._deadline = None
@@ -86,15 +87,16 @@ def guarded_protocol(limits: HttpLimits) -> type[GuardedH11Protocol]:
 
 
 class HandshakeBoundLoop(asyncio.SelectorEventLoop):
-    """An event loop whose TLS servers give up on a handshake after `handshake_timeout_s` (asyncio's
-    default is 60 s, and uvicorn does not pass one): a client that stalls its handshake is bounded like
-    one that stalls its headers."""
+    """An event loop whose TLS servers give up on a client's handshake, and on its close_notify once
+    the server has closed, after `timeout_s` (asyncio's defaults are 60 s and 30 s, and uvicorn passes
+    neither): a client that stalls either is bounded like one that stalls its headers."""
 
-    def __init__(self, handshake_timeout_s: float):
+    def __init__(self, timeout_s: float):
         super().__init__()
-        self.handshake_timeout_s = handshake_timeout_s
+        self.timeout_s = timeout_s
 
     async def create_server(self, *args, **kwargs):
         if kwargs.get("ssl") is not None:
-            kwargs.setdefault("ssl_handshake_timeout", self.handshake_timeout_s)
+            kwargs.setdefault("ssl_handshake_timeout", self.timeout_s)
+            kwargs.setdefault("ssl_shutdown_timeout", self.timeout_s)
         return await super().create_server(*args, **kwargs)

@@ -478,8 +478,7 @@ class HttpFront:
     def _config(self) -> uvicorn.Config:
         common = {"log_config": None, "log_level": "warning", "access_log": False, "lifespan": "on", "ws": "none",
                   "proxy_headers": False, "timeout_graceful_shutdown": max(1, math.ceil(self.grace_s)),
-                  "http": guarded_protocol(self.limits), "timeout_keep_alive": self.limits.idle_timeout_s,
-                  "limit_concurrency": self.limits.max_connections}
+                  "http": guarded_protocol(self.limits), "timeout_keep_alive": self.limits.idle_timeout_s}
         if not self.credentials.enabled:
             config = uvicorn.Config(self.app, **common)
             config.load()
