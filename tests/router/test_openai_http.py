@@ -19,17 +19,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import selectors
 import socket
 import ssl
-import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 import openai
 import pytest
 
+from specpool.bench.slow_http_clients import (
+    TIMED_OUT,
+    SlowClient,
+    connect,
+    open_slow_clients,
+    trickle_until_closed,
+)
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.engine.config import tiny_config
@@ -318,20 +323,11 @@ def test_models_lists_what_the_pool_serves(pool, sdk):
 # -- slow and greedy clients (issue 38.3) -------------------------------------------------------------------
 
 CLOSED_WITHIN_S = 20.0  # a bounded wait for what the 1-2 s limits must bring about
-TRICKLE_S = 0.2  # a slow client sends its next byte this often
-SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\nx-slow: "  # then "a" after "a"
-SLOW_BODY = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\ncontent-length: 100000\r\n\r\n{"
 
 
 @functools.cache
 def tls() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(CA.dir / "ca.crt"))
-
-
-def connect(port: int, client: str, tls_: bool = True) -> socket.socket:
-    """A connection to 127.0.0.1:port from the loopback address `client` (TLS as the router's front speaks it)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(client, 0))
-    return tls().wrap_socket(sock, server_hostname="router.specpool") if tls_ else sock
 
 
 def reply_until_closed(sock: socket.socket, within_s: float = CLOSED_WITHIN_S) -> bytes:
@@ -345,79 +341,27 @@ def reply_until_closed(sock: socket.socket, within_s: float = CLOSED_WITHIN_S) -
     return received
 
 
-@dataclass
-class SlowClient:
-    sock: socket.socket
-    trickles: bool  # sends one more byte of its request every TRICKLE_S (else: nothing more)
-    received: bytes = b""
-    closed: bool = False
-
-    def read(self) -> None:
-        try:
-            while data := self.sock.recv(65536):
-                self.received += data
-            self.closed = True
-        except (ssl.SSLWantReadError, BlockingIOError):
-            pass
-        except OSError:  # reset: what came before it was read
-            self.closed = True
-
-
-def trickle_until_closed(clients: list[SlowClient], within_s: float = CLOSED_WITHIN_S) -> list[SlowClient]:
-    """Each client sends a byte every TRICKLE_S until the server answers it; returns those the server has
-    not closed within `within_s`."""
-    end = time.monotonic() + within_s
-    with selectors.DefaultSelector() as selector:
-        for c in clients:
-            c.sock.setblocking(False)
-            selector.register(c.sock, selectors.EVENT_READ, c)
-        while any(not c.closed for c in clients) and time.monotonic() < end:
-            for c in clients:
-                if c.trickles and not c.received and not c.closed:
-                    with contextlib.suppress(OSError):
-                        c.sock.send(b"a")
-            for key, _ in selector.select(timeout=TRICKLE_S):
-                key.data.read()
-                if key.data.closed:
-                    selector.unregister(key.fileobj)
-    for c in clients:
-        c.sock.close()
-    return [c for c in clients if not c.closed]
-
-
 def test_slow_clients_are_answered_408_and_closed_while_others_are_served(pool, sdk):
     """The issue's case: 150 connections sending their head or body a byte at a time (or nothing after
     the TLS handshake) stayed open indefinitely. Now each gets 408 once its limit has passed, and a
     request of the SDK's is served while they are open. (On a loaded machine the server may let a
     connection go before the test has sent its opening: then it is closed without a word.)"""
-    openings = {"head": SLOW_HEAD, "body": SLOW_BODY, "silent": b""}
-    clients, let_go = {kind: [] for kind in openings}, 0
-    for i in range(150):
-        kind = list(openings)[i % 3]
-        opening = openings[kind]
-        try:
-            sock = connect(pool["router"].http_port, f"127.0.0.{10 + i // PER_CLIENT}")  # 15 addresses, at their cap
-            sock.sendall(opening)
-        except OSError:
-            let_go += 1
-            continue
-        clients[kind].append(SlowClient(sock, trickles=bool(opening)))
+    clients, let_go = open_slow_clients(pool["router"].http_port, 150, PER_CLIENT, 10, tls())  # 15 addresses
     served = sdk.completions.create(model=pool["model"], prompt=PROMPT, max_tokens=2)
     assert served.usage.completion_tokens == 2
-    every = [c for kind in clients.values() for c in kind]
-    open_ = trickle_until_closed(every)
+    every = [c for group in clients.values() for c in group]
+    open_ = trickle_until_closed(every, CLOSED_WITHIN_S)
     assert not open_, f"{len(open_)} of 150 slow connections still open after {CLOSED_WITHIN_S} s"
-    timed_out = b"HTTP/1.1 408 Request Timeout"
-    assert {c.received.split(b"\r\n", 1)[0] for c in every} <= {timed_out, b""}
-    answered = {kind: sum(c.received.startswith(timed_out) for c in group) for kind, group in clients.items()}
+    assert {c.received.split(b"\r\n", 1)[0] for c in every} <= {TIMED_OUT, b""}
+    answered = {kind: sum(c.received.startswith(TIMED_OUT) for c in group) for kind, group in clients.items()}
     assert let_go < 15 and all(answered.values()), (let_go, answered)
     assert b"--http-header-timeout-s 2" in clients["head"][0].received  # the body says which limit
 
 
 def test_one_client_address_past_its_share_gets_429_while_others_are_served(pool, sdk):
     port = pool["router"].http_port
-    held = [connect(port, "127.0.0.30") for _ in range(PER_CLIENT)]
-    refused = reply_until_closed(connect(port, "127.0.0.30"))
+    held = [connect(port, "127.0.0.30", tls()) for _ in range(PER_CLIENT)]
+    refused = reply_until_closed(connect(port, "127.0.0.30", tls()))
     assert refused.startswith(b"HTTP/1.1 429 Too Many Requests"), refused
     assert b"retry-after: 1" in refused and b"--http-max-connections-per-client 10" in refused
     assert [m.id for m in sdk.models.list()] == [pool["model"]]  # from 127.0.0.1, meanwhile
@@ -429,7 +373,7 @@ def test_a_stalled_tls_handshake_and_an_idle_keep_alive_connection_are_closed(po
     port = pool["router"].http_port
     no_handshake = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.31", 0))
     assert reply_until_closed(no_handshake) == b""  # asyncio's own limit was 60 s
-    idle = connect(port, "127.0.0.32")
+    idle = connect(port, "127.0.0.32", tls())
     idle.sendall(b"GET /v1/nothing-here HTTP/1.1\r\nhost: router.specpool\r\n\r\n")
     reply = reply_until_closed(idle)
     assert reply.startswith(b"HTTP/1.1 404 ") and b"HTTP/1.1 408" not in reply  # closed without a word
@@ -439,22 +383,22 @@ def test_the_metrics_port_answers_slow_clients_408_and_caps_each_address(pool):
     router = pool["router"]
     slow = []
     for _ in range(PER_CLIENT):
-        sock = connect(router.metrics_port, "127.0.0.40", tls_=False)
+        sock = connect(router.metrics_port, "127.0.0.40", None)
         sock.sendall(b"GET /metrics HTTP/1.1\r\nx-slow: ")
         slow.append(SlowClient(sock, trickles=True))
-    refused = reply_until_closed(connect(router.metrics_port, "127.0.0.40", tls_=False))
+    refused = reply_until_closed(connect(router.metrics_port, "127.0.0.40", None))
     assert refused.startswith(b"HTTP/1.1 429 Too Many Requests"), refused
     with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/healthz", timeout=10) as healthy:
         assert healthy.status == 200  # meanwhile
-    open_ = trickle_until_closed(slow)
+    open_ = trickle_until_closed(slow, CLOSED_WITHIN_S)
     assert not open_, f"{len(open_)} of {PER_CLIENT} slow connections still open after {CLOSED_WITHIN_S} s"
-    assert {c.received.split(b"\r\n", 1)[0] for c in slow} == {b"HTTP/1.1 408 Request Timeout"}
+    assert {c.received.split(b"\r\n", 1)[0] for c in slow} == {TIMED_OUT}
 
 
 def test_the_metrics_port_past_its_total_gets_503(pool):
     port = pool["router"].metrics_port
-    held = [connect(port, f"127.0.0.{50 + i // PER_CLIENT}", tls_=False) for i in range(TOTAL)]
-    refused = reply_until_closed(connect(port, "127.0.0.70", tls_=False))
+    held = [connect(port, f"127.0.0.{50 + i // PER_CLIENT}", None) for i in range(TOTAL)]
+    refused = reply_until_closed(connect(port, "127.0.0.70", None))
     assert refused.startswith(b"HTTP/1.1 503 Service Unavailable"), refused
     assert b"--http-max-connections 160" in refused
     for sock in held:
