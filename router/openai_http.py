@@ -40,10 +40,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specpool.common import outcomes
+from specpool.common.http_limits import DEFAULT_LIMITS, HttpLimits
 from specpool.common.security import TENANT_HEADER, Security, server_name
 from specpool.common.serving import MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
+from specpool.router.http_guard import HandshakeBoundLoop, guarded_protocol
 from specpool.router.openai_schema import (
     ChatRequest,
     ChatShape,
@@ -238,6 +241,10 @@ def build_app(grpc_address: str, credentials: Security,
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown paths, methods
         return JSONResponse(OpenAIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, e: ClientDisconnect) -> Response:  # mid-body, or let go (http_guard)
+        return Response(status_code=499)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
@@ -403,14 +410,15 @@ def loopback_address(host: str, port: int) -> str:
 
 
 class HttpFront:
-    """uvicorn serving build_app on a thread with its own event loop, beside the router's gRPC server."""
+    """uvicorn serving build_app on a thread with its own event loop, beside the router's gRPC server,
+    held to `limits` (router/http_guard.py)."""
 
     def __init__(self, credentials: Security, grpc_port: int, host: str, port: int, grace_s: float = 10.0,
-                 on_refused: Callable[[str], None] | None = None):
+                 on_refused: Callable[[str], None] | None = None, limits: HttpLimits = DEFAULT_LIMITS):
         if port < 0:
             raise ValueError(f"--http-port must be >= 0 (or -1: no HTTP front), got {port}")
         self.credentials, self.host, self.requested_port = credentials, host, port
-        self.grace_s = grace_s
+        self.grace_s, self.limits = grace_s, limits
         self.app = build_app(loopback_address(host, grpc_port), credentials, on_refused)
         self.port = 0
         self.scheme = "https" if credentials.enabled else "http"
@@ -426,8 +434,7 @@ class HttpFront:
         self.port = self._socket.getsockname()[1]
         config = self._config()
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="http-front", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="http-front", daemon=True)
         self._thread.start()
         end = time.monotonic() + timeout_s
         while not self._server.started:
@@ -437,6 +444,10 @@ class HttpFront:
             time.sleep(0.02)
         log.info("OpenAI-compatible HTTP front on %s://%s/v1", self.scheme, loopback_address(self.host, self.port))
         return self.port
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=lambda: HandshakeBoundLoop(self.limits.header_timeout_s)) as runner:
+            runner.run(self._server.serve(sockets=[self._socket]))
 
     def begin_stop(self) -> None:
         """Stop taking connections; requests in flight finish (their gRPC calls drain with the router's)."""
@@ -466,7 +477,8 @@ class HttpFront:
 
     def _config(self) -> uvicorn.Config:
         common = {"log_config": None, "log_level": "warning", "access_log": False, "lifespan": "on", "ws": "none",
-                  "proxy_headers": False, "timeout_graceful_shutdown": max(1, math.ceil(self.grace_s))}
+                  "proxy_headers": False, "timeout_graceful_shutdown": max(1, math.ceil(self.grace_s)),
+                  "http": guarded_protocol(self.limits), "timeout_keep_alive": self.limits.idle_timeout_s}
         if not self.credentials.enabled:
             config = uvicorn.Config(self.app, **common)
             config.load()

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
-from specpool.common import logs, outcomes, serving
+from specpool.common import http_limits, logs, outcomes, serving
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.registry import Registry, redacted
 from specpool.router.capacity import capacity_json, cluster_capacity, visible_to
@@ -98,6 +98,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 def main(args: argparse.Namespace) -> int:
     serving.setup_logging(args.log_level, args.log_format)
     config = config_from(args)
+    limits = http_limits.from_args(args)
     credentials = serving.security_from(args, "router", args.name, tokens_file=args.tokens)
     if credentials.enabled and credentials.tokens is None:
         raise SystemExit("the router needs a tokens file to know its callers: --tokens FILE or SPECPOOL_TOKENS_FILE")
@@ -141,8 +142,8 @@ def main(args: argparse.Namespace) -> int:
                                         on_refused=serving.counting(generate, metrics.count))
     # The HTTP front forwards each request to this gRPC port: it only translates (and counts what it
     # refuses itself, before forwarding).
-    http = (HttpFront(credentials, port, config.host, args.http_port, config.grace_s, on_refused=metrics.count)
-            if args.http_port != -1 else None)
+    http = (HttpFront(credentials, port, config.host, args.http_port, config.grace_s, on_refused=metrics.count,
+                      limits=limits) if args.http_port != -1 else None)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
     cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [
@@ -153,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
     metrics_server = MetricsHttpServer(
         metrics.registry, config.metrics_port, host=args.metrics_host or config.host, health=health,
         json_routes={"/capacity": lambda operator: capacity_json(
-            visible_to(capacity(), None if operator else ""))})
+            visible_to(capacity(), None if operator else ""))}, limits=limits)
     metrics_server.start()
     server.start()
     if http is not None:

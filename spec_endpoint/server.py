@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from specpool.common import logs, serving
+from specpool.common import http_limits, logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
@@ -274,7 +274,8 @@ def main(args: argparse.Namespace) -> int:
     endpoint = Endpoint(drafters, config, channel_host=channels)
     health = add_to_server(server, endpoint, credentials)
     metrics = MetricsHttpServer(endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
-                                health=health, json_routes={"/capacity": capacity_route(endpoint)})
+                                health=health, json_routes={"/capacity": capacity_route(endpoint)},
+                                limits=http_limits.from_args(args))
     metrics.start()
     endpoint.start()
     server.start()

@@ -19,7 +19,7 @@ import grpc
 import jinja2
 import torch
 
-from specpool.common import logs, outcomes
+from specpool.common import http_limits, logs, outcomes
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import TENANT_HEADER, Security
@@ -376,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service.full_name])
     metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
-                                       health=health)
+                                       health=health, limits=http_limits.from_args(args))
     metrics_server.start()
     server.start()
     if args.spec_endpoint:

@@ -1,11 +1,14 @@
 """The HTTP side door of every specpool server: Prometheus /metrics, JSON routes (a capacity API),
-and the probes /healthz, /livez, /readyz."""
+and the probes /healthz, /livez, /readyz; held to the server's HttpLimits (specpool/common/http_limits.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +17,13 @@ from typing import TYPE_CHECKING
 import prometheus_client
 
 from specpool.common import security
+from specpool.common.http_limits import (
+    DEFAULT_LIMITS,
+    ConnectionCounter,
+    HttpLimits,
+    closing_response,
+    refusal_message,
+)
 
 if TYPE_CHECKING:  # serving.py imports this module: the type only
     from specpool.common.serving import HealthState
@@ -41,6 +51,7 @@ class MetricsHttpServer:
         json_routes: dict[str, Callable[[bool], dict]] | None = None,
         health: HealthState | None = None,
         token: str | None = None,
+        limits: HttpLimits = DEFAULT_LIMITS,
     ):
         self.registry = registry
         self.host = host
@@ -48,14 +59,14 @@ class MetricsHttpServer:
         self.json_routes = dict(json_routes or {})
         self.health = health
         self.token = (token if token is not None else os.environ.get(METRICS_TOKEN_ENV)) or None
+        self.limits = limits
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._httpd is not None:
             raise RuntimeError("MetricsHttpServer already started")
-        self._httpd = ThreadingHTTPServer((self.host, self.port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = _GuardedHttpServer((self.host, self.port), self._handler_class(), self.limits)
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name=f"metrics-http:{self.port}", daemon=True
@@ -78,8 +89,44 @@ class MetricsHttpServer:
         routes = self.json_routes
         health = self.health
         token = self.token
+        limits = self.limits
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = limits.header_timeout_s  # each read and write: a client that stops reading is let go too
+
+            def setup(self) -> None:
+                super().setup()
+                self._head = threading.Lock()
+                self._head_state = "reading"  # then "read" (in time) or "late"
+                self._deadline = threading.Timer(limits.header_timeout_s, self._too_late)
+                self._deadline.daemon = True
+                self._deadline.start()
+
+            def parse_request(self) -> bool:  # reads the headers: the head is then in
+                parsed = super().parse_request()
+                with self._head:
+                    if self._head_state == "late":
+                        return False
+                    self._head_state = "read"
+                self._deadline.cancel()
+                return parsed
+
+            def _too_late(self) -> None:
+                """408 and close, however far the head had come (the handler's read then ends)."""
+                with self._head:
+                    if self._head_state != "reading":
+                        return
+                    self._head_state = "late"
+                body = {"error": refusal_message(408, limits)}
+                with contextlib.suppress(OSError):
+                    self.connection.sendall(closing_response(408, body))
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+
+            def finish(self) -> None:
+                self._deadline.cancel()
+                super().finish()
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path in ("/healthz", "/livez", "/readyz"):
@@ -115,3 +162,42 @@ class MetricsHttpServer:
                 log.debug("%s " + format, self.address_string(), *args)
 
         return Handler
+
+
+class _GuardedHttpServer(ThreadingHTTPServer):
+    """A thread per connection, as many as HttpLimits allows in total and per client address; past them
+    a connection gets 503 or 429 from the accepting thread and is closed."""
+
+    daemon_threads = True
+    request_queue_size = 1024  # socketserver's 5 would drop a burst of connections before they are counted
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: HttpLimits):
+        self.limits = limits
+        self.connections = ConnectionCounter(limits)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        refused = self.connections.admit(client_address[0])
+        if refused is not None:
+            with contextlib.suppress(OSError):
+                request.sendall(closing_response(refused, {"error": refusal_message(refused, self.limits)}))
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.connections.release(client_address[0])
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.release(client_address[0])
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away, or was let go, is no error of ours."""
+        if isinstance(sys.exc_info()[1], OSError):
+            log.debug("metrics connection from %s: %s", client_address[0], sys.exc_info()[1])
+        else:
+            log.exception("metrics request from %s failed", client_address[0])

@@ -25,7 +25,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specpool.common import errors, logs, outcomes, security
+from specpool.common import errors, http_limits, logs, outcomes, security
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def setup_logging(level: str = "INFO", log_format: str | None = None) -> None:
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags every server takes for TLS, tokens and the registry's URL (specpool/common/security.py)."""
+    """The flags every server takes for TLS, tokens, the registry's URL (specpool/common/security.py) and
+    the limits its HTTP ports hold clients to (specpool/common/http_limits.py)."""
     p.add_argument("--tls-dir", default=None, metavar="DIR",
                    help=f"ca.crt, tls.crt, tls.key of this service (default: ${security.TLS_DIR_ENV}); a directory "
                         f"with ca.key is a local CA that issues this process its certificate (specpool up)")
@@ -68,6 +69,7 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, metavar="URL",
                    help=f"register in the cluster registry at this Redis (default: ${REDIS_URL_ENV}, else none; "
                         f"prefer the variable: a password in an argument shows in `ps`)")
+    http_limits.add_arguments(p)
 
 
 def security_from(args: argparse.Namespace, role: str, name: str, tokens_file: str | None = None) -> security.Security:

@@ -7,12 +7,19 @@ bearer tokens as in production; the SDK checks the router's certificate against 
 - completions and chat, streamed and not, equal the Target API's Generate token for token (greedy);
 - n > 1, stop strings (the text ends before the first one, finish_reason "stop"), usage, and the
   per-choice speculation statistics of the specpool extension;
-- a bad request is a 400 naming its field; an unknown token a 401; an unknown model a 404.
+- a bad request is a 400 naming its field; an unknown token a 401; an unknown model a 404;
+- slow and greedy clients (issue 38.3), on the front and on the router's /metrics port: a head or body
+  sent a byte at a time, or nothing at all, gets 408 and is closed once its limit (1-2 s here) has passed;
+  one client address past its share of connections gets 429, past the total 503; others are served
+  meanwhile. Each client address is a loopback address of its own (127.0.0.N).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import socket
 import ssl
 import urllib.request
 from dataclasses import replace
@@ -21,6 +28,13 @@ import grpc
 import openai
 import pytest
 
+from specpool.bench.slow_http_clients import (
+    TIMED_OUT,
+    SlowClient,
+    connect,
+    open_slow_clients,
+    trickle_until_closed,
+)
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.engine.config import tiny_config
@@ -34,6 +48,10 @@ from tests.pki import CA, channel
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sum a list of ints."}]
 LOCAL = ["--port", "0", "--metrics-port", "0"]
+PER_CLIENT, TOTAL = 10, 160  # connections one address, and everyone, may hold on each HTTP port
+# A head (and a TLS handshake) gets 2 s: the per-address cap is reached within it on a loaded machine.
+HTTP_LIMITS = ["--http-header-timeout-s", "2", "--http-body-timeout-s", "1", "--http-idle-timeout-s", "1",
+               "--http-max-connections", str(TOTAL), "--http-max-connections-per-client", str(PER_CLIENT)]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +68,7 @@ def pool(tmp_path_factory):
         servers.append(start_server("target", [
             "serve-target", "--model", str(gguf), *LOCAL, "--tenant", "target-1", "--threads", "1",
             "--datastore", "", "--max-batch", "4", "--redis", redis.url]))
-        router = start_server("router", ["serve-router", *LOCAL, "--redis", redis.url])
+        router = start_server("router", ["serve-router", *LOCAL, *HTTP_LIMITS, "--redis", redis.url])
         servers.append(router)
         assert router.http_port, "the router reports its HTTP port in its ready file"
         wait_for(lambda: _pool_models(router) == [model_name(gguf)])
@@ -300,3 +318,88 @@ def test_models_lists_what_the_pool_serves(pool, sdk):
     assert sdk.models.retrieve(pool["model"]).owned_by == "specpool"
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("no-such-model")
+
+
+# -- slow and greedy clients (issue 38.3) -------------------------------------------------------------------
+
+CLOSED_WITHIN_S = 20.0  # a bounded wait for what the 1-2 s limits must bring about
+
+
+@functools.cache
+def tls() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(CA.dir / "ca.crt"))
+
+
+def reply_until_closed(sock: socket.socket, within_s: float = CLOSED_WITHIN_S) -> bytes:
+    """What the server sends before it closes the connection (TimeoutError if it does not within `within_s`)."""
+    sock.settimeout(within_s)
+    received = b""
+    with contextlib.suppress(ConnectionResetError, ssl.SSLEOFError):
+        while data := sock.recv(65536):
+            received += data
+    sock.close()
+    return received
+
+
+def test_slow_clients_are_answered_408_and_closed_while_others_are_served(pool, sdk):
+    """The issue's case: 150 connections sending their head or body a byte at a time (or nothing after
+    the TLS handshake) stayed open indefinitely. Now each gets 408 once its limit has passed, and a
+    request of the SDK's is served while they are open. (On a loaded machine the server may let a
+    connection go before the test has sent its opening: then it is closed without a word.)"""
+    clients, let_go = open_slow_clients(pool["router"].http_port, 150, PER_CLIENT, 10, tls())  # 15 addresses
+    served = sdk.completions.create(model=pool["model"], prompt=PROMPT, max_tokens=2)
+    assert served.usage.completion_tokens == 2
+    every = [c for group in clients.values() for c in group]
+    open_ = trickle_until_closed(every, CLOSED_WITHIN_S)
+    assert not open_, f"{len(open_)} of 150 slow connections still open after {CLOSED_WITHIN_S} s"
+    assert {c.received.split(b"\r\n", 1)[0] for c in every} <= {TIMED_OUT, b""}
+    answered = {kind: sum(c.received.startswith(TIMED_OUT) for c in group) for kind, group in clients.items()}
+    assert let_go < 15 and all(answered.values()), (let_go, answered)
+    assert b"--http-header-timeout-s 2" in clients["head"][0].received  # the body says which limit
+
+
+def test_one_client_address_past_its_share_gets_429_while_others_are_served(pool, sdk):
+    port = pool["router"].http_port
+    held = [connect(port, "127.0.0.30", tls()) for _ in range(PER_CLIENT)]
+    refused = reply_until_closed(connect(port, "127.0.0.30", tls()))
+    assert refused.startswith(b"HTTP/1.1 429 Too Many Requests"), refused
+    assert b"retry-after: 1" in refused and b"--http-max-connections-per-client 10" in refused
+    assert [m.id for m in sdk.models.list()] == [pool["model"]]  # from 127.0.0.1, meanwhile
+    for sock in held:
+        sock.close()
+
+
+def test_a_stalled_tls_handshake_and_an_idle_keep_alive_connection_are_closed(pool):
+    port = pool["router"].http_port
+    no_handshake = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.31", 0))
+    assert reply_until_closed(no_handshake) == b""  # asyncio's own limit was 60 s
+    idle = connect(port, "127.0.0.32", tls())
+    idle.sendall(b"GET /v1/nothing-here HTTP/1.1\r\nhost: router.specpool\r\n\r\n")
+    reply = reply_until_closed(idle)
+    assert reply.startswith(b"HTTP/1.1 404 ") and b"HTTP/1.1 408" not in reply  # closed without a word
+
+
+def test_the_metrics_port_answers_slow_clients_408_and_caps_each_address(pool):
+    router = pool["router"]
+    slow = []
+    for _ in range(PER_CLIENT):
+        sock = connect(router.metrics_port, "127.0.0.40", None)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nx-slow: ")
+        slow.append(SlowClient(sock, trickles=True))
+    refused = reply_until_closed(connect(router.metrics_port, "127.0.0.40", None))
+    assert refused.startswith(b"HTTP/1.1 429 Too Many Requests"), refused
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/healthz", timeout=10) as healthy:
+        assert healthy.status == 200  # meanwhile
+    open_ = trickle_until_closed(slow, CLOSED_WITHIN_S)
+    assert not open_, f"{len(open_)} of {PER_CLIENT} slow connections still open after {CLOSED_WITHIN_S} s"
+    assert {c.received.split(b"\r\n", 1)[0] for c in slow} == {TIMED_OUT}
+
+
+def test_the_metrics_port_past_its_total_gets_503(pool):
+    port = pool["router"].metrics_port
+    held = [connect(port, f"127.0.0.{50 + i // PER_CLIENT}", None) for i in range(TOTAL)]
+    refused = reply_until_closed(connect(port, "127.0.0.70", None))
+    assert refused.startswith(b"HTTP/1.1 503 Service Unavailable"), refused
+    assert b"--http-max-connections 160" in refused
+    for sock in held:
+        sock.close()

@@ -1,3 +1,4 @@
+import argparse
 import json
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from specpool.cluster.processes import wait_for
+from specpool.common import http_limits
 from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
 from specpool.common.serving import Admission, abort_invalid, add_health_and_reflection, build_server
 from specpool_client import ErrorDetails
@@ -198,6 +200,26 @@ def test_metrics_http_server_routes(monkeypatch):
         assert _get(base + "/nope")[0] == 404
     finally:
         http.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], None),
+    (["--http-header-timeout-s", "0"], "--http-header-timeout-s must be > 0, got 0.0"),
+    (["--http-body-timeout-s", "inf"], "--http-body-timeout-s must be > 0, got inf"),
+    (["--http-idle-timeout-s", "nan"], "--http-idle-timeout-s must be > 0, got nan"),
+    (["--http-max-connections", "0"], "--http-max-connections must be >= 1, got 0"),
+    (["--http-max-connections-per-client", "-1"], "--http-max-connections-per-client must be >= 1, got -1"),
+])
+def test_http_limit_flags_are_checked_naming_the_flag(flags, message):
+    parser = argparse.ArgumentParser()
+    http_limits.add_arguments(parser)
+    args = parser.parse_args(flags)
+    if message is None:
+        assert http_limits.from_args(args) == http_limits.DEFAULT_LIMITS
+        return
+    with pytest.raises(ValueError) as err:
+        http_limits.from_args(args)
+    assert str(err.value) == message
 
 
 def test_metrics_token_guards_metrics_and_json_routes_but_not_the_probes():

@@ -1,0 +1,171 @@
+"""Slow HTTP clients against a router's OpenAI front (issue 38.3), measured at the router's limits as
+given (default: its defaults): connections that send their head a byte at a time, their body a byte
+at a time, or nothing after the TLS handshake, spread over client addresses (127.0.0.N) within the
+per-client cap, while a normal request (GET /v1/models with a token) is timed meanwhile.
+
+    python -m specpool.bench.slow_http_clients --json bench/results/slow_http_clients.json
+
+Figures per kind: how many were answered 408, and seconds from each connection's opening to its close
+(min, max). Before issue 38.3 all 150 were still open after 75 s. tests/router/test_openai_http.py
+runs the same clients (these helpers) against 1-2 s limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import selectors
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpool.cluster.processes import start_server
+from specpool.cluster.redis_server import start_redis
+from specpool.common.machine import machine_info, machine_line
+from specpool.common.security import LocalCA
+
+TRICKLE_S = 0.2  # a slow client sends its next byte this often
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\nx-slow: "  # then "a" after "a"
+SLOW_BODY = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\ncontent-length: 100000\r\n\r\n{"
+OPENINGS = {"head": SLOW_HEAD, "body": SLOW_BODY, "silent": b""}
+TIMED_OUT = b"HTTP/1.1 408 Request Timeout"
+
+
+def connect(port: int, client: str, tls: ssl.SSLContext | None) -> socket.socket:
+    """A connection to 127.0.0.1:port from the loopback address `client` (TLS as the router's front speaks it)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(client, 0))
+    return tls.wrap_socket(sock, server_hostname="router.specpool") if tls is not None else sock
+
+
+@dataclass
+class SlowClient:
+    sock: socket.socket
+    trickles: bool  # sends one more byte of its request every TRICKLE_S (else: nothing more)
+    opened_at: float = 0.0
+    received: bytes = b""
+    closed_at: float | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
+
+    def read(self) -> None:
+        try:
+            while data := self.sock.recv(65536):
+                self.received += data
+            self.closed_at = time.monotonic()
+        except (ssl.SSLWantReadError, BlockingIOError):
+            pass
+        except OSError:  # reset: what came before it was read
+            self.closed_at = time.monotonic()
+
+
+def trickle_until_closed(clients: list[SlowClient], within_s: float) -> list[SlowClient]:
+    """Each client sends a byte every TRICKLE_S until the server answers it; returns those the server has
+    not closed within `within_s`."""
+    end = time.monotonic() + within_s
+    with selectors.DefaultSelector() as selector:
+        for c in clients:
+            c.sock.setblocking(False)
+            selector.register(c.sock, selectors.EVENT_READ, c)
+        while any(not c.closed for c in clients) and time.monotonic() < end:
+            for c in clients:
+                if c.trickles and not c.received and not c.closed:
+                    with contextlib.suppress(OSError):
+                        c.sock.send(b"a")
+            for key, _ in selector.select(timeout=TRICKLE_S):
+                key.data.read()
+                if key.data.closed:
+                    selector.unregister(key.fileobj)
+    for c in clients:
+        c.sock.close()
+    return [c for c in clients if not c.closed]
+
+
+def open_slow_clients(port: int, count: int, per_address: int, first_address: int,
+                      tls: ssl.SSLContext | None) -> tuple[dict[str, list[SlowClient]], int]:
+    """`count` slow clients, the kinds in turn, `per_address` from each of 127.0.0.<first_address>...;
+    also how many the server let go before their opening was sent (a loaded machine)."""
+    clients: dict[str, list[SlowClient]] = {kind: [] for kind in OPENINGS}
+    let_go = 0
+    for i in range(count):
+        kind = list(OPENINGS)[i % len(OPENINGS)]
+        opened_at = time.monotonic()
+        try:
+            sock = connect(port, f"127.0.0.{first_address + i // per_address}", tls)
+            sock.sendall(OPENINGS[kind])
+        except OSError:
+            let_go += 1
+            continue
+        clients[kind].append(SlowClient(sock, trickles=bool(OPENINGS[kind]), opened_at=opened_at))
+    return clients, let_go
+
+
+def timed_request(port: int, tls: ssl.SSLContext, token: str) -> tuple[float, bytes]:
+    """GET /v1/models as a tenant: seconds to its whole reply, and the reply's status line."""
+    began = time.monotonic()
+    sock = connect(port, "127.0.0.1", tls)
+    sock.sendall(f"GET /v1/models HTTP/1.1\r\nhost: router.specpool\r\nauthorization: Bearer {token}\r\n"
+                 f"connection: close\r\n\r\n".encode())
+    reply = b""
+    with contextlib.suppress(ConnectionResetError, ssl.SSLEOFError):
+        while data := sock.recv(65536):
+            reply += data
+    sock.close()
+    return time.monotonic() - began, reply.split(b"\r\n", 1)[0]
+
+
+def measure(count: int, per_address: int, router_args: list[str], within_s: float) -> dict:
+    ca = LocalCA.temporary()
+    tls = ssl.create_default_context(cafile=str(ca.dir / "ca.crt"))
+    token = ca.token("bench")
+    redis = start_redis()
+    router = None
+    try:
+        router = start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0", "--redis", redis.url,
+                                         *router_args], env=ca.env)
+        began = time.monotonic()
+        clients, let_go = open_slow_clients(router.http_port, count, per_address, 10, tls)
+        opened_s = time.monotonic() - began
+        request_s, status = timed_request(router.http_port, tls, token)
+        every = [c for group in clients.values() for c in group]
+        still_open = trickle_until_closed(every, within_s)
+        kinds = {}
+        for kind, group in clients.items():
+            closed = [c.closed_at - c.opened_at for c in group if c.closed]
+            kinds[kind] = {"connections": len(group), "answered_408": sum(c.received.startswith(TIMED_OUT) for c in group),
+                           "closed_after_s": [round(min(closed), 2), round(max(closed), 2)] if closed else None}
+        return {"connections": count, "per_address": per_address, "router_args": router_args,
+                "opened_in_s": round(opened_s, 2), "let_go_before_opening": let_go,
+                "still_open_after_s": {"seconds": within_s, "connections": len(still_open)},
+                "meanwhile": {"status": status.decode(), "seconds": round(request_s, 3)}, "kinds": kinds}
+    finally:
+        if router is not None:
+            router.stop()
+        redis.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connections", type=int, default=150)
+    parser.add_argument("--per-address", type=int, default=50, help="slow connections from each client address")
+    parser.add_argument("--within-s", type=float, default=75.0, help="how long to wait for the server to close them")
+    parser.add_argument("--router-args", default="", help="further serve-router flags, e.g. '--http-header-timeout-s 5'")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    print(machine_line(), flush=True)
+    figures = measure(args.connections, args.per_address, args.router_args.split(), args.within_s)
+    report = {"command": "python -m specpool.bench.slow_http_clients " + " ".join(
+        f"--{k.replace('_', '-')} {v!r}" if k == "router_args" else f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items() if k != "json"), "machine": machine_info(), **figures}
+    print(json.dumps(report, indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if not figures["still_open_after_s"]["connections"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
