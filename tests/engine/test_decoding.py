@@ -50,12 +50,15 @@ def run(params: SamplingParams, drafter) -> list:
 
 def check(name: str, params: SamplingParams, drafter):
     """-> (TV check of tokens 2-4, shares of rows whose first round drafted K / reached slot 2 / the bonus)."""
-    results = run(params, drafter)
+    return scored(name, params, run(params, drafter))
+
+
+def scored(name: str, params: SamplingParams, results: list):
     first = [r.rounds[0] for r in results]
     shares = {
-        "drafted K": sum(d == K for d, _ in first) / N,
-        "slot 2": sum(a >= 1 for _, a in first) / N,
-        "bonus": sum(a == K for _, a in first) / N,
+        "drafted K": sum(d == K for d, _ in first) / len(results),
+        "slot 2": sum(a >= 1 for _, a in first) / len(results),
+        "bonus": sum(a == K for _, a in first) / len(results),
     }
     exact = exact_joint(TARGET, PROMPT, params, 1, 3)
     assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
@@ -204,6 +207,27 @@ def test_speculative_sampling_is_lossless(name):
     report(result, **shares)
     assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
     assert result.passed, result
+
+
+@pytest.mark.slow
+def test_a_batch_mixing_sampling_parameters_is_lossless_per_row():
+    """Three sampling classes in one batch with one drafter (dense q, sparse top-k q, top-p q): the
+    decoder verifies each group under its own parameters, so each class matches its exact joint."""
+    classes = [PATHS["dense q"][0], PATHS["sparse top-k q"][0], SamplingParams(temperature=2.5, top_p=0.9)]
+    rows = N // len(classes)
+    decoder = Decoder(TARGET, rows * len(classes), len(PROMPT) + NEW + K + 1, ModelDrafter(DRAFT, rows * len(classes), 16),
+                      FixedDraftLength(K), make_generator(6))
+    results: list[list] = [[] for _ in classes]
+    for i in range(rows):  # the classes interleave in the batch
+        for c, params in enumerate(classes):
+            results[c].append(decoder.add(f"{c}-{i}", PROMPT, params, NEW, []))
+    while decoder.has_work:
+        decoder.step()
+    for params, class_results in zip(classes, results):
+        result, shares = scored(f"mixed batch, {params}", params, class_results)
+        report(result, **shares)
+        assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
+        assert result.passed, result
 
 
 @pytest.mark.slow
