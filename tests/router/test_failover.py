@@ -248,7 +248,7 @@ def two_replicas(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_sampled_stream_continued_on_another_replica_draws_afresh(two_replicas):
+def test_a_sampled_stream_continued_on_another_replica_is_lossless(two_replicas):
     """Each row: a seeded request's first token from replica A, then the router's continuation of it
     (Stream.next_request) on replica B, which has never seen that seed, as when A dies. Scored: the
     two tokens against p(t0) p(t1 | t0). B seeding its generator as A did replayed A's first draw
