@@ -50,8 +50,8 @@ from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama
-from specpool.engine.sampling import continued_seed
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import continued_seed
 from specpool.engine.speculation_policy import cached_step_costs
 from specpool.engine.tokenizer import Tokenizer
 from specpool.target_service.choice import SpeculationChoice
