@@ -6,6 +6,7 @@ temperature / top-k / top-p transform lives here once and both drafters and veri
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,13 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def continued_seed(seed: int, delivered: int) -> int:
+    """The seed of a seeded stream continued after `delivered` tokens (a request migrated to another
+    replica): a fresh stream, still reproducible. The original seed would replay the draws that chose
+    the delivered tokens, and the continuation would come out correlated with them."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{delivered}".encode(), digest_size=8).digest(), "big")
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -51,6 +51,7 @@ from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama
 from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+from specpool.engine.sampling import continued_seed
 from specpool.engine.speculation_policy import cached_step_costs
 from specpool.engine.tokenizer import Tokenizer
 from specpool.target_service.choice import SpeculationChoice
@@ -185,6 +186,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self._check_token_ids(context, "stop_token_ids", r.stop_token_ids)
         if params.top_k >= self.vocab_size:  # keeps every token: the same sampler as no truncation
             params = replace(params, top_k=0)
+        if resumed and params.seed is not None:
+            params = replace(params, seed=continued_seed(params.seed, len(resumed)))
         speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
                                            r.speculation.tree)
         return Request(

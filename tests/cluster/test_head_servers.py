@@ -94,10 +94,11 @@ def test_sampled_head_drafts_through_the_servers_are_lossless(head_sampling_file
 
 
 @pytest.mark.slow
-def test_the_harness_catches_a_head_that_misreports_q(head_sampling_files):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_harness_catches_a_head_that_misreports_q(head_sampling_files, transport):
     with sampling_servers(head_sampling_files, twin=("misreported-q", 0.3)) as (_, target):
-        twin, shares = server_check("head, misreported-q 0.3", head_sampling_files[0], target,
-                                    SamplingParams(temperature=0.9, top_k=TRANSPORTS["sparse over gRPC"]),
+        twin, shares = server_check(f"head, {transport}, misreported-q 0.3", head_sampling_files[0], target,
+                                    SamplingParams(temperature=0.9, top_k=TRANSPORTS[transport]),
                                     STRONG_TWIN_SAMPLES, method=pb.SPECULATION_METHOD_HEAD)
     report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["remote rounds"] > 0.9, shares

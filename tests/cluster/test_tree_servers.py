@@ -16,6 +16,7 @@ from tests.cluster.test_disaggregation import (
     PER_REQUEST,
     PROMPT,
     SAMPLES,
+    STRONG_TWIN_SAMPLES,
     V,
     start_endpoint,
     start_target,
@@ -125,8 +126,13 @@ def test_tree_drafts_through_the_servers_are_lossless(tv_files, temperature):
 
 
 @pytest.mark.slow
-def test_the_harness_catches_a_target_whose_tree_rule_leaks(tv_files):
-    twin, shares = tree_server_check("trees, leaky-siblings 0.03", tv_files, 1.0, twin=("leaky-siblings", 0.03))
-    report(twin, twin=True, **shares)
+@pytest.mark.parametrize(("temperature", "strength", "samples"), [
+    (0.7, 0.5, STRONG_TWIN_SAMPLES),  # fewer rows try a sibling at T 0.7: a stronger leak, fewer rows
+    (1.0, 0.03, SAMPLES),  # near the detection limit
+])
+def test_the_harness_catches_a_target_whose_tree_rule_leaks(tv_files, temperature, strength, samples):
+    twin, shares = tree_server_check(f"trees, T={temperature}, leaky-siblings {strength}", tv_files, temperature,
+                                     samples, twin=("leaky-siblings", strength))
+    report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["sibling path"] > 0.02, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
+from specpool.engine import decoding
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafter import Drafts, ModelDrafter
@@ -50,12 +52,15 @@ def run(params: SamplingParams, drafter) -> list:
 
 def check(name: str, params: SamplingParams, drafter):
     """-> (TV check of tokens 2-4, shares of rows whose first round drafted K / reached slot 2 / the bonus)."""
-    results = run(params, drafter)
+    return scored(name, params, run(params, drafter))
+
+
+def scored(name: str, params: SamplingParams, results: list):
     first = [r.rounds[0] for r in results]
     shares = {
-        "drafted K": sum(d == K for d, _ in first) / N,
-        "slot 2": sum(a >= 1 for _, a in first) / N,
-        "bonus": sum(a == K for _, a in first) / N,
+        "drafted K": sum(d == K for d, _ in first) / len(results),
+        "slot 2": sum(a >= 1 for _, a in first) / len(results),
+        "bonus": sum(a == K for _, a in first) / len(results),
     }
     exact = exact_joint(TARGET, PROMPT, params, 1, 3)
     assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
@@ -204,6 +209,47 @@ def test_speculative_sampling_is_lossless(name):
     report(result, **shares)
     assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
     assert result.passed, result
+
+
+MIXED = [PATHS["dense q"][0], PATHS["sparse top-k q"][0], SamplingParams(temperature=2.5, top_p=0.9)]
+MIXED_TWIN_ROWS = 5000  # a class: a group verified under another's parameters is far off
+
+
+def mixed_batch(rows: int) -> list:
+    """One batch of `rows` rows of each MIXED class, interleaved, one drafter -> (TV check, shares) a class."""
+    decoder = Decoder(TARGET, rows * len(MIXED), len(PROMPT) + NEW + K + 1, ModelDrafter(DRAFT, rows * len(MIXED), 16),
+                      FixedDraftLength(K), make_generator(6))
+    results: list[list] = [[] for _ in MIXED]
+    for i in range(rows):
+        for c, params in enumerate(MIXED):
+            results[c].append(decoder.add(f"{c}-{i}", PROMPT, params, NEW, []))
+    while decoder.has_work:
+        decoder.step()
+    return [scored(f"mixed batch, {params}", params, r) for params, r in zip(MIXED, results)]
+
+
+@pytest.mark.slow
+def test_a_batch_mixing_sampling_parameters_is_lossless_per_row():
+    """Three sampling classes in one batch with one drafter (dense q, sparse top-k q, top-p q): the
+    decoder verifies each group under its own parameters, so each class matches its exact joint."""
+    for result, shares in mixed_batch(N // len(MIXED)):
+        report(result, **shares)
+        assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
+        assert result.passed, result
+
+
+@pytest.mark.slow
+def test_the_harness_catches_a_batch_verified_under_one_rows_parameters():
+    real = decoding.verify_round
+
+    def under_the_first_class(drafts, target_logits, params, generator):
+        return real(drafts, target_logits, MIXED[0], generator)
+
+    with mock.patch.object(decoding, "verify_round", under_the_first_class):
+        checks = mixed_batch(MIXED_TWIN_ROWS)
+    for twin, shares in checks[1:]:
+        report(twin, twin=True, at_n=N // len(MIXED), **shares)
+        assert not twin.passed, f"biased twin slipped through: {twin}"
 
 
 @pytest.mark.slow

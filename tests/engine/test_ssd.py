@@ -217,29 +217,33 @@ def scored_sources(result, sources: list[str], first: int = 2, last: int = 3) ->
     return out
 
 
-def ssd_check(name: str, params: SamplingParams, ssd_kwargs: dict, drafter_cls=SsdDrafter):
-    """-> (TV check of tokens 3-4, shares of rows whose scored tokens came through a cache hit / a miss)."""
-    gen = make_generator(1)
-    pairs, through = [], []
-    for _ in range(N // CHUNK):
-        ssd = drafter_cls(DRAFT, CHUNK, 16, fork_slots=4 * CHUNK, fork_budget=4, **ssd_kwargs)
+def ssd_check(name: str, params: SamplingParams, ssd_kwargs: dict, drafter_cls=SsdDrafter,
+              models: tuple[Llama, Llama] = (TARGET, DRAFT), scored: tuple[int, int] = (2, 3), rows: int = N):
+    """-> (TV check of the scored tokens (default 3-4), shares of rows whose scored tokens came
+    through a cache hit / a miss) and the drafters of every chunk."""
+    target, draft = models
+    vocab, gen = target.config.vocab_size, make_generator(1)
+    windows, through, drafters = [], [], []
+    for _ in range(rows // CHUNK):
+        ssd = drafter_cls(draft, CHUNK, 16, fork_slots=4 * CHUNK, fork_budget=4, **ssd_kwargs)
         ssd.generator.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
         inline = Inline(ssd)
-        results = generate(TARGET, [PROMPT] * CHUNK, params, NEW, inline, K, stop_ids=[], generator=gen)
-        pairs += [r.token_ids[2:4] for r in results]
-        through += [scored_sources(r, inline.sources[str(i)]) for i, r in enumerate(results)]
-    shares = {"cache hit": sum("cache" in s for s in through) / N,
-              "miss": sum(bool(s & {"neural", "fast"}) for s in through) / N}
-    exact = exact_joint(TARGET, PROMPT, params, 2, 3)
+        results = generate(target, [PROMPT] * CHUNK, params, NEW, inline, K, stop_ids=[], generator=gen)
+        windows += [r.token_ids[scored[0]:scored[1] + 1] for r in results]
+        through += [scored_sources(r, inline.sources[str(i)], *scored) for i, r in enumerate(results)]
+        drafters.append(ssd)
+    shares = {"cache hit": sum("cache" in s for s in through) / rows,
+              "miss": sum(bool(s & {"neural", "fast"}) for s in through) / rows}
+    exact = exact_joint(target, PROMPT, params, *scored)
     assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
-    return check_tv(name, cells(pairs, 0, 1, V), exact), shares
+    return check_tv(name, cells(windows, 0, scored[1] - scored[0], vocab), exact), shares, drafters
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "saguaro_c"), [(0.7, 1.0), (1.0, 0.3)])
 def test_sampling_through_ssd_is_lossless(temperature, saguaro_c):
-    result, shares = ssd_check(f"SSD T={temperature} C={saguaro_c}", SamplingParams(temperature=temperature),
-                               {"saguaro_c": saguaro_c})
+    result, shares, _ = ssd_check(f"SSD T={temperature} C={saguaro_c}", SamplingParams(temperature=temperature),
+                                  {"saguaro_c": saguaro_c})
     report(result, **shares)
     assert shares["cache hit"] > 0.3 and shares["miss"] > 0.05, shares
     assert result.passed, result
@@ -256,8 +260,8 @@ class UnrescaledQ(SsdDrafter):
 
 @pytest.mark.slow
 def test_the_harness_catches_a_misreported_saguaro_q():
-    twin, shares = ssd_check("SSD T=1.0 C=0.1, Saguaro q unrescaled", SamplingParams(temperature=1.0),
-                             {"saguaro_c": 0.1}, UnrescaledQ)
+    twin, shares, _ = ssd_check("SSD T=1.0 C=0.1, Saguaro q unrescaled", SamplingParams(temperature=1.0),
+                                {"saguaro_c": 0.1}, UnrescaledQ)
     report(twin, twin=True, **shares)
     assert not twin.passed, f"biased twin slipped through: {twin}"
 
@@ -266,7 +270,71 @@ def test_the_harness_catches_a_misreported_saguaro_q():
 def test_the_harness_catches_a_twin_near_its_limit_on_the_cache_path():
     """C = 1.0, T = 0.7; only drafts served from the cache misreport q."""
     with biased("misreported-cache-q", 0.15):
-        twin, shares = ssd_check("SSD T=0.7 C=1.0, misreported-cache-q 0.15", SamplingParams(temperature=0.7),
-                                 {"saguaro_c": 1.0})
+        twin, shares, _ = ssd_check("SSD T=0.7 C=1.0, misreported-cache-q 0.15", SamplingParams(temperature=0.7),
+                                    {"saguaro_c": 1.0})
+    report(twin, twin=True, **shares)
+    assert not twin.passed, f"biased twin slipped through: {twin}"
+
+
+# -- the top-32 cut: a vocabulary larger than q_top_k -----------------------------------------------------
+
+WIDE_V = 48  # above SsdDrafter's q_top_k (32): every sampled draft row is cut to its top 32
+WIDE_CONFIG = tiny_config(vocab_size=WIDE_V, d_model=16)
+WIDE_DRAFT_CONFIG = tiny_config(vocab_size=WIDE_V, d_model=16, n_layers=1)
+WIDE_TARGET = Llama(WIDE_CONFIG, random_weights(WIDE_CONFIG, 11) | {"norm": 0.3 * torch.ones(16)}, torch.float32, "cpu")
+# Flattened further than DRAFT, so the cut removes a good share of q's mass.
+WIDE_DRAFT = Llama(WIDE_DRAFT_CONFIG, random_weights(WIDE_DRAFT_CONFIG, 12) | {"norm": 0.1 * torch.ones(16)},
+                   torch.float32, "cpu")
+CUT_ROWS = 30_000  # the twin: 1.14x the threshold at 10k rows, 1.86x at 30k
+
+
+class CountsTheCut(SsdDrafter):
+    """The real drafter, counting the draft rows it sampled and q's mass its top-q_top_k cut removed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sampled_rows, self.cut_rows, self.cut_mass = 0, 0, 0.0
+
+    def _sample(self, logits, params):
+        cut = 1 - torch.topk(logits_to_probs(logits, params), self.q_top_k, dim=-1).values.sum(-1)  # C = 1: q
+        self.sampled_rows += len(cut)
+        self.cut_rows += int((cut > 0.05).sum())
+        self.cut_mass += float(cut.sum())
+        return super()._sample(logits, params)
+
+
+class ReportsAWiderCut(CountsTheCut):
+    """Draws from q's top 24 but reports its top 32 (renormalised): a cut the verifier is not told of."""
+
+    def _sample(self, logits, params):
+        _, ids, probs = super()._sample(logits, params)
+        narrow = probs * (torch.arange(probs.shape[-1]) < 24)  # top-k's ids come sorted, likeliest first
+        picked = ids.gather(-1, torch.multinomial(narrow, 1, generator=self.generator)).squeeze(-1)
+        return picked, ids, probs
+
+
+def ssd_cut_check(name: str, drafter_cls: type[CountsTheCut]):
+    """Token 3 alone (48 cells), T 1.0, C 1.0: -> (TV check, shares incl. the draft rows the cut removed
+    more than 5% of q's mass from and the mean mass it removed)."""
+    result, shares, drafters = ssd_check(name, SamplingParams(temperature=1.0), {"saguaro_c": 1.0}, drafter_cls,
+                                         (WIDE_TARGET, WIDE_DRAFT), (2, 2), CUT_ROWS)
+    sampled = sum(d.sampled_rows for d in drafters)
+    shares |= {"rows cut 5%+": sum(d.cut_rows for d in drafters) / sampled,
+               "mass cut": sum(d.cut_mass for d in drafters) / sampled}
+    return result, shares
+
+
+@pytest.mark.slow
+def test_sampling_through_ssd_is_lossless_where_the_top_32_cut_truncates_q():
+    result, shares = ssd_cut_check("SSD, V 48 > top-32 cut", CountsTheCut)
+    report(result, **shares)
+    assert shares["rows cut 5%+"] > 0.9 and shares["mass cut"] > 0.1, shares
+    assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05, shares
+    assert result.passed, result
+
+
+@pytest.mark.slow
+def test_the_harness_catches_a_cut_the_verifier_is_not_told_of():
+    twin, shares = ssd_cut_check("SSD, V 48, drawn from the top 24, reported top 32", ReportsAWiderCut)
     report(twin, twin=True, **shares)
     assert not twin.passed, f"biased twin slipped through: {twin}"

@@ -12,6 +12,8 @@ bearer tokens as in production; the SDK checks the router's certificate against 
   sent a byte at a time, or nothing at all, gets 408 and is closed once its limit (1-2 s here) has passed;
   one client address past its share of connections gets 429, past the total 503; others are served
   meanwhile. Each client address is a loopback address of its own (127.0.0.N).
+- a client that disconnects mid-stream cancels its request: the target frees the slot, the router
+  counts it cancelled, and neither keeps a thread for it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def pool(tmp_path_factory):
         servers.append(router)
         assert router.http_port, "the router reports its HTTP port in its ready file"
         wait_for(lambda: _pool_models(router) == [model_name(gguf)])
-        yield {"router": router, "model": model_name(gguf)}
+        yield {"router": router, "target": servers[0], "model": model_name(gguf)}
     finally:
         for server in reversed(servers):
             server.stop()
@@ -311,6 +313,38 @@ def test_every_refused_request_is_counted_by_the_router_the_fronts_own_refusals_
         list(tester_channel.unary_stream("/specpool.v1.TargetService/Generate")(b"\xff\xff\xff\xff", timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert {o: counted(o) - before[o] for o in before} == {"invalid": 3, "unauthenticated": 2}
+
+
+def _threads(server: ServerProcess) -> int:
+    with open(f"/proc/{server.proc.pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_request_and_frees_the_slot(pool):
+    router, target, model = pool["router"], pool["target"], pool["model"]
+
+    def counted(server: ServerProcess, sample: str) -> float:
+        return server.metric_total(sample, outcome="cancelled")
+
+    url = f"https://127.0.0.1:{router.http_port}/v1/completions"
+    tester = {"Authorization": f"Bearer {CA.token('tester')}"}
+    body = {"model": model, "prompt": PROMPT, "temperature": 0, "stream": True}
+    with https() as http:
+        # One whole stream first: the servers' thread pools then hold the threads a stream needs.
+        assert http.post(url, json=body | {"max_tokens": 4}, headers=tester).status_code == 200
+        cancelled_before = [counted(router, "specpool_router_requests_total"),
+                            counted(target, "specpool_target_requests_total")]
+        threads_before = [_threads(router), _threads(target)]
+        # As many tokens as the context holds: the request is still running when the client leaves.
+        with http.stream("POST", url, json=body | {"max_tokens": 400}, headers=tester) as reply:
+            assert reply.status_code == 200
+            first = next(line for line in reply.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+        # Leaving the block closed the connection mid-stream.
+    wait_for(lambda: [counted(router, "specpool_router_requests_total"),
+                      counted(target, "specpool_target_requests_total")] == [c + 1 for c in cancelled_before])
+    wait_for(lambda: target.metric_total("specpool_target_running_sequences") == 0)
+    wait_for(lambda: _threads(router) <= threads_before[0] and _threads(target) <= threads_before[1])
 
 
 def test_models_lists_what_the_pool_serves(pool, sdk):
