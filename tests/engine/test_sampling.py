@@ -45,8 +45,10 @@ def test_temperature_scales_the_logits():
     for temperature in (0.25, 0.7, 1.0, 1.5, 4.0):
         check(logits, SamplingParams(temperature=temperature))
     # By hand: logits ln 1, ln 2, ln 4 at T 2 give weights 1 : sqrt 2 : 2.
-    probs = logits_to_probs(torch.tensor([0.0, math.log(2), math.log(4)]), SamplingParams(temperature=2.0))
-    assert probs.double().numpy() == pytest.approx(np.array([1, math.sqrt(2), 2]) / (3 + math.sqrt(2)), rel=1e-6)
+    logits = torch.tensor([0.0, math.log(2), math.log(4)])
+    by_hand = np.array([1, math.sqrt(2), 2]) / (3 + math.sqrt(2))
+    assert reference_probs(logits.numpy(), 2.0) == pytest.approx(by_hand, rel=1e-6)
+    assert check(logits[None], SamplingParams(temperature=2.0)).all()
 
 
 def test_temperature_limits_are_greedy_and_uniform_over_tied_maxima():
