@@ -1,7 +1,11 @@
 """Turning logits into the distribution actually sampled from, and sampling from it.
 
 Every speculative path must verify against exactly the distribution the sampler used, so the
-temperature / top-k / top-p transform lives here once and both drafters and verifiers call it.
+temperature / top-k / top-p / min-p transform lives here once and both drafters and verifiers call it.
+They compose in that order: temperature scales the logits, top-k keeps every token whose logit is at
+least the k-th largest (ties at the cut all stay), top-p keeps the smallest run of the remaining tokens,
+most probable first (ties in id order), whose mass reaches top_p, and min-p keeps the tokens of those
+with p >= min_p * p_max. tests/reference_sampling.py is the same, written from the definitions in numpy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
+    min_p: float = 0.0  # 0 disables
     seed: int | None = None
 
     @property
@@ -30,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -45,12 +52,17 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # ties: lower id first
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        # p / p_max survives renormalising and every cut above keeps the most probable token, so
+        # min-p cuts what it would cut first; top-p, before it, read the mass without min-p's cut.
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits.softmax(-1)
 
 

@@ -88,6 +88,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)  # None: OpenAI's default, 1
     top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)  # not OpenAI's: vLLM's and llama.cpp's extension
     seed: int | None = Field(None, ge=0, lt=2**64)
     n: int | None = Field(None, ge=1)  # the upper bound is the target's max batch: it answers, naming n
     stop: str | list[str] | None = None
@@ -201,6 +202,7 @@ def to_generate_request(request: CompletionRequest | ChatRequest, request_id: st
             out.prompt_ids.ids.extend(prompt)
     out.sampling.temperature = 1.0 if request.temperature is None else request.temperature
     out.sampling.top_p = request.top_p or 1.0
+    out.sampling.min_p = request.min_p or 0.0
     if request.seed is not None:
         out.sampling.seed = request.seed
     if request.speculation is not None:
@@ -221,8 +223,8 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 # The Target API's field names where OpenAI's differ; fields that are no request field map to None.
-_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.seed": "seed",
-           "prompt_ids": "prompt", "request": None, "authorization": None, "x-specpool-tenant": None}
+_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.min_p": "min_p",
+           "sampling.seed": "seed", "prompt_ids": "prompt", "request": None, "authorization": None, "x-specpool-tenant": None}
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]-]*): ")
 
 

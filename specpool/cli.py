@@ -73,7 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specpool.engine.decoding import generate
     from specpool.engine.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed)
     params.validate()
     model, tokenizer = load_model(args)
     if args.chat:
@@ -192,6 +193,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     g.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the most likely tokens up to this total probability (1: all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the tokens at least this share as likely as the most likely one (0: all)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (unset: a fresh random one)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_args(g)

@@ -140,20 +140,31 @@ def report(check: TvCheck, twin: bool = False, at_n: int | None = None, **shares
     print(("TWIN | " if twin else "LOSSLESS | ") + " | ".join(parts))
 
 
+def exact_probs(logits: Tensor, params) -> Tensor:
+    """[..., V] logits -> the engine's sampled distribution under params (logits_to_probs), asserted
+    equal to the numpy reference's (tests/reference_sampling.py): every exact distribution a lossless
+    test compares with comes from here, so a temperature / top-k / top-p / min-p bug in the engine
+    fails the test instead of moving its exact distribution along with its samples."""
+    from specpool.engine.sampling import logits_to_probs
+    from tests.reference_sampling import assert_matches_reference
+
+    probs = logits_to_probs(logits, params)
+    assert_matches_reference(probs.numpy(), logits.detach().float().numpy(), params)
+    return probs
+
+
 def exact_joint(model, prompt: list[int], params, first: int, last: int) -> Tensor:
     """p(t_first .. t_last | prompt) over generated tokens t_0, t_1, .. (0 is the prefill's), the
     earlier ones marginalised, enumerated from the model: [V ** (last - first + 1)], row-major."""
-    from specpool.engine.sampling import logits_to_probs
-
     v, length = model.config.vocab_size, last + 1
     cache = model.new_cache(v ** (length - 1) + 1, len(prompt) + length)
-    p0 = logits_to_probs(model.forward(cache, [cache.allocate()], [prompt]), params)[0].double()  # [V]
+    p0 = exact_probs(model.forward(cache, [cache.allocate()], [prompt]), params)[0].double()  # [V]
     if length == 1:
         return p0
     prefixes = torch.cartesian_prod(*[torch.arange(v)] * (length - 1)).reshape(-1, length - 1)  # t_0..t_{L-2}
     slots = [cache.allocate() for _ in range(len(prefixes))]
     logits = model.forward(cache, slots, [prompt + r.tolist() for r in prefixes], all_logits=True)
-    p = logits_to_probs(logits[:, -(length - 1):], params).double()  # [R, L-1, V]: p(t_i | .. t_{i-1})
+    p = exact_probs(logits[:, -(length - 1):], params).double()  # [R, L-1, V]: p(t_i | .. t_{i-1})
     rows, joint = torch.arange(len(prefixes)), p0[prefixes[:, 0]]
     for i in range(1, length - 1):
         joint = joint * p[rows, i - 1, prefixes[:, i]]

@@ -88,6 +88,7 @@ def generate_request(
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     n: int = 1,
     stop_token_ids: Sequence[int] = (),
@@ -104,7 +105,7 @@ def generate_request(
     request = pb.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, max_tokens=max_tokens, n=n,
         stop_token_ids=stop_token_ids,
-        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
         speculation=pb.SpeculationPreference(method=METHODS[speculation], max_draft_tokens=max_draft_tokens),
     )
     if prompt is not None:

@@ -132,6 +132,7 @@ def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") ->
         temperature=msg.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.top_p > 0 else 1.0,
+        min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
     )
 
@@ -144,10 +145,13 @@ def check_sampling(msg: target_pb2.SamplingParams, field: str = "sampling") -> N
         raise FieldError(f"{field}.top_p", f"must be in [0, 1] (0 or 1: no nucleus truncation), got {msg.top_p}")
     if msg.top_k < 0:
         raise FieldError(f"{field}.top_k", f"must be >= 0 (0: no top-k truncation), got {msg.top_k}")
+    if not 0.0 <= msg.min_p <= 1.0:  # NaN fails too
+        raise FieldError(f"{field}.min_p", f"must be in [0, 1] (0: no min-p truncation), got {msg.min_p}")
 
 
 def sampling_to_pb(params: SamplingParams) -> target_pb2.SamplingParams:
-    msg = target_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    msg = target_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    min_p=params.min_p)
     if params.seed is not None:
         msg.seed = params.seed
     return msg

@@ -14,11 +14,11 @@ from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
 from specpool.engine.head import HeadDrafter
 from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
+from specpool.engine.sampling import SamplingParams, make_generator
 from specpool.engine.ssd import SsdDrafter
 from tests.engine.test_head import tiny_head, trained_tiny_head
 from tests.engine.test_ssd import Inline, UnrescaledQ, scored_sources
-from tests.stats import check_tv, report
+from tests.stats import check_tv, exact_probs, report
 
 # A head trained on this target's samples agrees with it often enough for both hits and misses.
 TARGET = Llama.random_init(tiny_config(vocab_size=64), seed=11)
@@ -191,7 +191,7 @@ def exact_top_k(model: Llama, prompt: list[int], params: SamplingParams, first: 
     for step in range(last + 1):
         cache = model.new_cache(len(paths), len(prompt) + step)
         logits = model.forward(cache, [cache.allocate() for _ in paths], [prompt + list(p) for p, _ in paths])
-        probs = logits_to_probs(logits, params).double()  # [paths, V]
+        probs = exact_probs(logits, params).double()  # [paths, V]
         paths = [(p + (t,), w * probs[i, t].item()) for i, (p, w) in enumerate(paths)
                  for t in probs[i].nonzero().flatten().tolist()]
     joint: dict[tuple[int, ...], float] = defaultdict(float)

@@ -26,13 +26,16 @@ from specpool_client.v1 import target_pb2 as pb
 def test_a_completion_request_becomes_a_generate_request_with_openai_defaults():
     out = to_generate_request(parse(CompletionRequest, {"model": "m", "prompt": "hi", "user": "ignored"}), "id-1")
     assert (out.request_id, out.model, out.prompt, out.max_tokens, out.n) == ("id-1", "m", "hi", COMPLETIONS_MAX_TOKENS, 1)
-    assert (out.sampling.temperature, out.sampling.top_p, out.sampling.HasField("seed")) == (1.0, 1.0, False)
+    assert (out.sampling.temperature, out.sampling.top_p, out.sampling.min_p, out.sampling.HasField("seed")) == (
+        1.0, 1.0, 0.0, False)
     assert out.speculation.method == pb.SPECULATION_METHOD_UNSPECIFIED
 
     ids = to_generate_request(parse(CompletionRequest, {"model": "m", "prompt": [[5, 6, 7]], "temperature": 0,
-                                                        "top_p": 0.5, "seed": 9, "n": 3, "max_tokens": 4}), "x")
+                                                        "top_p": 0.5, "min_p": 0.25, "seed": 9, "n": 3,
+                                                        "max_tokens": 4}), "x")
     assert list(ids.prompt_ids.ids) == [5, 6, 7] and ids.WhichOneof("input") == "prompt_ids"
-    assert (ids.sampling.temperature, ids.sampling.top_p, ids.sampling.seed, ids.n, ids.max_tokens) == (0, 0.5, 9, 3, 4)
+    assert (ids.sampling.temperature, ids.sampling.top_p, ids.sampling.min_p, ids.sampling.seed, ids.n,
+            ids.max_tokens) == (0, 0.5, 0.25, 9, 3, 4)
 
 
 def test_a_chat_request_carries_its_messages_and_the_speculation_extension():
@@ -53,6 +56,7 @@ def test_a_chat_request_carries_its_messages_and_the_speculation_extension():
     ({"model": "m", "prompt": "x", "temperature": -1}, "temperature"),
     ({"model": "m", "prompt": "x", "max_tokens": -5}, "max_tokens"),
     ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
     ({"model": "m", "prompt": "x", "n": 0}, "n"),
     ({"model": "m", "prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x"}, "model"),

@@ -53,7 +53,7 @@ def test_unknown_enum_numbers_name_the_field(convert, field):
 
 def test_sampling_round_trips_with_and_without_a_seed():
     # The wire carries float32: these values are exact in it.
-    for params in (SamplingParams(), SamplingParams(temperature=0.75, top_k=40, top_p=0.875, seed=123)):
+    for params in (SamplingParams(), SamplingParams(temperature=0.75, top_k=40, top_p=0.875, min_p=0.125, seed=123)):
         assert sampling_from_pb(sampling_to_pb(params)) == params
     assert not sampling_to_pb(SamplingParams()).HasField("seed")
     # top_p 0 on the wire is proto3's "unset": no nucleus truncation.
@@ -67,6 +67,9 @@ def test_sampling_round_trips_with_and_without_a_seed():
     ({"top_p": 1.5}, "top_p"),
     ({"top_p": math.nan}, "top_p"),
     ({"top_k": -1}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": math.nan}, "min_p"),
 ])
 def test_bad_sampling_values_name_their_field(kwargs, field):
     with pytest.raises(FieldError) as err:

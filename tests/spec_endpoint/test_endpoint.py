@@ -429,6 +429,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
         ({}, {}, {"temperature": -0.5}, INVALID, "sessions[0].sampling.temperature: "),
         ({}, {}, {"top_p": 1.5}, INVALID, "sessions[0].sampling.top_p: "),
         ({}, {}, {"top_k": -1}, INVALID, "sessions[0].sampling.top_k: "),
+        ({}, {}, {"min_p": 1.5}, INVALID, "sessions[0].sampling.min_p: "),
         ({"lease_s": -1}, {}, {}, INVALID, "lease_s: "),
     ],
 )
