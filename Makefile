@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench bench-deps proto lint chart clean readme
+.PHONY: setup run test test-fast test-deps bench bench-deps proto lint chart clean readme
 
 setup: $(STAMP)
 
@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml client/pyproject.toml Makefile
 run: setup
 	$(BIN)/specpool demo
 
-test: setup
-	$(BIN)/pytest -q
+# The tests need every tool installed (none skips for a missing one) and print the 30 slowest.
+test: setup test-deps
+	$(BIN)/pytest -q --durations=30
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
@@ -43,8 +44,19 @@ bench: bench-deps
 LLAMACPP            := llama-cpp-python==0.3.36
 LLAMACPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF
-bench-deps: setup
+# Built once per pin: the stamp names it.
+LLAMACPP_STAMP      := $(VENV)/.$(subst ==,-,$(LLAMACPP))
+bench-deps: setup $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): | $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet '$(LLAMACPP)'
+	touch $@
+
+# What the slow tests run beyond the project's own packages, each installed once and cached: llama.cpp
+# (tests/bench/test_llamacpp_peer.py) and a Prometheus server (tests/cluster/test_dashboard_prometheus.py;
+# Debian's package, see scripts/install_prometheus.py). helm comes with `make setup`.
+test-deps: bench-deps
+	$(BIN)/python scripts/install_prometheus.py
 
 # The stubs live in the client package (specpool_client.v1, client/) and are committed; re-run after
 # editing a .proto. Their imports of each other are made relative, so the package is theirs to name.
