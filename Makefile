@@ -85,19 +85,24 @@ readme: setup
 
 # The image every chart component runs (helm/specpool), tagged with the chart's appVersion: a chart
 # installed with image.repository=$(IMAGE) finds it without a tag. Push it yourself, e.g.
-#   make image IMAGE=registry.example.com/team/specpool && docker push registry.example.com/team/specpool:0.1.0
-# image-cuda: torch from an index of CUDA builds (PyPI's Linux wheels are; or a cuXXX index of PyTorch's
-# matching your driver), tagged <appVersion>-cuda: the chart's image.variant: cuda.
+#   make image IMAGE=registry.example.com/team/specpool CPU_TORCH_INDEX=... && docker push registry.example.com/team/specpool:0.1.0
+# Each takes torch 2.13.0 from the wheel index you name (the Dockerfile's TORCH_INDEX_URL): image from
+# PyTorch's index of CPU builds; image-cuda from an index of CUDA builds (PyPI's simple index, whose Linux
+# wheels are; or PyTorch's cuXXX index matching your driver), tagged <appVersion>-cuda: the chart's
+# image.variant: cuda.
 IMAGE            ?= specpool
 APP_VERSION      := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^" ]*\)"\{0,1\}.*/\1/p' helm/specpool/Chart.yaml)
-CUDA_TORCH_INDEX ?= https://pypi.org/simple
 
 .PHONY: image image-cuda chart-schema
 
 image:
-	docker build -t $(IMAGE):$(APP_VERSION) .
+	$(if $(CPU_TORCH_INDEX),,$(error make image needs CPU_TORCH_INDEX=URL: PyTorch's wheel index of CPU builds \
+		(the URL ending in /whl/cpu)))
+	docker build --build-arg TORCH_INDEX_URL=$(CPU_TORCH_INDEX) -t $(IMAGE):$(APP_VERSION) .
 
 image-cuda:
+	$(if $(CUDA_TORCH_INDEX),,$(error make image-cuda needs CUDA_TORCH_INDEX=URL: a wheel index of CUDA builds \
+		of torch 2.13.0 for Python 3.11, PyPI's simple index or PyTorch's for your CUDA (ending in /whl/cu126 for 12.6)))
 	docker build --build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX) -t $(IMAGE):$(APP_VERSION)-cuda .
 
 # helm/specpool/values.schema.json from its spec in scripts/chart_schema.py (tests/helm checks it is current).

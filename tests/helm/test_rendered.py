@@ -541,12 +541,22 @@ def test_misconfiguration_cases_are_otherwise_valid(helm, tmp_path):
 
 def test_make_image_tags_with_the_charts_app_version():
     version = chart_app_version()
-    for target, expected in (("image", f"docker build -t specpool:{version} ."),
-                             ("image-cuda", f"-t specpool:{version}-cuda .")):
-        out = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=REPO, timeout=60,
+    for target, index, expected in (("image", "CPU_TORCH_INDEX=file:///cpu", f"-t specpool:{version} ."),
+                                    ("image-cuda", "CUDA_TORCH_INDEX=file:///cuda", f"-t specpool:{version}-cuda .")):
+        out = subprocess.run(["make", "-n", target, index], capture_output=True, text=True, cwd=REPO, timeout=60,
                              check=False)
         assert out.returncode == 0, out.stderr
-        assert expected in out.stdout, (target, out.stdout)
-    cuda = subprocess.run(["make", "-n", "image-cuda", "IMAGE=registry.example.com/specpool"], capture_output=True,
-                          text=True, cwd=REPO, timeout=60, check=True).stdout
-    assert "--build-arg TORCH_INDEX_URL=" in cuda and f"registry.example.com/specpool:{version}-cuda" in cuda
+        assert f"docker build --build-arg TORCH_INDEX_URL={index.partition('=')[2]} {expected}" in out.stdout, out.stdout
+    cuda = subprocess.run(["make", "-n", "image-cuda", "CUDA_TORCH_INDEX=file:///cuda", "IMAGE=registry.example.com/specpool"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60, check=True).stdout
+    assert f"registry.example.com/specpool:{version}-cuda" in cuda
+
+
+def test_make_image_names_the_torch_index_it_needs():
+    """No index is assumed (the repository names no registry's host): without one, each target stops
+    before building, naming the variable to pass."""
+    for target, variable in (("image", "CPU_TORCH_INDEX"), ("image-cuda", "CUDA_TORCH_INDEX")):
+        out = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=REPO, timeout=60,
+                             check=False)
+        assert out.returncode != 0 and "docker build" not in out.stdout, (target, out.stdout)
+        assert f"make {target} needs {variable}=URL" in out.stderr, out.stderr
