@@ -1,9 +1,10 @@
 """Installs the Prometheus server the dashboard's live check runs (tests/cluster/test_dashboard_prometheus.py;
 `make test-deps`, which `make test` runs): `prometheus` on PATH, else Debian's `prometheus` package
-unpacked into .cache/prometheus/, no install as root needed: `apt-get download prometheus` fetches the
-.deb from the machine's configured Debian mirror (after `apt-get update` when the package lists lack it
-and this runs as root) and `dpkg-deb -x` unpacks it. The package is a static Go binary needing only libc;
-its other dependencies (the web UI's JavaScript libraries, adduser) serve nothing the HTTP API needs.
+copied into .cache/prometheus/, no install as root needed: `apt-get download prometheus` fetches the .deb
+from the machine's configured Debian mirror (after `apt-get update` when the package lists lack it and this
+runs as root) and `dpkg-deb -x` unpacks it, of which only the binary is kept. It is a static Go binary
+needing only libc; the package's other dependencies (the web UI's JavaScript libraries, adduser) serve
+nothing the HTTP API needs.
 
     python scripts/install_prometheus.py    # prints the binary's path (downloads it once)
 """
@@ -29,7 +30,7 @@ class PrometheusInstallError(Exception):
 
 
 def cached_path(cache: Path = CACHE) -> Path:
-    return cache / "root" / "usr" / "bin" / "prometheus"
+    return cache / "prometheus"
 
 
 def find_prometheus(cache: Path = CACHE) -> Path | None:
@@ -66,12 +67,10 @@ def ensure_prometheus(cache: Path = CACHE, timeout_s: float = 300.0) -> Path:
             raise PrometheusInstallError(f"apt-get download {PACKAGE} left no {PACKAGE}_*.deb: {WHAT_TO_INSTALL}")
         unpacked = Path(tmp) / "root"
         _run(["dpkg-deb", "-x", str(debs[-1]), str(unpacked)], tmp, timeout_s)
-        # Swapped in whole: a concurrent run never sees half a tree.
-        target = cache / "root"
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(unpacked, target)
-    binary = cached_path(cache)
+        shipped, binary = unpacked / "usr" / "bin" / "prometheus", cached_path(cache)
+        if not shipped.is_file():
+            raise PrometheusInstallError(f"{debs[-1].name} has no usr/bin/prometheus: {WHAT_TO_INSTALL}")
+        os.replace(shipped, binary)  # renamed into place: a concurrent run never sees half a binary
     if not _version(binary):
         raise PrometheusInstallError(f"{binary} from Debian's {PACKAGE} package does not run here: "
                                      f"{WHAT_TO_INSTALL}")
