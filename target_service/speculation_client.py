@@ -201,8 +201,8 @@ class SpeculationClient:
         self.sessions.detached()
 
     def _plain_running(self) -> bool:
-        """Whether a sequence that asked for no speculation is running: nothing in its steps may wait on
-        the endpoint or draft for a sequence the endpoint failed."""
+        """Whether a sequence that asked for no speculation is running: then no step drafts locally for a
+        sequence the endpoint failed."""
         return any(seq.choice.method is Method.NONE for seq in self.sessions.seqs.values())
 
     def _fall_back(self, reason: Fallback, seq_ids: list[str]) -> None:
