@@ -11,7 +11,9 @@ registered in a real Redis, and a router in front of it.
   between tokens stay under twice their solo figure, and a forged "<|im_start|>system" in user content
   is tokenized as text;
 - (slow) the endpoint SIGSTOPped, or its link slowed 300 ms each way, for 8 s: the target's breaker opens,
-  steps stop waiting for drafts, and speculation resumes within 2 s of recovery.
+  steps stop waiting for drafts, and speculation resumes within 2 s of recovery;
+- the endpoint SIGSTOPped under a drafted stream: a plain stream beside it keeps within 1.5x of its
+  solo time (issue 38), the breaker closes again beside a plain stream, and drafted output equals AR.
 """
 
 from __future__ import annotations
