@@ -7,12 +7,13 @@ stream and a co-batched plain one on one target.
 Figures, per fault, all from one run (this machine is shared and noisy):
 - plain_solo: the plain stream's tokens/s alone (its prompt decoded plainly, so also the AR rate);
 - plain_during / drafted_during: each stream's tokens/s while the target's breaker was open;
-- plain_ratio = plain_solo / plain_during (issue 13: within 1.2x) and drafted_ratio =
-  plain_solo / drafted_during (the drafted request against AR: within 1.3x);
+- plain_ratio = plain_solo / plain_during (issue 38: within 1.5x; issue 13 asked 1.2x) and
+  drafted_ratio = plain_solo / drafted_during (the drafted request against AR: within 1.3x). While
+  the breaker is open the drafted stream decodes plainly beside the plain one (no local drafts: they
+  would widen the plain row's forward), so both run at the rate of two plain rows;
 - tripped_s: fault to breaker open; resumed_s: recovery to breaker closed (within 2 s);
-- step_costs: the target's forward for the plain row alone and batched with the drafted row's
-  verify. A co-batched plain stream cannot beat joint_over_solo; `passed` asks that it stays within
-  1.2x of that (no waiting on drafts) and reports the issue's 1.2x-of-solo figure beside it;
+- step_costs: the target's forward for the plain row alone, beside a second plain row (what it pays
+  while the endpoint fails) and batched with the drafted row's verify (what it paid before, issue 38);
 - the drafted stream's tokens equal AR, and a request sent after recovery is drafted by the endpoint
   again (`after`: its steps, drafted tokens and rounds drafted locally).
 
@@ -132,9 +133,8 @@ class RecordedStream:
 
 
 def step_costs(gguf: Path, draft_tokens: int, context: int = 200, repeats: int = 15) -> dict:
-    """Median ms of the target's forward, one thread as the served target: a plain row alone, and a
-    plain row batched with a drafted row verifying draft_tokens + 1 positions. Their ratio is what
-    co-batching costs a plain stream whatever the endpoint does."""
+    """Median ms of the target's forward, one thread as the served target: a plain row alone, beside
+    another plain row, and batched with a drafted row verifying draft_tokens + 1 positions."""
     torch.set_num_threads(1)
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     cache = model.new_cache(2, context + draft_tokens + 2)
@@ -153,8 +153,10 @@ def step_costs(gguf: Path, draft_tokens: int, context: int = 200, repeats: int =
         return 1e3 * sorted(times)[len(times) // 2]
 
     solo = median_ms([plain], [[5]])
+    two_plain = median_ms([plain, drafted], [[5], [5]])
     joint = median_ms([plain, drafted], [[5], list(range(5, 6 + draft_tokens))])
-    return {"solo_step_ms": solo, "joint_step_ms": joint, "joint_over_solo": joint / solo}
+    return {"solo_step_ms": solo, "two_plain_step_ms": two_plain, "two_plain_over_solo": two_plain / solo,
+            "joint_step_ms": joint, "joint_over_solo": joint / solo}
 
 
 def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_tokens: int, plain_tokens: int,
@@ -264,9 +266,9 @@ def main() -> int:
         print(json.dumps(figures, indent=1), flush=True)
         results.append(figures)
     for r in results:
+        r["plain_within_1_5x_of_solo"] = r["plain_ratio"] <= 1.5
         r["plain_within_1_2x_of_solo"] = r["plain_ratio"] <= 1.2
-        r["plain_within_1_2x_of_its_forward"] = r["plain_ratio"] <= 1.2 * costs["joint_over_solo"]
-    passed = all(r["plain_within_1_2x_of_its_forward"] and r["drafted_ratio"] <= 1.3 and r["resumed_s"] < 2.0
+    passed = all(r["plain_within_1_5x_of_solo"] and r["drafted_ratio"] <= 1.3 and r["resumed_s"] < 2.0
                  and r["equal_ar"] and r["resumed_drafting"] for r in results)
     report = {"command": "python -m specpool.bench.grey_failure " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                    vars(args).items() if k != "json"),

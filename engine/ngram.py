@@ -14,6 +14,7 @@ point mass and never sees these scores.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,8 +49,10 @@ class NgramIndex:
         """-> (matched suffix length, continuations of its most recent earlier occurrences)."""
         last = len(self.tokens) - 1
         for n in range(min(self.max_n, len(self.tokens)), 0, -1):
-            ends = self._ends.get(tuple(self.tokens[-n:]), [])
-            found = [self.tokens[e + 1 : e + 1 + length] for e in reversed(ends) if e < last][:max_matches]
+            # The most recent first, and only as many as wanted: in a loop an n-gram ends at nearly every
+            # position, and slicing them all cost ~50 ms a lookup at 3000 tokens, on the target's step.
+            earlier = (e for e in reversed(self._ends.get(tuple(self.tokens[-n:]), ())) if e < last)
+            found = [self.tokens[e + 1 : e + 1 + length] for e in itertools.islice(earlier, max_matches)]
             found = [c for c in found if c]
             if found:
                 return n, found

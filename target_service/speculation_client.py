@@ -200,6 +200,11 @@ class SpeculationClient:
         conn.close()
         self.sessions.detached()
 
+    def _plain_running(self) -> bool:
+        """Whether a sequence that asked for no speculation is running: then no step drafts locally for a
+        sequence the endpoint failed."""
+        return any(seq.choice.method is Method.NONE for seq in self.sessions.seqs.values())
+
     def _fall_back(self, reason: Fallback, seq_ids: list[str]) -> None:
         self.observer.fell_back(reason, seq_ids)
 
@@ -254,6 +259,10 @@ class SpeculationClient:
 
     def finish_groups(self, pending: DraftRound) -> list[Drafts]:
         remote = self._receive(pending)
+        # Beside a plain sequence, one the endpoint failed this round decodes plainly: its local drafts would
+        # be made on this core and verified in the plain row's forward, wider than its own (a plain stream
+        # ran 2.5-3x its solo time while the endpoint hung, issue 38).
+        plain_decodes = self._plain_running()
         out = []
         for r in pending.requests:
             rows = []
@@ -264,7 +273,7 @@ class SpeculationClient:
                     continue
                 if seq_id in remote:
                     rows.append(remote[seq_id])
-                elif n <= 0:
+                elif n <= 0 or (seq.choice.remote and plain_decodes):
                     rows.append(([], None, None))
                 elif seq.choice.tree:
                     tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)

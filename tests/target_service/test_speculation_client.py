@@ -124,11 +124,14 @@ def client_for(address: str | None, observer: Recorder) -> SpeculationClient:
     return client
 
 
-def decode(model, client: SpeculationClient, choice: SpeculationChoice, draft_tokens: int = 3):
+def decode(model, client: SpeculationClient, choice: SpeculationChoice | list[SpeculationChoice],
+           draft_tokens: int = 3):
+    """choice: every sequence's, or each one's."""
+    choices = choice if isinstance(choice, list) else [choice] * len(PROMPTS)
     decoder = Decoder(model, len(PROMPTS), 128, client, TargetDraftLength(client, None, fixed=draft_tokens))
     results = []
     for i, prompt in enumerate(PROMPTS):
-        client.configure(str(i), choice, SamplingParams())
+        client.configure(str(i), choices[i], SamplingParams())
         results.append(decoder.add(str(i), prompt, SamplingParams(), NEW, stop_ids=[]))
     while decoder.has_work:
         decoder.step()
@@ -234,12 +237,25 @@ def test_a_dead_endpoint_makes_sequences_draft_locally_with_the_ar_tokens(tiny_m
     observer = Recorder()
     client = client_for("127.0.0.1:1", observer)  # nothing listens there
     try:
-        tokens, _ = decode(tiny_model, client, REMOTE)
+        tokens, results = decode(tiny_model, client, REMOTE)
     finally:
         client.close()
     assert tokens == ar
     assert observer.reasons == {Fallback.ENDPOINT_UNAVAILABLE} and observer.rounds == 0
     assert {s for _, s in observer.fallbacks} == set(ar)
+    assert all(r.drafted_tokens > 0 for r in results)
+
+
+def test_beside_a_plain_sequence_the_ones_a_dead_endpoint_fails_decode_plainly(tiny_model, ar):
+    """Issue 38: their local drafts would be verified in the plain row's forward, wider than its own;
+    alone (the test above) they draft locally."""
+    client = client_for("127.0.0.1:1", Recorder())
+    try:
+        tokens, results = decode(tiny_model, client, [REMOTE, REMOTE, SpeculationChoice(Method.NONE, False)])
+    finally:
+        client.close()
+    assert tokens == ar
+    assert [r.drafted_tokens for r in results] == [0, 0, 0]
 
 
 def test_without_an_endpoint_configured_the_reason_says_so(tiny_model, ar):
