@@ -251,6 +251,11 @@ class Decoder:
             self.cache.release(seq.slot)
             if self.drafter is not None:
                 self.drafter.release(seq.seq_id)
+        # A group's random stream ends with its last sequence: a seeded request sent again draws afresh
+        # from its seed, and the distinct parameters a long-lived decoder has seen are not all kept.
+        if not any(s is not seq and s.params == seq.params and not s.result.finish_reason
+                   for s in (*self.waiting, *self.running)):
+            self._generators.pop(seq.params, None)
 
     def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None,
                  prefill: bool = False):

@@ -151,6 +151,22 @@ def test_a_broken_drafter_ends_at_most_its_own_group(tiny_model, fault):
     assert decoder.cache.free_slots == 4  # every slot came back, the failed sequence's too
 
 
+def test_a_seeded_request_draws_the_same_tokens_again_once_its_group_has_left(tiny_model):
+    """A sampling group's random stream lives as long as a sequence with those parameters runs: the same
+    seeded request sent again to a warm decoder repeats its tokens (it continued the old stream, and
+    every distinct seed ever seen kept a generator)."""
+    decoder = Decoder(tiny_model, 4, 64)
+    params = SamplingParams(temperature=1.0, seed=7)
+    runs = []
+    for _ in range(2):
+        result = decoder.add("s", [5, 6, 7], params, 16, stop_ids=[])
+        while decoder.has_work:
+            decoder.step()
+        runs.append(result.token_ids)
+    assert runs[0] == runs[1]
+    assert not decoder._generators, "a generator outlived its group"
+
+
 class SlowRemoteDrafter(ModelDrafter):
     """Drafts like ModelDrafter, for sequences named "remote-*" as a remote endpoint would: asked in
     start_groups, ready only after `delay` checks."""
