@@ -306,7 +306,8 @@ class SpeculationClient:
             return None
         # An open prefills the context on the endpoint, longer than a round: it may take the configured
         # deadline, not the adaptive one (a few round trips), or a new sequence's first round drafts locally.
-        wait_s = 0.0 if probing else self.breaker.max_deadline_s
+        # Beside a plain sequence it waits for nothing: the plain row would wait with it (issue 38).
+        wait_s = 0.0 if probing or self._plain_running() else self.breaker.max_deadline_s
         if not self.sessions.open(conn, wanted_ids, wait_s, timeout_s=max(10.0, self.breaker.max_deadline_s)):
             self._detach(conn)
             self._fall_back(Fallback.ENDPOINT_FAILED, wanted_ids)

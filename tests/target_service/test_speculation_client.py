@@ -3,6 +3,7 @@ session bookkeeping and the fallback, and a real gRPC endpoint in this process s
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -254,6 +255,37 @@ def test_beside_a_plain_sequence_the_ones_a_dead_endpoint_fails_decode_plainly(t
         tokens, results = decode(tiny_model, client, [REMOTE, REMOTE, SpeculationChoice(Method.NONE, False)])
     finally:
         client.close()
+    assert tokens == ar
+    assert [r.drafted_tokens for r in results] == [0, 0, 0]
+
+
+def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model, ar):
+    """An open waits up to the configured deadline on the step, so a new sequence's first round can
+    draft remotely; beside a plain sequence it waits for nothing (the plain row would wait with it).
+    Here the endpoint never answers OpenSessions and the deadline is a minute: the decode still ends."""
+    class HungOpens(Endpoint):
+        def __init__(self, truth):
+            super().__init__(truth)
+            self.release = threading.Event()
+
+        def OpenSessions(self, request, context):
+            self.release.wait(60)
+            return super().OpenSessions(request, context)
+
+    endpoint = HungOpens(ar)
+    server, address = serve(endpoint)
+    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
+    try:
+        assert client.wait_attached(5.0)
+        with ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(decode, tiny_model, client, [REMOTE, REMOTE, SpeculationChoice(Method.NONE, False)])
+            try:
+                tokens, results = decoding.result(timeout=20)
+            finally:
+                endpoint.release.set()
+    finally:
+        client.close()
+        server.stop(0)
     assert tokens == ar
     assert [r.drafted_tokens for r in results] == [0, 0, 0]
 
