@@ -23,6 +23,7 @@ from tests.cluster.test_disaggregation import (
     PROMPT,
     SAMPLES,
     STRONG_TWIN_SAMPLES,
+    VARIANT_SAMPLES,
     V,
     start_endpoint,
     start_target,
@@ -94,6 +95,9 @@ NEW = 6  # with 2 drafts a round the second round always has room to draft: a ca
 SCORED = (3, 4)  # generated tokens 4-5 (0-based 3, 4): every row's come (mostly) from its second round
 
 
+MODE_SAMPLES = {"push": SAMPLES, "pull": VARIANT_SAMPLES}  # pull: a variant (test_disaggregation)
+
+
 def ssd_server_check(name: str, files: tuple[Path, ...], mode: str, samples: int = SAMPLES,
                      twin: tuple[str, float] | None = None):
     """-> (TV check of generated tokens 4-5 through SSD in `mode`, shares of rows with a cache hit /
@@ -143,7 +147,7 @@ def ssd_files(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
-    result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode)
+    result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode, MODE_SAMPLES[mode])
     report(result, **shares)
     assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
     assert result.passed, result
@@ -154,7 +158,7 @@ def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
 def test_the_harness_catches_a_biased_ssd_endpoint(ssd_files, mode):
     twin, shares = ssd_server_check(f"SSD {mode}, misreported-cache-q 0.5", ssd_files, mode, STRONG_TWIN_SAMPLES,
                                     twin=("misreported-cache-q", 0.5))
-    report(twin, twin=True, at_n=SAMPLES, **shares)
+    report(twin, twin=True, at_n=MODE_SAMPLES[mode], **shares)
     assert shares["cache hit"] > 0.2, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"
 
