@@ -8,6 +8,7 @@ exactly one place where speculated tokens turn into output.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -163,6 +164,7 @@ class Decoder:
         self._generator_override = generator  # one stream for every group (reproducible tests)
         self._asked: _Asked | None = None  # the round whose drafts are being made
         self._generators: dict[SamplingParams, torch.Generator] = {}
+        self._group_sizes: Counter[SamplingParams] = Counter()  # live sequences per sampling group
 
     @property
     def has_work(self) -> bool:
@@ -191,6 +193,7 @@ class Decoder:
         stop = frozenset(stop_ids if stop_ids is not None else [self.model.config.eos_id])
         seq = _Sequence(seq_id, list(prompt), params, max_new_tokens, stop, GenerationResult(list(prompt)))
         self.waiting.append(seq)
+        self._group_sizes[params] += 1
         return seq.result
 
     def cancel(self, seq_id: str) -> bool:
@@ -253,8 +256,9 @@ class Decoder:
                 self.drafter.release(seq.seq_id)
         # A group's random stream ends with its last sequence: a seeded request sent again draws afresh
         # from its seed, and the distinct parameters a long-lived decoder has seen are not all kept.
-        if not any(s is not seq and s.params == seq.params and not s.result.finish_reason
-                   for s in (*self.waiting, *self.running)):
+        self._group_sizes[seq.params] -= 1
+        if self._group_sizes[seq.params] <= 0:
+            del self._group_sizes[seq.params]
             self._generators.pop(seq.params, None)
 
     def _forward(self, batch: list[_Sequence], feed: list[list[int]], all_logits: bool, parents=None,
