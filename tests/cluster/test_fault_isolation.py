@@ -250,8 +250,11 @@ def test_a_4_mb_text_prompt_is_refused_at_once_and_stalls_no_stream(real_target)
 
     during = _gaps(s, other, during=attack)
     assert [code for code, _, _ in refusals] == [grpc.StatusCode.INVALID_ARGUMENT] * 3, refusals
-    assert all(details.startswith("prompt:") for _, details, _ in refusals)
-    assert max(t for _, _, t in refusals) < 0.2, refusals
+    # Refused by its byte length, before the tokenizer reads it (the message names the bytes). The time
+    # bound is loose (0.46 s seen on a loaded 2-core machine against about 0.15 s quiet): 4 MB must still
+    # cross TLS, and the stream beside it is what must not stall.
+    assert all(details.startswith("prompt:") and "bytes of text cannot fit" in details for _, details, _ in refusals)
+    assert max(t for _, _, t in refusals) < 2.0, refusals
     print(f"refused in {max(t for _, _, t in refusals) * 1e3:.0f} ms; max gap solo {max(solo) * 1e3:.0f} ms, "
           f"during {max(during) * 1e3:.0f} ms")
     assert max(during) < 2 * max(solo), (solo, during)

@@ -522,6 +522,7 @@ def test_a_redis_restart_loses_no_in_flight_request_and_the_registry_rebuilds(cl
         return (sorted(t.tenant for t in registry.targets() if t.model == model) == ["target-1", "target-2"]
                 and "spec-1" in [e.id for e in registry.endpoints()])
     wait_for(rebuilt, timeout_s=5)
+    wait_for_model(router, model)  # the router's snapshot follows the registry within its 0.25 s re-read
     after = generate_result(s, request(model, "after-restart", DRAFT, max_tokens=5), timeout=30)
     assert len(after.completions[0].token_ids) == 5
     wait_for(lambda: router.metric_total("specpool_router_decisions_total", model=model, plan="draft_model",
