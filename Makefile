@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-fast test-deps bench bench-deps proto lint chart clean readme
+.PHONY: setup run test test-full test-fast test-deps bench bench-deps proto lint chart clean readme
 
 setup: $(STAMP)
 
@@ -27,9 +27,14 @@ $(STAMP): pyproject.toml client/pyproject.toml Makefile
 run: setup
 	$(BIN)/specpool demo
 
-# The tests need every tool installed (none skips for a missing one) and print the 30 slowest.
+# The tests need every tool installed (none skips for a missing one) and print the 30 slowest. `test`
+# (CI) runs the lossless tests at the rows their strong twins are caught at; `test-full` at full power,
+# with the near-limit twins (tests/README.md): run it after touching a sampler, verifier or drafter.
 test: setup test-deps
 	$(BIN)/pytest -q --durations=30
+
+test-full: setup test-deps
+	SPECPOOL_TEST_FULL_POWER=1 $(BIN)/pytest -q --durations=30
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"

@@ -10,6 +10,7 @@ from specpool.engine.device import native_bf16
 from specpool.engine.model import Llama
 from specpool.engine.process_env import NO_NATIVE_BF16
 from tests.pki import CA
+from tests.stats import FULL_POWER
 
 # Servers the tests start run secure, as in production: they issue themselves certificates from CA.
 os.environ.update(CA.env)
@@ -64,6 +65,18 @@ def pytest_runtest_teardown(item, nextitem):
                           for pid, cmd in alive.items())
         pytest.fail(f"processes left running after the tests of {item.module.__name__}:\n{leaks}", pytrace=False)
     return result
+
+
+def pytest_collection_modifyitems(config, items):
+    """Outside `make test-full`, the tests marked `full_power` are deselected (tests/stats.py): twins
+    placed near the full-power detection limit, which the CI tier's rows would not catch, and variants'
+    twins, whose mechanism's twin runs in both tiers."""
+    if FULL_POWER:
+        return
+    deselected = [item for item in items if item.get_closest_marker("full_power")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("full_power")]
 
 
 # A machine without native bf16 runs the same code under both kinds: there the second one would repeat the first.

@@ -30,7 +30,7 @@ from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc
 from tests.pki import channel
-from tests.stats import cells, check_tv, exact_joint, report
+from tests.stats import cells, check_tv, exact_joint, report, rows
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_THREAD = ["--threads", "1"]
@@ -185,13 +185,10 @@ def test_killing_the_endpoint_loses_no_request_and_a_restarted_one_is_used(tmp_p
 
 V = 8
 PROMPT = [3, 1, 4, 1, 5]
-SAMPLES = 100_000
-PER_REQUEST = 1000
 STRONG_TWIN_SAMPLES = 20_000  # a twin far above the limit needs fewer rows to be caught
-# A variant of a mechanism another test runs at full power (sparse q over gRPC beside dense q over Gloo,
-# SSD pull beside push, trees at T 0.7 beside T 1.0) runs at the rows its twin is caught at: the twin
-# keeps its margin over the threshold, and the full-power test keeps the mechanism's detection limit.
-VARIANT_SAMPLES = STRONG_TWIN_SAMPLES
+SAMPLES = rows(100_000, STRONG_TWIN_SAMPLES)  # each lossless test through the servers (tests/stats.py)
+FULL_SAMPLES = 100_000  # a twin near the full-power limit
+PER_REQUEST = 1000
 K, NEW = 2, 4  # generated tokens 2-4: slot 1, slot 2 (or the residual after slot 1), the bonus after K
 
 
@@ -253,7 +250,6 @@ def server_check(name: str, gguf: Path, target: ServerProcess, params: SamplingP
 
 
 TRANSPORTS = {"dense over Gloo": 0, "sparse over gRPC": 6}  # top-k 0: q travels dense on the tensor channel
-TRANSPORT_SAMPLES = {"dense over Gloo": SAMPLES, "sparse over gRPC": VARIANT_SAMPLES}
 
 
 @pytest.mark.slow
@@ -262,8 +258,7 @@ def test_sampling_through_the_servers_is_lossless(sampling_files, sampling_clust
     endpoint, target = sampling_cluster
     top_k = TRANSPORTS[transport]
     dense_before = endpoint.metric_total("specpool_spec_dense_bytes_total")
-    result, shares = server_check(transport, sampling_files[0], target, SamplingParams(temperature=0.9, top_k=top_k),
-                                  TRANSPORT_SAMPLES[transport])
+    result, shares = server_check(transport, sampling_files[0], target, SamplingParams(temperature=0.9, top_k=top_k))
     report(result, **shares)
     # Mostly drafted remotely; a round drafted locally (e.g. while the tensor channel connects) is
     # verified as a point mass in the same batch, which the test then covers too.
@@ -275,13 +270,13 @@ def test_sampling_through_the_servers_is_lossless(sampling_files, sampling_clust
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("transport", "strength", "samples"), [
-    ("dense over Gloo", 0.05, SAMPLES),  # near the detection limit
+    pytest.param("dense over Gloo", 0.05, FULL_SAMPLES, marks=pytest.mark.full_power),  # near the limit
     ("sparse over gRPC", 0.3, STRONG_TWIN_SAMPLES),
 ])
 def test_the_harness_catches_a_biased_endpoint(sampling_files, transport, strength, samples):
     with sampling_servers(sampling_files, twin=("misreported-q", strength)) as (_, target):
         twin, shares = server_check(f"{transport}, misreported-q {strength}", sampling_files[0], target,
                                     SamplingParams(temperature=0.9, top_k=TRANSPORTS[transport]), samples)
-    report(twin, twin=True, at_n=TRANSPORT_SAMPLES[transport], **shares)
+    report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["remote rounds"] > 0.9, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"

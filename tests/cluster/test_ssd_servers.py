@@ -23,7 +23,6 @@ from tests.cluster.test_disaggregation import (
     PROMPT,
     SAMPLES,
     STRONG_TWIN_SAMPLES,
-    VARIANT_SAMPLES,
     V,
     start_endpoint,
     start_target,
@@ -95,9 +94,6 @@ NEW = 6  # with 2 drafts a round the second round always has room to draft: a ca
 SCORED = (3, 4)  # generated tokens 4-5 (0-based 3, 4): every row's come (mostly) from its second round
 
 
-MODE_SAMPLES = {"push": SAMPLES, "pull": VARIANT_SAMPLES}  # pull: a variant (test_disaggregation)
-
-
 def ssd_server_check(name: str, files: tuple[Path, ...], mode: str, samples: int = SAMPLES,
                      twin: tuple[str, float] | None = None):
     """-> (TV check of generated tokens 4-5 through SSD in `mode`, shares of rows with a cache hit /
@@ -147,18 +143,18 @@ def ssd_files(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
-    result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode, MODE_SAMPLES[mode])
+    result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode)
     report(result, **shares)
     assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
     assert result.passed, result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["push", pytest.param("pull", marks=pytest.mark.full_power)])  # pull: a variant
 def test_the_harness_catches_a_biased_ssd_endpoint(ssd_files, mode):
     twin, shares = ssd_server_check(f"SSD {mode}, misreported-cache-q 0.5", ssd_files, mode, STRONG_TWIN_SAMPLES,
                                     twin=("misreported-cache-q", 0.5))
-    report(twin, twin=True, at_n=MODE_SAMPLES[mode], **shares)
+    report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["cache hit"] > 0.2, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"
 
@@ -172,17 +168,17 @@ def ssd_head_files(tmp_path_factory):
 @pytest.mark.slow
 def test_ssd_on_the_head_through_the_servers_is_lossless(ssd_head_files):
     # A variant of SSD push through the servers (the cache's q is the same mechanism; the head grows the forks).
-    result, shares = ssd_server_check("SSD on the head, push, T=0.7, Saguaro C=0.5", ssd_head_files, "push",
-                                      VARIANT_SAMPLES)
+    result, shares = ssd_server_check("SSD on the head, push, T=0.7, Saguaro C=0.5", ssd_head_files, "push")
     report(result, **shares)
     assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
     assert result.passed, result
 
 
 @pytest.mark.slow
+@pytest.mark.full_power  # a variant's twin: the same cache q as SSD push's, caught there in every tier
 def test_the_harness_catches_a_biased_ssd_head_endpoint(ssd_head_files):
     twin, shares = ssd_server_check("SSD on the head, push, misreported-cache-q 0.5", ssd_head_files, "push",
                                     STRONG_TWIN_SAMPLES, twin=("misreported-cache-q", 0.5))
-    report(twin, twin=True, at_n=VARIANT_SAMPLES, **shares)
+    report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["cache hit"] > 0.2, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"

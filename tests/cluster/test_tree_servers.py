@@ -13,11 +13,11 @@ from specpool.engine.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (
+    FULL_SAMPLES,
     PER_REQUEST,
     PROMPT,
     SAMPLES,
     STRONG_TWIN_SAMPLES,
-    VARIANT_SAMPLES,
     V,
     start_endpoint,
     start_target,
@@ -88,9 +88,6 @@ def tv_files(tmp_path_factory):
     return tiny_files(tmp_path_factory.mktemp("tree-tv"), vocab=V, seed=11, norm_scale=0.3)
 
 
-TEMPERATURE_SAMPLES = {1.0: SAMPLES, 0.7: VARIANT_SAMPLES}  # T 0.7: a variant (test_disaggregation)
-
-
 def tree_server_check(name: str, files, temperature: float, samples: int = SAMPLES, twin=None):
     """-> (TV check of generated tokens 2-4 with tree drafts, shares of rows that took a path only a
     tree has / accepted two or more drafts / drafted remotely)."""
@@ -123,8 +120,7 @@ def tree_server_check(name: str, files, temperature: float, samples: int = SAMPL
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_tree_drafts_through_the_servers_are_lossless(tv_files, temperature):
-    result, shares = tree_server_check(f"trees through the servers, T={temperature}", tv_files, temperature,
-                                       TEMPERATURE_SAMPLES[temperature])
+    result, shares = tree_server_check(f"trees through the servers, T={temperature}", tv_files, temperature)
     report(result, **shares)
     assert shares["remote rounds"] > 0.9 and shares["sibling path"] > 0.02 and shares["accepted 2+"] > 0.1, shares
     assert result.passed, result
@@ -133,11 +129,11 @@ def test_tree_drafts_through_the_servers_are_lossless(tv_files, temperature):
 @pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "strength", "samples"), [
     (0.7, 0.5, STRONG_TWIN_SAMPLES),  # fewer rows try a sibling at T 0.7: a stronger leak, fewer rows
-    (1.0, 0.03, SAMPLES),  # near the detection limit
+    pytest.param(1.0, 0.03, FULL_SAMPLES, marks=pytest.mark.full_power),  # near the detection limit
 ])
 def test_the_harness_catches_a_target_whose_tree_rule_leaks(tv_files, temperature, strength, samples):
     twin, shares = tree_server_check(f"trees, T={temperature}, leaky-siblings {strength}", tv_files, temperature,
                                      samples, twin=("leaky-siblings", strength))
-    report(twin, twin=True, at_n=TEMPERATURE_SAMPLES[temperature], **shares)
+    report(twin, twin=True, at_n=SAMPLES, **shares)
     assert shares["sibling path"] > 0.02, shares
     assert not twin.passed, f"biased twin slipped through: {twin}"

@@ -277,6 +277,7 @@ def test_no_drafter_is_plain_sampling():
 
 
 @pytest.mark.slow
+@pytest.mark.full_power
 @pytest.mark.parametrize("name", PATHS)
 def test_the_harness_catches_a_twin_near_its_limit(name):
     params, make_drafter, (kind, strength) = PATHS[name]

@@ -129,6 +129,7 @@ def test_ngram_sampling_is_lossless():
 
 
 @pytest.mark.slow
+@pytest.mark.full_power
 def test_the_ngram_harness_catches_a_twin_near_its_limit():
     with biased("leaky-residual", 0.04):
         twin, shares = ngram_check("n-gram, leaky-residual 0.04")

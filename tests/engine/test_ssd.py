@@ -18,7 +18,7 @@ from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specpool.engine.ssd import SsdDrafter
 from specpool.engine.ssd_stats import geometric_fanout
-from tests.stats import cells, check_tv, exact_joint, report
+from tests.stats import cells, check_tv, exact_joint, report, rows
 from tests.twins import biased
 
 
@@ -196,10 +196,8 @@ def test_a_sequence_at_the_end_of_the_cache_is_drafted_on_demand_not_pre_specula
 V = 8
 N = 100_000
 CHUNK = 10_000
-# T 1.0, C 0.3 is a variant of the T 0.7, C 1.0 test's mechanism, which runs at full power: it runs at
-# the rows its twin (Saguaro q unrescaled, about 6x the threshold at 20k) is caught at.
-VARIANT_ROWS = 20_000
-ROWS = {(0.7, 1.0): N, (1.0, 0.3): VARIANT_ROWS}
+STRONG_TWIN_ROWS = 20_000  # Saguaro q unrescaled: about 6x the threshold at 20k rows
+TV_ROWS = rows(N, STRONG_TWIN_ROWS)  # the lossless tests (tests/stats.py's two tiers)
 K, NEW = 2, 5  # tokens 3-4 (0-based 2, 3) mostly come from the second round, drafted from the cache
 PROMPT = [3, 1, 4, 1, 5]
 CONFIG = tiny_config(vocab_size=V, d_model=16)
@@ -247,7 +245,7 @@ def ssd_check(name: str, params: SamplingParams, ssd_kwargs: dict, drafter_cls=S
 @pytest.mark.parametrize(("temperature", "saguaro_c"), [(0.7, 1.0), (1.0, 0.3)])
 def test_sampling_through_ssd_is_lossless(temperature, saguaro_c):
     result, shares, _ = ssd_check(f"SSD T={temperature} C={saguaro_c}", SamplingParams(temperature=temperature),
-                                  {"saguaro_c": saguaro_c}, rows=ROWS[temperature, saguaro_c])
+                                  {"saguaro_c": saguaro_c}, rows=TV_ROWS)
     report(result, **shares)
     assert shares["cache hit"] > 0.3 and shares["miss"] > 0.05, shares
     assert result.passed, result
@@ -265,12 +263,13 @@ class UnrescaledQ(SsdDrafter):
 @pytest.mark.slow
 def test_the_harness_catches_a_misreported_saguaro_q():
     twin, shares, _ = ssd_check("SSD T=1.0 C=0.1, Saguaro q unrescaled", SamplingParams(temperature=1.0),
-                                {"saguaro_c": 0.1}, UnrescaledQ, rows=VARIANT_ROWS)
-    report(twin, twin=True, **shares)
+                                {"saguaro_c": 0.1}, UnrescaledQ, rows=STRONG_TWIN_ROWS)
+    report(twin, twin=True, at_n=TV_ROWS, **shares)
     assert not twin.passed, f"biased twin slipped through: {twin}"
 
 
 @pytest.mark.slow
+@pytest.mark.full_power
 def test_the_harness_catches_a_twin_near_its_limit_on_the_cache_path():
     """C = 1.0, T = 0.7; only drafts served from the cache misreport q."""
     with biased("misreported-cache-q", 0.15):

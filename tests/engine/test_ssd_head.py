@@ -235,6 +235,7 @@ def test_sampling_through_ssd_with_the_real_head_is_lossless(real_model, real_he
 
 
 @pytest.mark.slow
+@pytest.mark.full_power  # the same twin as engine/test_ssd's (caught in every tier), on the real head
 def test_the_harness_catches_a_misreported_saguaro_q_with_the_real_head(real_model, real_head):
     """At most 3 forks < top-k 4: every draft, neural or from the cache, was drawn rescaled."""
     twin, shares = real_check("SSD real head T=1.0 top-k 4 C=0.1, Saguaro q unrescaled", real_model, real_head,
