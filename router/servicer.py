@@ -4,8 +4,9 @@ The servicer only translates and forwards: `Router` chooses the replica, the spe
 the draft slot; the request goes to the replica with its method set, responses stream back, and the
 slot is released when the call ends however it ends (completion, error, Cancel, client gone).
 
-A replica that fails (UNAVAILABLE: down, unreachable, draining) is left for the next best one until
-none is left. Before anything was streamed the request is simply placed again. Mid-stream it migrates:
+A replica that fails (UNAVAILABLE: down, unreachable, draining; CANCELLED while its client waits: its
+process died mid-call) is left for the next best one until none is left. Before anything was streamed
+the request is simply placed again. Mid-stream it migrates:
 the next replica continues from the prompt plus the tokens the client already has (resume_token_ids),
 and the client sees one unbroken stream. That is lossless: greedy, the same tokens; sampling, the
 continuation of a prefix the target model produced is drawn from the same distribution.
@@ -185,7 +186,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         if not context.is_active():
             return False
         full = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not stream.sent_any
-        if not (full or error.code() == grpc.StatusCode.UNAVAILABLE and stream.movable()):
+        # A replica never ends a call CANCELLED itself, and this router cancels only for a client that
+        # left: CANCELLED while the client waits is a torn-down replica (gRPC reports some deaths so).
+        failed = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        if not (full or failed and stream.movable()):
             return False
         if full:
             stream.refused = error

@@ -229,6 +229,35 @@ def test_the_router_declines_to_speculate_when_no_method_is_predicted_to_pay(clu
         slow.close()
 
 
+class TornDownTarget(FakeTarget):
+    """Ends every Generate with CANCELLED before any token: what a client sees when its replica's
+    process dies mid-call and gRPC reports the torn stream as cancelled (seen once from a SIGKILLed
+    Ray actor, tests/cluster/test_ray.py), rather than UNAVAILABLE."""
+
+    def Generate(self, request, context):
+        self._enter(request)
+        try:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        finally:
+            self._leave()
+
+
+def test_a_replica_call_ending_cancelled_while_the_client_waits_is_placed_again(cluster, redis_server):
+    torn = TornDownTarget("torn-1", "torn-model", redis_server.url, draft=0.7, ngram=0.9)
+    good = FakeTarget("good-1", "torn-model", redis_server.url, draft=0.7, ngram=0.9)
+    try:
+        router = cluster["routers"][0]
+        wait_for(lambda: len([t for t in cluster["registry"].targets() if t.model == "torn-model"]) == 2)
+        wait_for_model(router, "torn-model")
+        results = [generate_result(stub(router), request("torn-model", f"torn-{i}")) for i in range(8)]
+        assert all(list(r.completions[0].token_ids) == [5] for r in results)
+        assert torn.received, "the torn-down replica was never tried: the test proves nothing"
+        assert len(good.received) == 8
+    finally:
+        torn.close()
+        good.close()
+
+
 def reported_running(router: ServerProcess, model: str) -> dict[str, int]:
     """Replica id -> running sequences, as the router's snapshot has them (its /capacity)."""
     data = json.load(urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity"))
