@@ -196,7 +196,7 @@ def test_a_sequence_at_the_end_of_the_cache_is_drafted_on_demand_not_pre_specula
 V = 8
 N = 100_000
 CHUNK = 10_000
-STRONG_TWIN_ROWS = 20_000  # Saguaro q unrescaled: about 6x the threshold at 20k rows
+STRONG_TWIN_ROWS = rows(20_000, 10_000)  # Saguaro q unrescaled: 5.4x its threshold at 20k rows
 TV_ROWS = rows(N, STRONG_TWIN_ROWS)  # the lossless tests (tests/stats.py's two tiers)
 K, NEW = 2, 5  # tokens 3-4 (0-based 2, 3) mostly come from the second round, drafted from the cache
 PROMPT = [3, 1, 4, 1, 5]
