@@ -28,8 +28,9 @@ run: setup
 	$(BIN)/specpool demo
 
 # The tests need every tool installed (none skips for a missing one) and print the 30 slowest. `test`
-# (CI) runs the lossless tests at the rows their strong twins are caught at; `test-full` at full power,
-# with the near-limit twins (tests/README.md): run it after touching a sampler, verifier or drafter.
+# (CI) runs the server and SSD lossless tests at the rows their strong twins are caught at; `test-full`
+# at full power, with the near-limit twins (tests/README.md): run it after touching a sampler, verifier
+# or drafter.
 test: setup test-deps
 	$(BIN)/pytest -q --durations=30
 

@@ -36,8 +36,8 @@ Z = 6.0
 NULL_DRAWS = 2000
 POWER_DRAWS = 400
 
-# Two tiers. `make test` (CI, a hard 90-minute wall on 2 cores) runs every lossless test at the rows its
-# mechanism's strong twin is caught at; `make test-full` (SPECPOOL_TEST_FULL_POWER=1) runs them at the
+# Two tiers. `make test` (CI, a hard 90-minute wall on 2 cores) runs the costly lossless tests (through
+# the servers, SSD) at the rows their mechanism's strong twin is caught at, the cheap ones at full power; `make test-full` (SPECPOOL_TEST_FULL_POWER=1) runs them at the
 # power tests/README.md's table gives, and adds the tests marked `full_power` (tests/conftest.py
 # deselects them in the CI tier): the twins placed just above that power's detection limit, and the
 # twins of a mechanism's variants (SSD pull beside push: the same twin, caught in both tiers on push).
