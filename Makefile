@@ -31,11 +31,16 @@ run: setup
 # (CI) runs the server and SSD lossless tests at the rows their strong twins are caught at; `test-full`
 # at full power, with the near-limit twins (tests/README.md): run it after touching a sampler, verifier
 # or drafter.
+# Two workers (pytest-xdist, one test file per worker at a time) keep two cores busy: alone, the suite
+# used about one, its tests waiting on server processes as much as computing. The tests marked `serial`
+# time a stream against its own pace, so they run afterwards, alone; the first run's status is kept.
+PYTEST_PARALLEL = $(BIN)/pytest -q -n 2 --dist loadfile -m "not serial" --durations=30
+PYTEST_SERIAL = $(BIN)/pytest -q -m serial --durations=5
 test: setup test-deps
-	$(BIN)/pytest -q --durations=30
+	$(PYTEST_PARALLEL); status=$$?; $(PYTEST_SERIAL) && exit $$status
 
 test-full: setup test-deps
-	SPECPOOL_TEST_FULL_POWER=1 $(BIN)/pytest -q --durations=30
+	export SPECPOOL_TEST_FULL_POWER=1; $(PYTEST_PARALLEL); status=$$?; $(PYTEST_SERIAL) && exit $$status
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"

@@ -17,8 +17,12 @@ os.environ.update(CA.env)
 
 # Every process this test session starts, directly or not, inherits this tag in its environment:
 # it finds them again, orphans included, to check that no test leaves one running.
+# Under pytest-xdist each worker has its own tag (it inherits the controller's), so that one worker's
+# check does not see the other's servers.
 TEST_RUN = "SPECPOOL_TEST_RUN"
-os.environ.setdefault(TEST_RUN, uuid.uuid4().hex)  # setdefault: a second import keeps the tag
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if not os.environ.get(TEST_RUN, "").endswith(f"-{_worker}"):  # a second import keeps the tag
+    os.environ[TEST_RUN] = f"{uuid.uuid4().hex}-{_worker}"
 _started_during: dict[int, str] = {}  # pid -> the test during which it was first seen
 
 

@@ -234,6 +234,7 @@ def _gaps(stub_, request: pb.GenerateRequest, during=None) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_4_mb_text_prompt_is_refused_at_once_and_stalls_no_stream(real_target):
     s = stub(real_target)
     other = pb.GenerateRequest(prompt="Write a poem about the sea.", max_tokens=60, ignore_eos=True)
@@ -280,6 +281,7 @@ def test_control_tokens_typed_in_chat_content_are_text(real_target):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("fault", ["sigstop", "slow_link"])
 def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recovers(tmp_path, fault):
     """The endpoint SIGSTOPped, or its link slowed by 300 ms each way, for 8 s under a drafted stream
@@ -319,6 +321,7 @@ def drafted_pair(tmp_path_factory):
         assert server.stop() == 0, server.logs()
 
 
+@pytest.mark.serial
 def test_a_plain_stream_keeps_its_solo_pace_while_the_drafters_endpoint_hangs(drafted_pair):
     """Issue 38: a plain request beside drafted ones, the endpoint SIGSTOPped, took 2-3x its solo time:
     the drafted rows drafted locally on the target's step (an n-gram lookup that sliced every earlier

@@ -210,6 +210,7 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[int(0.99 * (len(xs) - 1))]
 
 
+@pytest.mark.serial
 def test_abuse_leaves_another_tenants_round_latency_p99_unchanged(endpoint):
     """A steady tenant sends a round every 10 ms, as a target does each step; its latency counts from
     when the round was due, so a stall counts every round it delays. Windows with and without abuse
