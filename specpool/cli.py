@@ -201,7 +201,7 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     g.set_defaults(func=cmd_generate)
 
     b = add_command("bench", "measure every mode on a workload, side by side in one run")
-    b.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file (prompt or messages)")
+    b.add_argument("--workload", default="humaneval", help="humaneval, chat (bench/chat.jsonl) or a .jsonl file (prompt or messages)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts (unset: all)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, each measured in turn")
