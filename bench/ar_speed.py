@@ -8,9 +8,11 @@ The bandwidth floor is the bytes of weights one decode step reads (as each forma
 divided by the streaming-read bandwidth measured in the same run. Each specpool format is also
 compared with specpool's fp32 path (the GGUF dequantized): its logits' largest difference over the
 prompt and the fp32 path's greedy tokens, and whether its greedy tokens are the same (else where
-they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-step cost table
-T(1, K) for K drafts, the cost the speculation policy plans with (engine/speculation_policy.py), and
-llama.cpp's own for the same feeds.
+they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-step cost tables
+T(1, K) and T(16, K) for K drafts, the costs the speculation policy plans with
+(engine/speculation_policy.py), and llama.cpp's own T(1, K) for the same feeds. Each engine's start is
+timed: loading the model (q4: repacking its blocks), and the engine's CPU kernels' build or load
+(engine/kernels.py: a build the first time on a machine, a load after).
 
     python -m specpool.bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
     SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.bench.ar_speed ...   # the AVX2 class, fresh process
@@ -27,8 +29,9 @@ from pathlib import Path
 import torch
 
 from specpool.common.machine import machine_info, machine_line, memory_read_gbps
+from specpool.engine import kernels
 from specpool.engine.decoding import generate
-from specpool.engine.device import DTYPES, int4_kernels, native_bf16
+from specpool.engine.device import DTYPES, int4_kernels, kernel_isa, native_bf16
 from specpool.engine.gguf_loader import default_model_path, load_gguf
 from specpool.engine.model import Llama
 from specpool.engine.sampling import SamplingParams
@@ -119,10 +122,16 @@ def main() -> None:
     dtypes = ("fp32", "bf16") if native_bf16("cpu") else ("fp32",)
     if len(dtypes) == 1:
         print(f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16: fp32 dense engines only")
-    formats = (("q4",) if int4_kernels("cpu") else ()) + dtypes
-    engines, models = {}, {}
+    started = time.perf_counter()
+    own_kernels = kernels.available()
+    kernels_s = time.perf_counter() - started
+    print(f"engine CPU kernels ({kernel_isa()}): " + (f"ready in {kernels_s:.1f} s" if own_kernels else "none"))
+    formats = (("q4",) if own_kernels or int4_kernels("cpu") else ()) + dtypes
+    engines, models, load_s = {}, {}, {}
     for fmt in formats:
+        started = time.perf_counter()
         model = models[fmt] = Llama(gguf.config, gguf.weights, fmt, "cpu", blocks=gguf.blocks)
+        load_s[fmt] = time.perf_counter() - started
 
         def ours(model=model):
             [r] = generate(model, [prompt_ids], SamplingParams(), args.tokens, stop_ids=[])
@@ -190,21 +199,28 @@ def main() -> None:
             row |= {"speedup_vs_specpool_fp32": round(tps / ours_fp32, 3), "weight_bytes_per_token": nbytes,
                     "bandwidth_floor_s": round(floor, 5), "times_floor": round(1 / tps / floor, 2)}
             fmt = name.removeprefix("specpool-")
+            if fmt in load_s:
+                row["load_s"] = round(load_s[fmt], 2)
+                row["path"] = ("fused kernels" if models[fmt].fused else "torch int4") if fmt == "q4" else "oneDNN"
             if fmt not in ("fp32", "llamacpp"):
                 row |= against_fp32(models[fmt], models["fp32"], prompt_ids, outputs["specpool-fp32"], outputs[name])
         rows.append(row)
 
     lens = [int(k) for k in args.draft_lens.split(",") if k.strip()]
-    step_costs = {}
+    step_costs, step_costs_16 = {}, {}
     if lens:
         for fmt, model in models.items():  # interleaved within each table (measure_step_costs), not across
-            seconds = measure_step_costs(model, (1,), tuple(lens), repeats=5).seconds[0]
-            step_costs[f"specpool-{fmt}"] = seconds
+            costs = measure_step_costs(model, (1, 16), tuple(lens), repeats=5)
+            step_costs[f"specpool-{fmt}"], step_costs_16[f"specpool-{fmt}"] = costs.seconds
         if llm:
             step_costs["llamacpp"] = llm.step_costs(lens)
-        step_costs = {name: {"ms": {k: round(t * 1e3, 2) for k, t in zip(lens, seconds)},
-                             "vs_k0": {k: round(t / seconds[0], 3) for k, t in zip(lens, seconds)}}
-                      for name, seconds in step_costs.items()}
+
+        def table(costs: dict) -> dict:
+            return {name: {"ms": {k: round(t * 1e3, 2) for k, t in zip(lens, seconds)},
+                           "vs_k0": {k: round(t / seconds[0], 3) for k, t in zip(lens, seconds)}}
+                    for name, seconds in costs.items()}
+
+        step_costs, step_costs_16 = table(step_costs), table(step_costs_16)
 
     report = {
         "machine": machine_info() | {"memory_read_gbps": round(gbps, 1)},
@@ -212,8 +228,10 @@ def main() -> None:
         "prompt": PROMPT,
         "new_tokens": args.tokens,
         "repeats": args.repeats,
+        "kernels": {"isa": kernel_isa(), "available": own_kernels, "ready_s": round(kernels_s, 2)},
         "results": rows,
         "verify_step_costs_batch1": step_costs,
+        "verify_step_costs_batch16": step_costs_16,
     }
     print(f"\nAR batch 1, {args.tokens} new tokens, median of {args.repeats} (memory read {gbps:.1f} GB/s)")
     print(f"{'engine':<20} {'tok/s':>7} {'ms/tok':>7} {'vs hf-fp32':>10} {'vs fp32':>8} {'vs llcpp':>8} "
@@ -229,11 +247,15 @@ def main() -> None:
               f"{r.get('speedup_vs_llamacpp', float('nan')):>7.2f}x "
               f"{r.get('weight_bytes_per_token', float('nan')) / 1e6:>7.0f} {r.get('times_floor', float('nan')):>8.1f} "
               f"{r['outputs_match_transformers_fp32']!s:>10}  {versus}")
-    if step_costs:
-        print("\nverify step T(1, K), batch 1, K drafts (ms; ratio to K=0), best of 5")
+    for batch, costs in ((1, step_costs), (16, step_costs_16)):
+        if not costs:
+            continue
+        print(f"\nverify step T({batch}, K), batch {batch}, K drafts (ms; ratio to K=0), best of 5")
         print(f"{'engine':<20} " + " ".join(f"{'K=' + str(k):>14}" for k in lens))
-        for name, table in step_costs.items():
-            print(f"{name:<20} " + " ".join(f"{table['ms'][k]:>7.1f} ({table['vs_k0'][k]:.2f})" for k in lens))
+        for name, t in costs.items():
+            print(f"{name:<20} " + " ".join(f"{t['ms'][k]:>7.1f} ({t['vs_k0'][k]:.2f})" for k in lens))
+    print("\nstart: " + ", ".join(f"specpool-{fmt} load {s:.1f} s" for fmt, s in load_s.items())
+          + f", kernels {kernels_s:.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -11,20 +11,21 @@ SPECPOOL_NO_NATIVE_BF16=1 makes a machine with native bf16 behave like one witho
 fallback path is tested on any machine (engine/process_env.py: set before torch loads, it also
 limits oneDNN and ATen to AVX2 kernels).
 
-The format rule (`resolve_format`): "q4" runs every matrix the GGUF stores in 4-bit blocks (Q4_0,
-Q4_1) through torch's int4 CPU kernel on those very blocks (engine/linear.py: the file's weights up
-to bf16 rounding of the per-group constants), with fp32 activations around it; other matrices stay
-dense (bf16 where native, else fp32).
-That kernel is vectorized for AVX2 and AVX-512 alike and needs no native bf16 (its bf16 inputs are
-widened to fp32 in registers): q4 runs on both CPU classes (bench/ar_speed.py measures it against
-fp32 and bf16 on either). Where it has no vectorized path (a CPU without AVX2), or on a GPU, q4
-falls back to the dense rule with one log line.
+The format rule (`resolve_format`): "q4" runs the matrices the GGUF stores in blocks (Q4_0, Q4_1, and
+the Q8_0 LM head) on those very blocks. Where the engine's own CPU kernels build (engine/kernels.py:
+any x86 or other CPU with a C++ compiler; `kernel_isa` picks AVX-512 VNNI, AVX2 or portable code), each
+layer of a decode or verify step is five fused kernels (engine/linear.py BlockLinear, engine/model.py
+`_fused_layers`): activations quantized to int8 per group of 32 as llama.cpp does, integer dot products
+on the file's weights, attention in fp32 over each query's exact keys. Where they do not build, torch's
+int4 kernel runs the 4-bit matrices (the file's weights up to bf16 rounding of the per-group constants)
+with fp32 activations around it, vectorized for AVX2 and AVX-512 alike (a CPU without AVX2, or a GPU:
+the dense rule, one log line). Other matrices stay dense (bf16 where native, else fp32).
 
 "auto" stays dense (fp32 on CPU): it is the reference numerics, whose greedy output equals
-transformers' reading the same GGUF token for token. q4 is the GGUF's model up to bf16 rounding: its
-logits sit within ~0.7 of fp32's, so its greedy output can leave fp32's at near-ties (tests/engine/
-test_quantized.py), while speculation through q4 equals q4's own decoding bit for bit
-(engine/model.py). It is chosen with `--dtype q4`.
+transformers' reading the same GGUF token for token. q4's logits sit within ~1-2 of fp32's (int8 or bf16
+activations), so its greedy output can leave fp32's at near-ties (tests/engine/test_quantized.py), while
+speculation through q4 equals q4's own decoding bit for bit (engine/model.py). It is chosen with
+`--dtype q4`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class WeightFormat:
     dtype: torch.dtype  # activations, KV cache and norms
     int4: bool = False  # matrices the GGUF stores in 4-bit blocks run through the int4 kernel
     dense: torch.dtype | None = None  # every other matrix (None: `dtype`)
+    # The engine's own kernels (engine/kernels.py) run the file's blocks (4-bit and Q8_0) and decode and
+    # verify attention; else torch's int4 kernel and float64 attention.
+    own_kernels: bool = False
 
     @property
     def name(self) -> str:
@@ -147,6 +151,11 @@ def resolve_format(name: str | torch.dtype | None, device: torch.device | str) -
     blocks (an fp32 GGUF, a draft checkpoint) is dense fp32 under q4.
     """
     if name == "q4":
+        from specpool.engine import kernels  # (it asks this module which instruction set to build for)
+
+        if torch.device(device).type == "cpu" and kernels.available():
+            return WeightFormat(torch.float32, int4=True, dense=torch.bfloat16 if native_bf16(device) else None,
+                                own_kernels=True)
         if int4_kernels(device):
             # The other matrices (the tied LM head, Q8_0 in the default model) stay dense, in bf16 where
             # that is native: measured for the 49152x576 head on an AVX-512 EPYC (2 cores), 1 row / 9 rows:
@@ -156,6 +165,28 @@ def resolve_format(name: str | torch.dtype | None, device: torch.device | str) -
         _log_no_int4(torch.device(device).type)
         name = "auto"
     return WeightFormat(resolve_dtype(name, device))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:  # not Linux
+        return set()
+
+
+def kernel_isa() -> str:
+    """The instruction set the engine's own CPU kernels are compiled for (engine/kernels.py):
+    "avx512vnni" where torch runs its AVX-512 kernels and the CPU has VNNI (int8 dot products),
+    "avx2" where it runs AVX2 (or AVX-512 without VNNI; SPECPOOL_NO_NATIVE_BF16 included), else "portable".
+    SPECPOOL_KERNEL_ISA names one instead (on a CPU that has it)."""
+    forced = os.environ.get("SPECPOOL_KERNEL_ISA", "")
+    if forced in ("avx512vnni", "avx2", "portable"):  # an operator's (or a test's) choice
+        return forced
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512" and "avx512_vnni" in _cpu_flags():
+        return "avx512vnni"
+    return "avx2" if capability in ("AVX2", "AVX512") else "portable"
 
 
 def distributed_backend(device: torch.device) -> str:

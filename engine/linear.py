@@ -14,6 +14,8 @@ weights instead: `.prefill` of every matrix here.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -51,7 +53,10 @@ class Linear:
         """The matrix for prefill steps: this one."""
         return self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """x [..., in] -> [..., out]; with `norm`, of F.rms_norm(x, norm, eps) (the layer's norm before it)."""
+        if norm is not None:
+            x = F.rms_norm(x, (self.in_features,), norm, eps)
         x = x.to(self.dtype)
         if self._onednn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, None, "none", [], "")
@@ -111,9 +116,71 @@ class Int4Linear:
         return (blocks.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
                 and blocks.shape[0] % 16 == 0 and blocks.shape[1] % Int4Linear.GROUP == 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """x [..., in] in any float dtype -> [..., out] in bf16, the kernel's output: the caller's next op
-        promotes it (adding it to an fp32 residual costs no separate conversion)."""
+        promotes it (adding it to an fp32 residual costs no separate conversion). With `norm`, of
+        F.rms_norm(x, norm, eps)."""
+        if norm is not None:
+            x = F.rms_norm(x, (self.in_features,), norm, eps)
         rows = x.to(torch.bfloat16, memory_format=torch.contiguous_format).view(-1, self.in_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.GROUP, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class BlockLinear:
+    """y = x @ weight.T on the GGUF's own blocks (Q4_0, Q4_1, Q8_0) through the engine's kernel
+    (engine/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
+    (ggml's Q8_1, as llama.cpp does), integer dot products per block, the block scales applied in fp32.
+
+    Every weight is the file's exactly (its fp16 scales widened to fp32): Q4_0's d * (q - 8) is held as
+    d * q + m with m = -8d (exact in fp32). Each row's result depends on that row alone, by the same
+    instructions whatever the row count, so a verify step's rows equal a decode step's bit for bit; and the
+    kernel unpacks each weight block once for up to 8 rows (4 with AVX2), so a verify step's extra rows cost
+    their dot products, not another pass over the weights. Prefill steps run `prefill`, the dense twin.
+    """
+
+    FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+
+    def __init__(self, blocks: QuantizedBlocks, prefill: Linear):
+        self.prefill = prefill
+        self.bits = self.FORMATS[blocks.kind]
+        self.out_features, self.in_features = blocks.shape
+        fields = blocks.fields()
+        d, q = fields[0], fields[-1]
+        m = fields[1] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d if self.bits == 4 else None
+        # The kernel's layout (engine/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
+        lanes, offset_8bit = torch.ops.specpool.block_layout()
+        blocks_out, groups = self.out_features // lanes, self.in_features // QuantizedBlocks.BLOCK
+        if self.bits == 4:  # [blocks, groups, 4 vectors, lanes, 4 elements]: w_2L low nibbles, w_2L+1 high
+            t = q.view(blocks_out, lanes, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+            self.qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes).contiguous()
+        else:  # [blocks, groups, 8 vectors, lanes, 4 elements]
+            packed = q.view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks_out, groups, -1)
+            if offset_8bit:  # unsigned q + 128, undone by m = -128 d (exact in fp32)
+                self.qs, m = (packed.to(torch.int16) + 128).to(torch.uint8).contiguous(), -128 * d
+            else:
+                self.qs = packed.contiguous().view(torch.uint8)
+
+        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / lanes, groups, lanes]
+            return v.view(blocks_out, lanes, groups).permute(0, 2, 1).contiguous()
+
+        self.d = by_lane(d)
+        self.m = by_lane(m) if m is not None else torch.zeros(0)
+
+    @classmethod
+    def supports(cls, blocks: QuantizedBlocks) -> bool:
+        lanes = torch.ops.specpool.block_layout()[0]
+        return blocks.kind in cls.FORMATS and blocks.shape[0] % lanes == 0 and blocks.shape[1] % QuantizedBlocks.BLOCK == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights one product reads: the packed values and the fp32 scales (and offsets)."""
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+    def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] in any float dtype -> [..., out] fp32, with what the kernel fuses around the product:
+        `norm` [in], RMS-normalized x (x / sqrt(mean(x^2) + eps) * norm); `silu_mul`, x [..., 2 in] taken
+        as (gate, up) and multiplied as silu(gate) * up; `residual` [..., out] added to the output."""
+        return torch.ops.specpool.block_linear(x.float(), self.qs, self.d, self.m, self.bits, norm, eps, silu_mul,
+                                               residual)

@@ -18,7 +18,7 @@ from specpool.engine.config import ModelConfig
 from specpool.engine.device import default_device, resolve_format
 from specpool.engine.gguf_loader import QuantizedBlocks
 from specpool.engine.kv_cache import KVCache
-from specpool.engine.linear import Int4Linear, Linear
+from specpool.engine.linear import BlockLinear, Int4Linear, Linear
 from specpool.engine.token_tree import attention_layout, is_chain, padded
 
 
@@ -71,6 +71,8 @@ class Llama:
             parts = [blocks.get(n) for n in names]
             if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
                 stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
+                if self.format.own_kernels and BlockLinear.supports(stacked):
+                    return BlockLinear(stacked, prefill=dense)
                 if Int4Linear.supports(stacked):
                     return Int4Linear.from_blocks(stacked, prefill=dense)
             return dense
@@ -109,7 +111,12 @@ class Llama:
         # speculation no longer equalled greedy decoding (5 of 6 prompts, 128 tokens, n-gram K=2). The
         # cost, SmolLM2-135M on 2 cores of an AVX-512 EPYC: +1.5 ms a decode step at 128 positions
         # (12.1 -> 13.7 ms), +4.6 ms at 1000.
-        self.attention_dtype = torch.float64 if self.format.int4 else dtype
+        # With the engine's own kernels and every layer matrix on the file's blocks, decode and verify steps
+        # run five fused ops a layer (`_fused_layers`), attention in fp32 over each query's exact visible
+        # keys: equal bits by construction, at fp32's cost.
+        self.fused = self.format.own_kernels and all(
+            isinstance(layer[k], BlockLinear) for layer in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+        self.attention_dtype = torch.float64 if self.format.int4 and not self.fused else dtype
         # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
         # batch (other attention lengths, other kernel blocking) into other bf16 roundings: a HumanEval
         # prompt prefilled beside 15 others had logits 0.125 away from its own. So each prompt prefills
@@ -247,13 +254,30 @@ class Llama:
         # Rows may start at different positions: an additive mask says which cached keys each query
         # sees. A lone prefill from position 0 is plain causal attention and needs none.
         causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP and not tree
+        fused = self.fused and not prefill
         mask = None
-        if tree or not causal_prefill and not (T == 1 and len(set(starts)) == 1):
+        if not fused and (tree or not causal_prefill and not (T == 1 and len(set(starts)) == 1)):
             if not tree:
                 visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
             visible = visible.to(dev)
             mask = torch.zeros(visible.shape, dtype=attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]  # [B, 1, T, L]
+        # The fused layers' attention takes, per query, where its K/V go and the keys it sees: its slot, a
+        # prefix of positions, and a tree node's ancestors after it (in feed order, so a path's keys come in
+        # the order its own decoding would see them).
+        if fused:
+            slot_col = torch.tensor(list(slots))[:, None].expand(B, T)
+            if tree:
+                after = torch.arange(kv_len)[None, None, :] >= base[:, :, None]
+                extra = torch.where(visible & after, torch.arange(kv_len), kv_len)  # [B, T, L], kv_len: none
+                extra = extra.sort(-1).values[..., : int((visible & after).sum(-1).max())]
+                extra = extra.masked_fill(extra == kv_len, -1)
+                prefix = torch.where(real, base, 0)
+            else:
+                extra = torch.empty(B, T, 0, dtype=torch.long)
+                prefix = torch.where(real, pos + 1, 0)
+            visible_keys = tuple(t.reshape(B * T, *t.shape[2:]).to(dev)
+                                 for t in (write_slot, write_pos, slot_col, prefix, extra))
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
         slot_index = torch.tensor(list(slots), device=dev)
         # Rows of one length fed from one position write their K/V as one block of the cache (a slice
@@ -274,13 +298,14 @@ class Llama:
             feats = fed_features.to(dev, self.dtype)
             x = self.fc(torch.cat([F.rms_norm(x, (cfg.d_model,), self.embed_norm, cfg.norm_eps),
                                    F.rms_norm(feats, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1))
+        if fused:
+            cos, sin = (t[rope_pos].view(B * T, D // 2) for t in (self.rope_cos, self.rope_sin))
+            x = self._fused_layers(x.view(B * T, cfg.d_model), cos, sin, cache, visible_keys).view(B, T, cfg.d_model)
+        matrices = [] if fused else self.layers
         if prefill:
             matrices = [{k: getattr(m, "prefill", m) for k, m in layer.items()} for layer in self.layers]
-        else:
-            matrices = self.layers
         for li, layer in enumerate(matrices):
-            h = F.rms_norm(x, (cfg.d_model,), layer["attn_norm"], cfg.norm_eps)
-            qkv = layer["wqkv"](h).view(B, T, H + 2 * Hkv, D)
+            qkv = layer["wqkv"](x, layer["attn_norm"], cfg.norm_eps).view(B, T, H + 2 * Hkv, D)
             # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
             if self.rope_cis is not None:
                 qk = torch.view_as_complex(qkv[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
@@ -312,8 +337,7 @@ class Llama:
                 ).transpose(1, 2)
             # A quantized matrix returns bf16 (its kernel's output): the residual adds promote it to fp32.
             x = x + layer["wo"](attn.reshape(B, T, H * D))
-            h = F.rms_norm(x, (cfg.d_model,), layer["ffn_norm"], cfg.norm_eps)
-            gate, up = layer["w_gate_up"](h).chunk(2, dim=-1)
+            gate, up = layer["w_gate_up"](x, layer["ffn_norm"], cfg.norm_eps).chunk(2, dim=-1)
             x = x + layer["w_down"](F.silu(gate) * up)
 
         for s, n in zip(slots, counts):
@@ -322,11 +346,25 @@ class Llama:
         if not all_logits:
             x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
         lm_head = self.lm_head.prefill if prefill else self.lm_head
-        logits = lm_head(F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps)).float()
+        logits = lm_head(x, self.norm, cfg.norm_eps).float()
         if self.output_ids is not None:
             full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids, logits)
         return (logits, hidden) if features else logits
+
+
+    def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                      visible_keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The layers of a decode or verify step as the engine's fused kernels (engine/csrc/cpu_kernels.cpp):
+        x [N, d] fp32, the step's rows flattened; cos, sin [N, D/2] their RoPE angles; visible_keys: where
+        each row's K/V go and which keys it sees (`cache_attention`). -> [N, d]"""
+        eps = self.config.norm_eps
+        for li, layer in enumerate(self.layers):
+            qkv = layer["wqkv"](x, layer["attn_norm"], eps)
+            attn = torch.ops.specpool.cache_attention(qkv, cos, sin, cache.k[li], cache.v[li], *visible_keys)
+            x = layer["wo"](attn, residual=x)
+            x = layer["w_down"](layer["w_gate_up"](x, layer["ffn_norm"], eps), silu_mul=True, residual=x)
+        return x
 
 
 def _stacked(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -1,0 +1,462 @@
+// CPU kernels for decode and verify steps: weight-block matrix products for a few rows, and attention
+// over each query's exact visible keys. Built by `make setup` (engine/kernels.py); without a compiler the
+// engine runs its eager paths instead.
+//
+// Both keep one promise: a row's result depends on that row's inputs only, computed by the same
+// instructions in the same order whatever the number of rows beside it. A verify step's row therefore
+// equals the decode step of the same position bit for bit, which is what makes speculation lossless
+// against the same engine's own plain decoding.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int GROUP = 32;  // weights per block (ggml's QK4_0, QK4_1, QK8_0)
+
+// ---------------------------------------------------------------------------------------------
+// Activations, optionally RMS-normalized first (x / sqrt(mean(x^2) + eps) * norm, the layer's norm fused
+// into its product) or, with silu_mul, a row [gate, up] of twice the width made silu(gate) * up (the MLP's
+// activation fused into its down product), then quantized per row and group of 32 (ggml's Q8_1):
+// x ~= dx * xq, xq in -127..127, and the group's sum dx * sum(xq), which the weights' offset m multiplies.
+
+void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, float eps, bool silu_mul,
+                   int8_t* xq, float* dx, float* xs) {
+  const int64_t stride = silu_mul ? 2 * in : in;
+  const int64_t groups = in / GROUP;
+  std::vector<float> row_scale(rows, 1.f);
+  if (norm != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float lanes[8] = {0.f};  // a fixed lane structure: the same sum for every row and call
+      for (int64_t c = 0; c < in; c += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] += x[r * stride + c + l] * x[r * stride + c + l];
+      const float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      row_scale[r] = 1.f / std::sqrt(ss / static_cast<float>(in) + eps);
+    }
+  }
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+    float v[GROUP];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / groups, c = (i % groups) * GROUP;
+      const float* src = x + r * stride + c;
+      const float scale = row_scale[r];
+      const float* w = norm != nullptr ? norm + c : nullptr;
+      float amax = 0.f;
+      for (int j = 0; j < GROUP; ++j) {
+        if (silu_mul)
+          v[j] = src[j] / (1.f + std::exp(-src[j])) * src[in + j];
+        else
+          v[j] = w != nullptr ? src[j] * scale * w[j] : src[j];
+        amax = std::fmax(amax, std::fabs(v[j]));
+      }
+      const float d = amax / 127.f;
+      const float inv = d != 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int j = 0; j < GROUP; ++j) {
+        const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        xq[i * GROUP + j] = q;
+        sum += q;
+      }
+      dx[i] = d;
+      xs[i] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weights, repacked at load (engine/linear.py, BlockLinear) so that one 32-bit lane holds one output:
+// for each block of LANES outputs and each group g, 8 vectors w_j (j = 0..7) of 4 * LANES bytes, whose
+// lane i holds elements 4j..4j+3 of output i's group. 4-bit weights (q in 0..15) are stored two vectors
+// to one, w_2L in the low nibbles and w_2L+1 in the high; 8-bit ones one vector to one: signed with AVX2
+// (and portable), offset by 128 with AVX-512 (unsigned, as its dot product takes them; m = -128 d undoes
+// it). The scales d and offsets m: [outputs / LANES, groups, LANES] fp32.
+//
+// Row r's outputs then accumulate, over the groups in order and with no horizontal sum:
+//   acc  += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
+//   macc += m_g * xs_rg
+// and y = acc + macc. A row's lanes see only that row's data, by the same instructions for every row.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECPOOL_AVX512 1
+constexpr int LANES = 16;  // outputs per block: one 512-bit vector
+constexpr bool SIGNED_OFFSET = true;  // 8-bit weights stored + 128, m = -128 d
+#else
+constexpr bool SIGNED_OFFSET = false;
+constexpr int LANES = 8;  // one 256-bit vector (AVX2), or 8 scalars
+#endif
+#if defined(__AVX512VL__)
+#define ROW_TILE_MAX 8  // rows that share one unpacking of a weight block (32 vector registers)
+#else
+#define ROW_TILE_MAX 4  // (16 vector registers)
+#endif
+constexpr int ROW_TILE = ROW_TILE_MAX;
+
+#if defined(SPECPOOL_AVX512)
+inline __m512i broadcast4_512(const int8_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+#endif
+
+#if defined(__AVX2__)
+inline __m256i broadcast4(const int8_t* x) {  // 4 activation bytes into every lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Sum over j of lane-wise dot products of w[j] (unsigned 0..15 when FOUR_BIT, else signed) and x's
+// bytes 4j..4j+3: 8 int32 lanes.
+template <bool FOUR_BIT>
+inline __m256i block_dot(const __m256i* w, const int8_t* x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i xj = broadcast4(x + 4 * j);
+    s = FOUR_BIT ? _mm256_dpbusd_epi32(s, w[j], xj)
+                 : _mm256_dpbusd_epi32(s, _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xj, w[j]));
+  }
+  return s;
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (FOUR_BIT) {  // 16-bit partial sums: 8 * 2 * 15 * 127 fits
+    __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast4(x));
+    for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], broadcast4(x + 4 * j)));
+    return _mm256_madd_epi16(s16, ones);
+  }
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {  // signed x signed: the sign moves onto x; 2 * 128 * 127 fits 16 bits
+    const __m256i xj = broadcast4(x + 4 * j);
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xj, w[j])), ones));
+  }
+  return s;
+#endif
+}
+#endif
+
+// Outputs ob*8 .. ob*8+7 of `tile` rows; y points at row 0's first of them.
+// TILE, the row count, is a template argument so that the rows' accumulators live in registers.
+template <bool FOUR_BIT, int TILE>
+void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t groups, const int8_t* xq,
+                const float* dx, const float* xs, int64_t in, const float* res, float* y, int64_t out) {
+  constexpr int tile = TILE;
+  constexpr int BYTES = (FOUR_BIT ? 16 : 32) * LANES;  // per group of LANES outputs
+#if defined(SPECPOOL_AVX512)
+  __m512 acc[TILE], macc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[8];
+    const uint8_t* block = qs + g * BYTES;
+    for (int k = 0; k < (FOUR_BIT ? 4 : 8); ++k) {
+      const __m512i b = _mm512_loadu_si512(block + 64 * k);
+      if (FOUR_BIT) {
+        w[2 * k] = _mm512_and_si512(b, m4);
+        w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+      } else {
+        w[k] = b;
+      }
+    }
+    const __m512 dv = _mm512_loadu_ps(d + g * LANES);
+    const __m512 mv = _mm512_loadu_ps(m + g * LANES);
+#pragma GCC unroll 8
+    for (int r = 0; r < tile; ++r) {
+      const int8_t* x = xq + r * in + g * GROUP;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
+      }
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+      macc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), macc[r]);
+    }
+  }
+  for (int r = 0; r < tile; ++r) {
+    const __m512 sum = _mm512_add_ps(acc[r], macc[r]);
+    _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(sum, _mm512_loadu_ps(res + r * out)) : sum);
+  }
+#elif defined(__AVX2__)
+  __m256 acc[TILE], macc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w[8];
+    const uint8_t* block = qs + g * BYTES;
+    for (int k = 0; k < (FOUR_BIT ? 4 : 8); ++k) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * k));
+      if (FOUR_BIT) {
+        w[2 * k] = _mm256_and_si256(b, m4);
+        w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+      } else {
+        w[k] = b;
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(d + g * LANES);
+    const __m256 mv = FOUR_BIT ? _mm256_loadu_ps(m + g * LANES) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < tile; ++r) {
+      const __m256 isum = _mm256_cvtepi32_ps(block_dot<FOUR_BIT>(w, xq + r * in + g * GROUP));
+      acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g])), acc[r]);
+      if (FOUR_BIT) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), macc[r]);
+    }
+  }
+  for (int r = 0; r < tile; ++r) {
+    const __m256 sum = _mm256_add_ps(acc[r], macc[r]);
+    _mm256_storeu_ps(y + r * out, res != nullptr ? _mm256_add_ps(sum, _mm256_loadu_ps(res + r * out)) : sum);
+  }
+#else
+  // Portable: the same sums, one lane at a time.
+  for (int r = 0; r < tile; ++r) {
+    for (int i = 0; i < LANES; ++i) {
+      float acc = 0.f, macc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = qs + g * BYTES;
+        const int8_t* x = xq + r * in + g * GROUP;
+        int32_t isum = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int b = 0; b < 4; ++b) {
+            const int byte = 32 * (FOUR_BIT ? j / 2 : j) + 4 * i + b;
+            const int q = FOUR_BIT ? (j % 2 ? block[byte] >> 4 : block[byte] & 0x0F)
+                                   : static_cast<int8_t>(block[byte]);
+            isum += q * x[4 * j + b];
+          }
+        acc += d[g * LANES + i] * dx[r * groups + g] * static_cast<float>(isum);
+        if (FOUR_BIT) macc += m[g * LANES + i] * xs[r * groups + g];
+      }
+      y[r * out + i] = res != nullptr ? (acc + macc) + res[r * out + i] : acc + macc;
+    }
+  }
+#endif
+}
+
+template <bool FOUR_BIT>
+auto rows_fn(int tile) -> decltype(&block_rows<FOUR_BIT, 1>) {
+  switch (tile) {
+    case 1: return &block_rows<FOUR_BIT, 1>;
+    case 2: return &block_rows<FOUR_BIT, 2>;
+    case 3: return &block_rows<FOUR_BIT, 3>;
+#if ROW_TILE_MAX > 4
+    case 5: return &block_rows<FOUR_BIT, 5>;
+    case 6: return &block_rows<FOUR_BIT, 6>;
+    case 7: return &block_rows<FOUR_BIT, 7>;
+    case 8: return &block_rows<FOUR_BIT, 8>;
+#endif
+    default: return &block_rows<FOUR_BIT, 4>;
+  }
+}
+
+// y [rows, out] = x [rows, in] @ W.T, W repacked as above: qs [out / 8, groups, 128 or 256] uint8, d and m
+// [out / 8, groups, 8] fp32 (m unused for 8-bit).
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        int64_t bits, const std::optional<at::Tensor>& norm, double eps, bool silu_mul,
+                        const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kFloat,
+              "block_linear: x and d fp32, qs uint8");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (bits == 4 ? 16 : 32) * LANES && qs.is_contiguous() && d.is_contiguous(),
+              "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
+  const int64_t blocks = qs.size(0), groups = qs.size(1), in = groups * GROUP, out = blocks * LANES;
+  TORCH_CHECK(d.numel() == blocks * groups * LANES && (bits == 8 && !SIGNED_OFFSET || m.sizes() == d.sizes()),
+              "block_linear: d and m [out / lanes, groups, lanes]");
+  const int64_t width = silu_mul ? 2 * in : in;
+  TORCH_CHECK(x.size(-1) == width, "block_linear: x has ", x.size(-1), " inputs, the weights ", in,
+              silu_mul ? " (twice that with silu_mul: gate, up)" : "");
+  TORCH_CHECK(!(silu_mul && norm.has_value()), "block_linear: norm or silu_mul, not both");
+  const at::Tensor rows2d = x.reshape({-1, width}).contiguous();
+  const int64_t rows = rows2d.size(0);
+  auto xq = at::empty({rows, in}, x.options().dtype(at::kChar));
+  auto dx = at::empty({rows, groups}, x.options());
+  auto xs = at::empty({rows, groups}, x.options());
+  if (norm.has_value())
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->numel() == in && norm->is_contiguous(),
+                "block_linear: norm [in] fp32");
+  TORCH_CHECK(in % 8 == 0, "block_linear: inputs a multiple of 8");
+  quantize_rows(rows2d.data_ptr<float>(), rows, in, norm.has_value() ? norm->data_ptr<float>() : nullptr,
+                static_cast<float>(eps), silu_mul, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+  auto y = at::empty({rows, out}, x.options());
+  at::Tensor res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->numel() == rows * out,
+                "block_linear: residual [rows, out] fp32");
+    res = residual->reshape({rows, out}).contiguous();
+  }
+  const float* res_ptr = residual.has_value() ? res.data_ptr<float>() : nullptr;
+  const uint8_t* q_ptr = qs.data_ptr<uint8_t>();
+  const float* d_ptr = d.data_ptr<float>();
+  const float* m_ptr = bits == 4 || SIGNED_OFFSET ? m.data_ptr<float>() : nullptr;
+  const int8_t* xq_ptr = xq.data_ptr<int8_t>();
+  const float* dx_ptr = dx.data_ptr<float>();
+  const float* xs_ptr = xs.data_ptr<float>();
+  float* y_ptr = y.data_ptr<float>();
+  const auto rows_of = [bits](int tile) { return bits == 4 ? rows_fn<true>(tile) : rows_fn<false>(tile); };
+  const int64_t block_bytes = groups * qs.size(2), block_scales = groups * LANES;
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t ob = begin; ob < end; ++ob)
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
+        rows_of(static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0)))(
+            q_ptr + ob * block_bytes, d_ptr + ob * block_scales, m_ptr ? m_ptr + ob * block_scales : nullptr, groups,
+            xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups, in,
+            res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr, y_ptr + r0 * out + ob * LANES, out);
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = out;
+  return y.view(shape);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention of queries q [N, H, D] over the cache of one layer, k and v [S, Hkv, L, D] (fp32). Query n
+// sees, in this order, the keys at positions 0 .. prefix[n]-1 of slot slot[n], then the positions
+// extra[n, :] that are >= 0 (a token tree's ancestors, itself last). Scores, softmax and the weighted
+// sum run over exactly those keys in exactly that order, so a query's output does not depend on which
+// other queries, rows or padding share the call.
+
+at::Tensor visible_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot,
+                             const at::Tensor& prefix, const at::Tensor& extra) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "visible_attention: fp32 q, k, v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "visible_attention: q [N, H, D], k/v [S, Hkv, L, D]");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "visible_attention: head shapes");
+  TORCH_CHECK(slot.numel() == N && prefix.numel() == N && extra.dim() == 2 && extra.size(0) == N,
+              "visible_attention: slot, prefix [N], extra [N, E]");
+  const at::Tensor qc = q.contiguous();
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "visible_attention: k and v contiguous in D");
+  const auto slots = slot.to(at::kLong).contiguous(), prefixes = prefix.to(at::kLong).contiguous();
+  const auto extras = extra.to(at::kLong).contiguous();
+  const int64_t E = extras.size(1), S = k.size(0);
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t* prefix_p = prefixes.data_ptr<int64_t>();
+  const int64_t* extra_p = extras.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(slot_p[n] >= 0 && slot_p[n] < S && prefix_p[n] >= 0 && prefix_p[n] <= L,
+                "visible_attention: query ", n, " slot or prefix out of range");
+    for (int64_t e = 0; e < E; ++e)
+      TORCH_CHECK(extra_p[n * E + e] < L, "visible_attention: query ", n, " extra position out of range");
+  }
+  auto out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t group = H / Hkv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, N * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> keys;
+    std::vector<float> p;
+    std::vector<float> acc(D);
+    for (int64_t nh = begin; nh < end; ++nh) {
+      const int64_t n = nh / H, h = nh % H, kvh = h / group;
+      keys.clear();
+      for (int64_t j = 0; j < prefix_p[n]; ++j) keys.push_back(j);
+      for (int64_t e = 0; e < E; ++e)
+        if (extra_p[n * E + e] >= 0) keys.push_back(extra_p[n * E + e]);
+      const float* qv = qp + nh * D;
+      float* o = op + nh * D;
+      if (keys.empty()) {
+        std::fill(o, o + D, 0.f);
+        continue;
+      }
+      p.resize(keys.size());
+      float mx = -INFINITY;
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const float* kv = kp + slot_p[n] * ks0 + kvh * ks1 + keys[j] * ks2;
+        float lanes[8] = {0.f};  // a fixed lane structure: the same sum for every key and call
+        for (int64_t c = 0; c < D; c += 8)
+          for (int l = 0; l < 8 && c + l < D; ++l) lanes[l] += qv[c + l] * kv[c + l];
+        const float s = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) * scale;
+        p[j] = s;
+        mx = std::fmax(mx, s);
+      }
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const float e = std::exp(p[j] - mx);
+        total += e;
+        const float* vv = vp + slot_p[n] * vs0 + kvh * vs1 + keys[j] * vs2;
+        for (int64_t c = 0; c < D; ++c) acc[c] += e * vv[c];
+      }
+      const float inv = 1.f / total;
+      for (int64_t c = 0; c < D; ++c) o[c] = acc[c] * inv;
+    }
+  });
+  return out;
+}
+
+// One layer's attention for a decode or verify step, from the fused q/k/v product qkv [N, (H + 2 Hkv) * D]:
+// RoPE on q and k (adjacent pairs (2i, 2i+1) rotated by cos, sin [N, D / 2]: llama.cpp's GGUF layout), the
+// new keys and values written at (write_slot[n], write_pos[n]) of the layer's cache k, v, then
+// `visible_attention`. One op, so a compiled step mutates the cache in place. -> [N, H * D]
+at::Tensor cache_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
+                           at::Tensor& v, const at::Tensor& write_slot, const at::Tensor& write_pos,
+                           const at::Tensor& slot, const at::Tensor& prefix, const at::Tensor& extra) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.sizes() == k.sizes() && k.dim() == 4, "cache_attention: k, v [S, Hkv, L, D] fp32");
+  const int64_t S = k.size(0), Hkv = k.size(1), L = k.size(2), D = k.size(3), half = D / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.size(1) % D == 0 && qkv.size(1) / D > 2 * Hkv,
+              "cache_attention: qkv [N, (H + 2 Hkv) * D] fp32");
+  const int64_t N = qkv.size(0), H = qkv.size(1) / D - 2 * Hkv;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == N && cos.size(-1) == half && cos.scalar_type() == at::kFloat,
+              "cache_attention: cos, sin [N, D / 2] fp32");
+  TORCH_CHECK(write_slot.numel() == N && write_pos.numel() == N, "cache_attention: write_slot, write_pos [N]");
+  const auto in = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous();
+  const auto ws = write_slot.to(at::kLong).contiguous(), wp = write_pos.to(at::kLong).contiguous();
+  auto q = at::empty({N, H, D}, qkv.options());
+  const float* src = in.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t s = ws.data_ptr<int64_t>()[n], p = wp.data_ptr<int64_t>()[n];
+    TORCH_CHECK(s >= 0 && s < S && p >= 0 && p < L, "cache_attention: row ", n, " writes outside the cache");
+    const float* cn = c.data_ptr<float>() + n * half;
+    const float* sn_ = sn.data_ptr<float>() + n * half;
+    const float* row = src + n * (H + 2 * Hkv) * D;
+    for (int64_t h = 0; h < H + Hkv; ++h) {  // q heads, then k heads: rotated
+      float* dst = h < H ? qp + (n * H + h) * D : k.data_ptr<float>() + s * k.stride(0) + (h - H) * k.stride(1) + p * k.stride(2);
+      const float* x = row + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1];
+        dst[2 * i] = x0 * cn[i] - x1 * sn_[i];
+        dst[2 * i + 1] = x0 * sn_[i] + x1 * cn[i];
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h)  // v heads: as they are
+      std::memcpy(v.data_ptr<float>() + s * v.stride(0) + h * v.stride(1) + p * v.stride(2),
+                  row + (H + Hkv + h) * D, D * sizeof(float));
+  }
+  return visible_attention(q, k, v, slot, prefix, extra).view({N, H * D});
+}
+
+// What BlockLinear packs for this build: (lanes, whether 8-bit weights are stored offset by 128).
+std::tuple<int64_t, bool> block_layout() { return {LANES, SIGNED_OFFSET}; }
+
+}  // namespace
+
+TORCH_LIBRARY(specpool, lib) {
+  lib.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, Tensor? norm=None, float eps=0, "
+          "bool silu_mul=False, Tensor? residual=None) -> Tensor");
+  lib.def("block_layout() -> (int, bool)", &block_layout);  // no tensor to dispatch on: one impl for all
+  lib.def("visible_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");
+  lib.def("cache_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor write_slot, "
+          "Tensor write_pos, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specpool, CPU, lib) {
+  lib.impl("block_linear", &block_linear);
+  lib.impl("visible_attention", &visible_attention);
+  lib.impl("cache_attention", &cache_attention);
+}

@@ -1,0 +1,103 @@
+"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): weight-block products for the few rows of
+decode and verify steps, and attention over each query's exact visible keys.
+
+They are compiled once per machine class (engine/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
+portable C++) with the C++ compiler torch's extension builder finds, into a cache that `make setup`
+fills (`python -m specpool.engine.kernels`). A process that finds no build compiles it on first use; one
+where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line.
+
+    python -m specpool.engine.kernels                              # build this machine's class
+    SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.engine.kernels    # and the AVX2 class's
+    python -m specpool.engine.kernels --isa portable               # any class, by name (one per process)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specpool.engine.device import kernel_isa
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# What each class compiles for: the instructions every machine of that class has, never -march=native,
+# so a build (or a container image) moves between machines of one class.
+ISA_FLAGS = {
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "portable": [],
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECPOOL_KERNEL_CACHE", Path.home() / ".cache" / "specpool" / "kernels"))
+
+
+def build(isa: str) -> None:
+    """Load the kernels compiled for `isa` into this process, compiling them first if this source, these
+    flags and this torch have no build yet (the name says which: a read-only cache, as in the image, serves)."""
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
+    digest = hashlib.sha256("|".join([SOURCE.read_text(), *flags, torch.__version__]).encode()).hexdigest()[:12]
+    name = f"specpool_cpu_kernels_{isa}_{digest}"
+    directory = cache_dir() / name
+    library = directory / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether torch.ops.specpool's kernels are loaded (built first if need be); False, with one log line,
+    where they cannot be (no compiler, a failed build, not a CPU process)."""
+    isa = kernel_isa()
+    start = time.perf_counter()
+    try:
+        build(isa)
+    except Exception as e:  # noqa: BLE001 - any build failure means the eager paths
+        log.warning("the engine's CPU kernels (%s) could not be built, running the eager paths instead: %s",
+                    isa, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        return False
+    _register_fakes()
+    log.info("engine CPU kernels (%s) ready in %.1f s", isa, time.perf_counter() - start)
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing: what each op returns, without running it."""
+
+    @torch.library.register_fake("specpool::block_linear")
+    def _(x, qs, d, m, bits, norm=None, eps=0.0, silu_mul=False, residual=None):
+        return x.new_empty((*x.shape[:-1], qs.shape[0] * 8))
+
+    @torch.library.register_fake("specpool::visible_attention")
+    def _(q, k, v, slot, prefix, extra):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("specpool::cache_attention")
+    def _(qkv, cos, sin, k, v, write_slot, write_pos, slot, prefix, extra):
+        heads = qkv.shape[1] // k.shape[3] - 2 * k.shape[1]
+        return qkv.new_empty((qkv.shape[0], heads * k.shape[3]))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build the engine's CPU kernels for one instruction set class.")
+    ap.add_argument("--isa", choices=sorted(ISA_FLAGS), default=kernel_isa(), help="default: this machine's")
+    isa = ap.parse_args().isa
+    started = time.perf_counter()
+    build(isa)
+    print(f"engine CPU kernels: {isa} ready in {time.perf_counter() - started:.1f} s under {cache_dir()}")
