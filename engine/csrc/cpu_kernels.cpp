@@ -83,9 +83,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 // it). The scales d and offsets m: [outputs / LANES, groups, LANES] fp32.
 //
 // Row r's outputs then accumulate, over the groups in order and with no horizontal sum:
-//   acc  += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
-//   macc += m_g * xs_rg
-// and y = acc + macc. A row's lanes see only that row's data, by the same instructions for every row.
+//   acc += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
+//   acc += m_g * xs_rg
+// and y = acc. A row's lanes see only that row's data, by the same instructions for every row. One
+// accumulator a row leaves registers for 16 rows (AVX-512) or 8 (AVX2) to share each unpacked block:
+// a verify step of up to 15 drafts reads its weights once.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPECPOOL_AVX512 1
@@ -95,10 +97,10 @@ constexpr bool SIGNED_OFFSET = true;  // 8-bit weights stored + 128, m = -128 d
 constexpr bool SIGNED_OFFSET = false;
 constexpr int LANES = 8;  // one 256-bit vector (AVX2), or 8 scalars
 #endif
-#if defined(__AVX512VL__)
-#define ROW_TILE_MAX 8  // rows that share one unpacking of a weight block (32 vector registers)
+#if defined(SPECPOOL_AVX512)
+#define ROW_TILE_MAX 16  // rows that share one unpacking of a weight block (32 vector registers)
 #else
-#define ROW_TILE_MAX 4  // (16 vector registers)
+#define ROW_TILE_MAX 8  // (16 vector registers)
 #endif
 constexpr int ROW_TILE = ROW_TILE_MAX;
 
@@ -155,8 +157,8 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
   constexpr int tile = TILE;
   constexpr int BYTES = (FOUR_BIT ? 16 : 32) * LANES;  // per group of LANES outputs
 #if defined(SPECPOOL_AVX512)
-  __m512 acc[TILE], macc[TILE];
-  for (int r = 0; r < TILE; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+  __m512 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
@@ -172,7 +174,7 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
     }
     const __m512 dv = _mm512_loadu_ps(d + g * LANES);
     const __m512 mv = _mm512_loadu_ps(m + g * LANES);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
@@ -182,16 +184,14 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
       }
       const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
       acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-      macc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), macc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < tile; ++r) {
-    const __m512 sum = _mm512_add_ps(acc[r], macc[r]);
-    _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(sum, _mm512_loadu_ps(res + r * out)) : sum);
-  }
+  for (int r = 0; r < tile; ++r)
+    _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(acc[r], _mm512_loadu_ps(res + r * out)) : acc[r]);
 #elif defined(__AVX2__)
-  __m256 acc[TILE], macc[TILE];
-  for (int r = 0; r < TILE; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  __m256 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i w[8];
@@ -207,22 +207,20 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
     }
     const __m256 dv = _mm256_loadu_ps(d + g * LANES);
     const __m256 mv = FOUR_BIT ? _mm256_loadu_ps(m + g * LANES) : _mm256_setzero_ps();
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const __m256 isum = _mm256_cvtepi32_ps(block_dot<FOUR_BIT>(w, xq + r * in + g * GROUP));
       acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g])), acc[r]);
-      if (FOUR_BIT) macc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), macc[r]);
+      if (FOUR_BIT) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < tile; ++r) {
-    const __m256 sum = _mm256_add_ps(acc[r], macc[r]);
-    _mm256_storeu_ps(y + r * out, res != nullptr ? _mm256_add_ps(sum, _mm256_loadu_ps(res + r * out)) : sum);
-  }
+  for (int r = 0; r < tile; ++r)
+    _mm256_storeu_ps(y + r * out, res != nullptr ? _mm256_add_ps(acc[r], _mm256_loadu_ps(res + r * out)) : acc[r]);
 #else
   // Portable: the same sums, one lane at a time.
   for (int r = 0; r < tile; ++r) {
     for (int i = 0; i < LANES; ++i) {
-      float acc = 0.f, macc = 0.f;
+      float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* block = qs + g * BYTES;
         const int8_t* x = xq + r * in + g * GROUP;
@@ -235,9 +233,9 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
             isum += q * x[4 * j + b];
           }
         acc += d[g * LANES + i] * dx[r * groups + g] * static_cast<float>(isum);
-        if (FOUR_BIT) macc += m[g * LANES + i] * xs[r * groups + g];
+        if (FOUR_BIT) acc += m[g * LANES + i] * xs[r * groups + g];
       }
-      y[r * out + i] = res != nullptr ? (acc + macc) + res[r * out + i] : acc + macc;
+      y[r * out + i] = res != nullptr ? acc + res[r * out + i] : acc;
     }
   }
 #endif
@@ -249,13 +247,21 @@ auto rows_fn(int tile) -> decltype(&block_rows<FOUR_BIT, 1>) {
     case 1: return &block_rows<FOUR_BIT, 1>;
     case 2: return &block_rows<FOUR_BIT, 2>;
     case 3: return &block_rows<FOUR_BIT, 3>;
-#if ROW_TILE_MAX > 4
+    case 4: return &block_rows<FOUR_BIT, 4>;
     case 5: return &block_rows<FOUR_BIT, 5>;
     case 6: return &block_rows<FOUR_BIT, 6>;
     case 7: return &block_rows<FOUR_BIT, 7>;
+#if ROW_TILE_MAX > 8
     case 8: return &block_rows<FOUR_BIT, 8>;
+    case 9: return &block_rows<FOUR_BIT, 9>;
+    case 10: return &block_rows<FOUR_BIT, 10>;
+    case 11: return &block_rows<FOUR_BIT, 11>;
+    case 12: return &block_rows<FOUR_BIT, 12>;
+    case 13: return &block_rows<FOUR_BIT, 13>;
+    case 14: return &block_rows<FOUR_BIT, 14>;
+    case 15: return &block_rows<FOUR_BIT, 15>;
 #endif
-    default: return &block_rows<FOUR_BIT, 4>;
+    default: return &block_rows<FOUR_BIT, ROW_TILE_MAX>;
   }
 }
 
