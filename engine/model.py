@@ -352,7 +352,6 @@ class Llama:
             logits = full.index_copy_(-1, self.output_ids, logits)
         return (logits, hidden) if features else logits
 
-
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                       visible_keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The layers of a decode or verify step as the engine's fused kernels (engine/csrc/cpu_kernels.cpp):
