@@ -70,26 +70,8 @@ def available() -> bool:
         log.warning("the engine's CPU kernels (%s) could not be built, running the eager paths instead: %s",
                     isa, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
-    _register_fakes()
     log.info("engine CPU kernels (%s) ready in %.1f s", isa, time.perf_counter() - start)
     return True
-
-
-def _register_fakes() -> None:
-    """Shapes for torch.compile's tracing: what each op returns, without running it."""
-
-    @torch.library.register_fake("specpool::block_linear")
-    def _(x, qs, d, m, bits, norm=None, eps=0.0, silu_mul=False, residual=None):
-        return x.new_empty((*x.shape[:-1], qs.shape[0] * 8))
-
-    @torch.library.register_fake("specpool::visible_attention")
-    def _(q, k, v, slot, prefix, extra):
-        return torch.empty_like(q)
-
-    @torch.library.register_fake("specpool::cache_attention")
-    def _(qkv, cos, sin, k, v, write_slot, write_pos, slot, prefix, extra):
-        heads = qkv.shape[1] // k.shape[3] - 2 * k.shape[1]
-        return qkv.new_empty((qkv.shape[0], heads * k.shape[3]))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class BlockLinear:
     Every weight is the file's exactly (its fp16 scales widened to fp32): Q4_0's d * (q - 8) is held as
     d * q + m with m = -8d (exact in fp32). Each row's result depends on that row alone, by the same
     instructions whatever the row count, so a verify step's rows equal a decode step's bit for bit; and the
-    kernel unpacks each weight block once for up to 8 rows (4 with AVX2), so a verify step's extra rows cost
+    kernel unpacks each weight block once for up to 16 rows (8 with AVX2), so a verify step's extra rows cost
     their dot products, not another pass over the weights. Prefill steps run `prefill`, the dense twin.
     """
 

@@ -287,7 +287,9 @@ class Llama:
         # A short row's padding runs past its real positions, and near the end of the context past the
         # table: any angle serves a padding position (its key goes to the scratch slot).
         rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
-        if self.rope_cis is not None:
+        if fused:  # the fused attention rotates q and k itself
+            cos, sin = (t[rope_pos].view(B * T, cfg.head_dim // 2) for t in (self.rope_cos, self.rope_sin))
+        elif self.rope_cis is not None:
             cis = self.rope_cis[rope_pos][:, :, None, :]  # [B, T, 1, D/2] complex
         else:
             cos = self.rope_cos[rope_pos][:, :, None, :]  # [B, T, 1, D/2]
@@ -299,7 +301,6 @@ class Llama:
             x = self.fc(torch.cat([F.rms_norm(x, (cfg.d_model,), self.embed_norm, cfg.norm_eps),
                                    F.rms_norm(feats, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1))
         if fused:
-            cos, sin = (t[rope_pos].view(B * T, D // 2) for t in (self.rope_cos, self.rope_sin))
             x = self._fused_layers(x.view(B * T, cfg.d_model), cos, sin, cache, visible_keys).view(B, T, cfg.d_model)
         matrices = [] if fused else self.layers
         if prefill:

@@ -408,7 +408,7 @@ at::Tensor visible_attention(const at::Tensor& q, const at::Tensor& k, const at:
 // One layer's attention for a decode or verify step, from the fused q/k/v product qkv [N, (H + 2 Hkv) * D]:
 // RoPE on q and k (adjacent pairs (2i, 2i+1) rotated by cos, sin [N, D / 2]: llama.cpp's GGUF layout), the
 // new keys and values written at (write_slot[n], write_pos[n]) of the layer's cache k, v, then
-// `visible_attention`. One op, so a compiled step mutates the cache in place. -> [N, H * D]
+// `visible_attention`: one call a layer. -> [N, H * D]
 at::Tensor cache_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k,
                            at::Tensor& v, const at::Tensor& write_slot, const at::Tensor& write_pos,
                            const at::Tensor& slot, const at::Tensor& prefix, const at::Tensor& extra) {

@@ -120,10 +120,9 @@ def test_visible_attention_against_the_definition_and_alone():
     want = reference_attention(q, k, v, slot, prefix, extra)
     assert (got.double() - want).abs().max() < 1e-5
     assert torch.equal(got[5], torch.zeros(9, 64))  # no visible key: zeros
-    for n in range(6):
-        one = torch.ops.specpool.visible_attention(q[n : n + 1], k, v, slot[n : n + 1], prefix[n : n + 1],
-                                                   extra[n : n + 1, :1] if n != 3 else extra[n : n + 1])
-        if n != 4:  # query 4's second extra key was cut above
+    for n in range(6):  # alone, and beside a column of padding (-1: no key)
+        for extra_n in (extra[n : n + 1], torch.cat([extra[n : n + 1], torch.tensor([[-1]])], 1)):
+            one = torch.ops.specpool.visible_attention(q[n : n + 1], k, v, slot[n : n + 1], prefix[n : n + 1], extra_n)
             assert torch.equal(one[0], got[n]), n
 
 
