@@ -21,11 +21,13 @@ int4 kernel runs the 4-bit matrices (the file's weights up to bf16 rounding of t
 with fp32 activations around it, vectorized for AVX2 and AVX-512 alike (a CPU without AVX2, or a GPU:
 the dense rule, one log line). Other matrices stay dense (bf16 where native, else fp32).
 
-"auto" stays dense (fp32 on CPU): it is the reference numerics, whose greedy output equals
-transformers' reading the same GGUF token for token. q4's logits sit within ~1-2 of fp32's (int8 or bf16
+"auto" is the fastest format that stays lossless against its own AR on this machine: q4 on CPU where the
+file has 4-bit blocks and a fast kernel runs them, else bf16 on a GPU that computes it natively, else fp32.
+Not dense bf16 on CPU: its decode and verify steps round differently (see engine/model.py), so speculation
+through it would not equal its own decoding. q4's logits sit within ~1-2 of fp32's (int8 or bf16
 activations), so its greedy output can leave fp32's at near-ties (tests/engine/test_quantized.py), while
-speculation through q4 equals q4's own decoding bit for bit (engine/model.py). It is chosen with
-`--dtype q4`.
+speculation through q4 equals q4's own decoding bit for bit (engine/model.py). fp32 stays the reference
+numerics (`--dtype fp32`), whose greedy output equals transformers' reading the same GGUF token for token.
 """
 
 from __future__ import annotations
@@ -142,18 +144,22 @@ def _log_no_int4(device_type: str) -> None:
                 device_type)
 
 
-def resolve_format(name: str | torch.dtype | None, device: torch.device | str) -> WeightFormat:
-    """The weight format a model loads with on `device`.
+def resolve_format(name: str | torch.dtype | None, device: torch.device | str, four_bit: bool = True) -> WeightFormat:
+    """The weight format a model loads with on `device`; `four_bit`: whether its file has 4-bit blocks.
 
-    "q4": the GGUF's 4-bit blocks through the int4 kernel, fp32 activations (dense weights with one
-    log line where that kernel has no fast path). Anything else is dense, as `resolve_dtype` says;
-    "auto" included (see the module docstring for why it is not q4). A model whose file has no 4-bit
-    blocks (an fp32 GGUF, a draft checkpoint) is dense fp32 under q4.
+    "q4": the GGUF's 4-bit blocks through the engine's own kernels, or torch's int4 kernel where those do not
+    build (dense weights with one log line where neither runs fast). `None`/"auto": q4 where the file is
+    4-bit and a q4 kernel runs fast on this CPU, else dense (see the module docstring). Anything else is
+    dense, as `resolve_dtype` says. A model whose file has no 4-bit blocks (an fp32 GGUF, a draft
+    checkpoint) is dense fp32 under q4.
     """
-    if name == "q4":
-        from specpool.engine import kernels  # (it asks this module which instruction set to build for)
+    from specpool.engine import kernels  # (it asks this module which instruction set to build for)
 
-        if torch.device(device).type == "cpu" and kernels.available():
+    device = torch.device(device)
+    if name in (None, "auto") and four_bit and device.type == "cpu" and (kernels.available() or int4_kernels(device)):
+        name = "q4"
+    if name == "q4":
+        if device.type == "cpu" and kernels.available():
             return WeightFormat(torch.float32, int4=True, dense=torch.bfloat16 if native_bf16(device) else None,
                                 own_kernels=True)
         if int4_kernels(device):
@@ -162,7 +168,7 @@ def resolve_format(name: str | torch.dtype | None, device: torch.device | str) -
             # bf16 1.1 / 1.9 ms, the Q8_0 blocks as two int4 halves 1.7 / 8.6 ms, fp32 4.1 / 8.4 ms. On AVX2,
             # fp32 (4.5 / 9.4 ms) against int4 halves (3.7 / 13.2 ms): fp32, exact and flatter in rows.
             return WeightFormat(torch.float32, int4=True, dense=torch.bfloat16 if native_bf16(device) else None)
-        _log_no_int4(torch.device(device).type)
+        _log_no_int4(device.type)
         name = "auto"
     return WeightFormat(resolve_dtype(name, device))
 

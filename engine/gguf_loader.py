@@ -56,6 +56,10 @@ class QuantizedBlocks:
 
     BLOCK = 32
 
+    @property
+    def four_bit(self) -> bool:
+        return self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
     def fields(self) -> tuple[torch.Tensor, ...]:
         """The blocks' fields as tensors, [out, in / 32] per scale and [out, in] for the q's: Q4_0 gives
         (d, q) and Q4_1 (d, m, q) with q in 0..15 (uint8); Q8_0 gives (d, q) with q int8. d and m are
@@ -63,7 +67,7 @@ class QuantizedBlocks:
         rows, cols = self.shape
         blocks = np.ascontiguousarray(self.data).reshape(rows, cols // self.BLOCK, -1)
         d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-        if self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        if self.four_bit:
             start = 2 if self.kind == GGMLQuantizationType.Q4_0 else 4
             nibbles = torch.from_numpy(blocks[..., start:].copy())  # [out, in/32, 16]
             q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, cols)

@@ -56,7 +56,8 @@ class Llama:
         """`blocks`: the GGUF's quantized matrices (GGUFModel.blocks), read by the int4 format."""
         self.config = config
         self.device = torch.device(device)
-        self.format = resolve_format(dtype, self.device)  # bf16 only where native; q4 where its kernel is fast
+        four_bit = any(b.four_bit for b in (blocks or {}).values())
+        self.format = resolve_format(dtype, self.device, four_bit)  # bf16 only where native; q4 where fast
         self.dtype = dtype = self.format.dtype
         blocks = blocks if self.format.int4 else {}
 

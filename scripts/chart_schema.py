@@ -141,7 +141,7 @@ TARGET = {
     "model": string(description="--model: a GGUF path in the pod; empty: the image's SmolLM2-135M-Instruct"),
     "maxBatch": integer(1, description="--max-batch"),
     "maxContext": integer(1, description="--max-context"),
-    "dtype": enum("auto", "fp32", "bf16", description="--dtype"),
+    "dtype": enum("auto", "fp32", "bf16", "q4", description="--dtype"),
     "device": DEVICE,
     "threads": integer(0, description="--threads and OMP_NUM_THREADS (0: unset, all cores)"),
     "datastore": nullable(string(description="--datastore; empty: none")),

@@ -44,12 +44,16 @@ def version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+# The --dtype flag's help, for every command that loads a target.
+DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
+              "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
+              "device computes it natively, else fp32; fp32: the reference numerics)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help="weight/activation dtype (auto: bf16 on GPU, fp32 on CPU; bf16: where the device "
-                        "computes it natively, else fp32; q4: the GGUF's 4-bit blocks through torch's int4 "
-                        "CPU kernel, fp32 activations)")
+                   help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 

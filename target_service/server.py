@@ -47,6 +47,7 @@ from specpool.common.speculation import (
 )
 from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import Decoder, GenerationResult
+from specpool.cli import DTYPE_HELP
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama
@@ -297,9 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
     p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help="weight/activation dtype (auto: bf16 on GPU, fp32 on CPU; bf16: where the device "
-                        "computes it natively, else fp32; q4: the GGUF's 4-bit blocks through torch's int4 "
-                        "CPU kernel, fp32 activations)")
+                   help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--tenant", default=None,

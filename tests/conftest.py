@@ -112,6 +112,15 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
+def default_format_model():
+    """The default target in the format a server picks by default (`--dtype auto`: q4 on CPU where the
+    engine's kernels or torch's int4 kernel run) and its tokenizer: what a served target's output equals."""
+    from specpool.engine.gguf_loader import default_model_path
+
+    return Llama.from_gguf(default_model_path(), dtype="auto", device="cpu")
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM reading the same GGUF (tests only)."""
     import transformers  # the declared test dependency (pyproject's "test" extra): missing is an error

@@ -90,12 +90,13 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model, cpu_kind):
-    model, tokenizer = real_model
+def test_two_tenants_share_endpoint_batches_and_equal_ar(default_format_model, cpu_kind):
+    """The targets run the default format (`--dtype auto`): each speculative output equals the same
+    target's own AR output, which (in this process's CPU class) equals the in-process default model's."""
+    model, tokenizer = default_format_model
     gguf = default_model_path()
     draft = REPO / "models" / "smollm2-135m-draft"
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [r.token_ids for r in generate(model, prompts, SamplingParams(), 24)]
 
     # Two targets contending for 2 cores settle into anti-phase (one verifies while the other
     # waits for drafts), up to half a round apart; a window that wide lets them fall into step on
@@ -112,14 +113,19 @@ def test_two_tenants_share_endpoint_batches_and_equal_ar(real_model, cpu_kind):
                                 "--spec-deadline-ms", "2000") for t in ("alpha", "beta")]
         stubs = [stub_for(t) for t in targets]
 
-        def run(i: int) -> list[int]:
+        def run(i: int, method=pb.SPECULATION_METHOD_DRAFT_MODEL) -> list[int]:
             result = generate_result(stubs[i % 2], pb.GenerateRequest(
                 prompt_ids=pb.TokenIds(ids=prompts[i % 8]), max_tokens=24,
-                speculation=pb.SpeculationPreference(method=pb.SPECULATION_METHOD_DRAFT_MODEL),
+                speculation=pb.SpeculationPreference(method=method),
             ))
-            assert result.completions[0].speculation.fallback_rounds == 0
+            if method == pb.SPECULATION_METHOD_DRAFT_MODEL:
+                assert result.completions[0].speculation.fallback_rounds == 0
             return list(result.completions[0].token_ids)
 
+        expected = [run(i, pb.SPECULATION_METHOD_NONE) for i in range(8)]
+        if cpu_kind == "native":
+            in_process = [r.token_ids for r in generate(model, prompts, SamplingParams(), 24)]
+            assert expected == in_process, "a served target's default format is not the in-process default"
         with ThreadPoolExecutor(16) as pool:
             outputs = list(pool.map(run, range(16)))
         mismatches = [i for i in range(16) if outputs[i] != expected[i % 8]]

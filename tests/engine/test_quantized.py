@@ -28,6 +28,8 @@ from specpool.engine.process_env import NO_NATIVE_BF16
 from specpool.engine.sampling import SamplingParams
 from specpool.engine.speculation_policy import cached_step_costs
 
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 U = 2.0**-8  # bf16's unit roundoff: round to nearest with 8 significant bits
 
@@ -92,17 +94,28 @@ def test_int4_linear_reads_only_4_bit_blocks_of_16_outputs():
 def test_q4_format_resolves_per_machine(monkeypatch, caplog):
     fmt = device.resolve_format("q4", "cpu")  # the engine's kernels build here (make setup)
     assert fmt.int4 and fmt.own_kernels and fmt.dtype == torch.float32 and fmt.name == "q4"
+    # auto: q4 for a 4-bit file, the dense rule (fp32 on CPU) for any other.
+    assert device.resolve_format("auto", "cpu") == device.resolve_format(None, "cpu") == fmt
+    assert device.resolve_format("auto", "cpu", four_bit=False) == device.WeightFormat(torch.float32)
     monkeypatch.setattr(kernels, "available", lambda: False)  # no compiler: torch's int4 kernel
     monkeypatch.setattr(device, "int4_kernels", lambda dev: True)
     fmt = device.resolve_format("q4", "cpu")
     assert fmt.int4 and not fmt.own_kernels and fmt.dtype == torch.float32 and fmt.name == "q4"
     assert fmt.dense_dtype == (torch.bfloat16 if device.native_bf16("cpu") else torch.float32)
+    assert device.resolve_format("auto", "cpu") == fmt
     assert device.resolve_format("fp32", "cpu") == device.WeightFormat(torch.float32)
-    assert device.resolve_format("auto", "cpu") == device.WeightFormat(torch.float32)  # auto stays fp32 on CPU
     monkeypatch.setattr(device, "int4_kernels", lambda dev: False)  # a CPU without AVX2: a scalar loop
+    assert device.resolve_format("auto", "cpu") == device.WeightFormat(torch.float32)  # no log: not asked for
     with caplog.at_level(logging.WARNING, logger="specpool.engine.device"):
         assert device.resolve_format("q4", "cpu") == device.WeightFormat(torch.float32)
     assert any("int4 kernel has no fast path" in r.message for r in caplog.records)
+
+
+def test_auto_loads_the_default_model_as_q4_and_a_draft_dense(shipped, q4_model):
+    auto = Llama(shipped.config, shipped.weights, "auto", "cpu", blocks=shipped.blocks)
+    assert auto.format == q4_model.format and auto.fused
+    draft = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", auto.embed, dtype="auto", device="cpu")
+    assert draft.format == device.WeightFormat(torch.float32)  # no 4-bit blocks: dense
 
 
 @pytest.fixture(scope="module")
@@ -326,12 +339,11 @@ def test_q4_decode_verify_and_batch_rows_are_the_same_bits(real_model, q4_path, 
     assert torch.equal(tree[[0, 2, 3]], torch.stack(stepped[1:4]))
 
     assert [r.token_ids for r in generate(q4_model, prompts, SamplingParams(), 48, stop_ids=[])] == alone
-    models = Path(__file__).resolve().parents[2] / "models"
-    store = SuffixArrayDatastore.load(models / "smollm2-135m-datastore.npz")
+    store = SuffixArrayDatastore.load(MODELS / "smollm2-135m-datastore.npz")
     for k in (2, 8):
         sd = generate(q4_model, prompts, SamplingParams(), 48, NgramDrafter(store), k, stop_ids=[])
         assert [r.token_ids for r in sd] == alone
-    draft = Llama.from_draft_checkpoint(models / "smollm2-135m-draft", q4_model.embed, dtype="bf16", device="cpu")
+    draft = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", q4_model.embed, dtype="bf16", device="cpu")
     sd = generate(q4_model, prompts, SamplingParams(), 48, ModelDrafter(draft, len(prompts), 512), 4, stop_ids=[])
     assert [r.token_ids for r in sd] == alone
 
