@@ -174,6 +174,9 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             target_costs = cached_step_costs(model, cfg.model_path.name)
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
+        elif name == "ar-fp32":  # the reference format beside the default one (its own numerics: no match)
+            runners[mode] = _ours(Llama.from_gguf(cfg.model_path, dtype="fp32", device=str(model.device))[0],
+                                  cfg.max_tokens)
         elif name.startswith("ar@"):
             runners[mode] = _ours(model, cfg.max_tokens, threads=int(name[3:]))
         elif name == "sd":
@@ -273,7 +276,9 @@ def first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: l
 def run_bench(cfg: BenchConfig) -> dict:
     from specpool.bench.workloads import load_workload
 
+    started = time.perf_counter()
     model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
+    start_s = time.perf_counter() - started  # the file read, q4's repacking, the kernels' build or load
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
     remote = None
     if any(m.partition(":")[0] in REMOTE_MODES for m in cfg.modes):
@@ -307,7 +312,31 @@ def run_bench(cfg: BenchConfig) -> dict:
         "draft": str(cfg.draft_dir) if cfg.draft_dir else None,
         "head": str(cfg.head_dir) if cfg.head_dir else None,
         "datastore": str(cfg.datastore) if cfg.datastore else None,
+        "target": target_profile(model, start_s, rows),
         "results": rows,
+    }
+
+
+def target_profile(model: Llama, start_s: float, rows: list[dict]) -> dict:
+    """What the target's format costs: its start, AR at batch 1 against the bandwidth floor (the bytes of
+    weights a step reads over the memory bandwidth measured now), and the verify step's cost T(B, K) for
+    K drafts over T(B, 0), at batch 1 and 16 (fresh, best of 5, not the policy's cached table)."""
+    from specpool.bench.ar_speed import weight_bytes
+    from specpool.common.machine import memory_read_gbps
+    from specpool.engine.speculation_policy import measure_step_costs
+
+    lens = (0, 1, 2, 4, 8)
+    costs = measure_step_costs(model, (1, 16), lens, repeats=5).seconds
+    floor = weight_bytes(model) / (memory_read_gbps() * 1e9)
+    ar = next((r for r in rows if r["mode"] == "ar" and r["batch_size"] == 1), None)
+    return {
+        "format": model.format.name,
+        "fused_kernels": model.fused,
+        "start_s": round(start_s, 2),
+        "bandwidth_floor_s": round(floor, 5),
+        "ar_batch1_times_floor": round(ar["time_per_output_token_s"] / floor, 2) if ar else None,
+        "verify_step_ms": {b: {k: round(t * 1e3, 2) for k, t in zip(lens, row)} for b, row in zip((1, 16), costs)},
+        "verify_step_vs_k0": {b: {k: round(t / row[0], 3) for k, t in zip(lens, row)} for b, row in zip((1, 16), costs)},
     }
 
 
@@ -376,7 +405,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 # Two runs (say, before and after a refactor) made the same tokens iff these match.
                 "outputs_sha256": hashlib.sha256(json.dumps(t.outputs).encode()).hexdigest(),
             }
-            if ref is not None and cfg.temperature == 0:
+            if ref is not None and cfg.temperature == 0 and mode != "ar-fp32":
                 near, bad = 0, 0
                 gap, tie = lambda p, r, o: first_divergence_gap(model, p, r, o), NEAR_TIE
                 if mode.startswith("llamacpp-"):  # its own logits, and its kernels' looser agreement
@@ -395,6 +424,14 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
 
 
 def print_table(report: dict) -> None:
+    t = report["target"]
+    print(f"target: {report['model']} as {t['format']}" + (" (fused kernels)" if t["fused_kernels"] else "")
+          + f", started in {t['start_s']:.1f} s; AR batch 1 at "
+          + (f"{t['ar_batch1_times_floor']:.1f}x" if t["ar_batch1_times_floor"] else "-")
+          + f" the bandwidth floor ({1e3 * t['bandwidth_floor_s']:.1f} ms/token)")
+    for b, ratios in t["verify_step_vs_k0"].items():
+        print(f"verify step T({b},K)/T({b},0): " + ", ".join(f"K={k} {r:.2f}" for k, r in ratios.items() if k)
+              + f" (T({b},0) {t['verify_step_ms'][b][0]:.1f} ms)")
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
             ("draft_free_bound_s", 8), ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5),
             ("speedup_vs_ar", 7), ("speedup_vs_llamacpp_ar", 7), ("cores_used", 5), ("speedup_vs_ar_target_cores", 7),

@@ -276,7 +276,8 @@ class Cluster:
             if s is not None:
                 out.append(Member("target", t.tenant, s.address, s.metrics_port,
                                   f"{Path(t.model).name if t.model else 'SmolLM2-135M-Instruct'}, "
-                                  f"batch {t.max_batch}, cpus {_cpus_text(self.pins.get(t.tenant))}"))
+                                  f"batch {t.max_batch}, cpus {_cpus_text(self.pins.get(t.tenant))}"
+                                  + (f", {s.detail}" if s.detail else "")))
         for e in self.config.endpoints:
             s = self.endpoints.get(e.name)
             if s is not None:

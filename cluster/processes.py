@@ -43,6 +43,7 @@ class ServerProcess:
     port: int = 0
     metrics_port: int = 0
     http_port: int = 0  # a router's OpenAI-compatible HTTP front (0: none)
+    detail: str = ""  # what the server reported of itself when ready (a target: its format, its start)
     log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
     command: list[str] = field(default_factory=list)  # what started it, for restart()
     env: dict[str, str] = field(default_factory=dict)
@@ -143,6 +144,7 @@ def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool)
         report = json.loads(ready_file.read_text())
     server.port, server.metrics_port = report["port"], report["metrics_port"]
     server.http_port = report.get("http_port", 0)
+    server.detail = report.get("detail", "")
     while not server.ready():
         _check_running(server, log, end, timeout_s)
         time.sleep(0.1)

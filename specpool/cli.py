@@ -212,7 +212,7 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (the n-th batch of prompts uses seed + n)")
     b.add_argument("--modes", default="ar,sd,ngram,hf-ar,hf-prompt-lookup,hf-assisted",
-                   help="ar, sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
+                   help="ar, ar-fp32 (AR on the fp32 reference format), sd[:K], ngram[:K], head[:K] (the feature-fed head), sd-tree[:N] and head-tree[:N] "
                         "(token trees of N nodes; none: the policy's budget), head-suffix[:N] (the suffix store's trees "
                         "where it is sure, else the head's), sd-remote[:K], head-remote[:K], head-tree-remote[:N], "
                         "ngram-remote, ssd, ssd-pull, routed, routed-ar, routed-http (routed through the router's "

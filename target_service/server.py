@@ -327,6 +327,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     setup_logging(args.log_level, args.log_format)
     if args.max_queue < 0:
         raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -342,7 +343,10 @@ def main(args: argparse.Namespace) -> int:
     metrics = TargetMetrics(name, tenant)
 
     def load():
+        loading = time.perf_counter()
         model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
+        log.info("loaded %s as %s%s in %.1f s", name, model.format.name, " (fused kernels)" if model.fused else "",
+                 time.perf_counter() - loading)
         costs = None
         if not args.draft_tokens:
             log.info("measuring verify-step costs of %s (cached after the first run)", name)
@@ -396,7 +400,9 @@ def main(args: argparse.Namespace) -> int:
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
-    report_ready("TargetService", port, metrics_server.port)
+    report_ready("TargetService", port, metrics_server.port,
+                 detail=f"{model.format.name}{' (fused kernels)' if model.fused else ''}, "
+                        f"ready {time.perf_counter() - started:.1f} s after start")
 
     def drain() -> None:
         scheduler.accepting = False

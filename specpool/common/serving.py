@@ -307,18 +307,21 @@ def add_health_and_reflection(server: grpc.Server, service_full_names: list[str]
     return state
 
 
-def report_ready(service: str, port: int, metrics_port: int, http_port: int | None = None) -> None:
+def report_ready(service: str, port: int, metrics_port: int, http_port: int | None = None, detail: str = "") -> None:
     """Tell the launcher, if one asked (READY_FILE in the environment), which ports this server took
-    (http_port: a router's OpenAI-compatible front, when it runs one): a JSON file written whole, then
-    renamed, so a reader never sees half of it. Logs one "ready" line with the ports, for log pipelines."""
-    ports = {"service": service, "port": port, "metrics_port": metrics_port}
-    log.info("ready", extra=ports if http_port is None else {**ports, "http_port": http_port})
+    (http_port: a router's OpenAI-compatible front, when it runs one) and a line about itself for its
+    listing (`detail`): a JSON file written whole, then renamed, so a reader never sees half of it. Logs
+    one "ready" line with the same, for log pipelines."""
+    report = {"service": service, "port": port, "metrics_port": metrics_port}
+    if http_port is not None:
+        report["http_port"] = http_port
+    if detail:
+        report["detail"] = detail
+    log.info("ready", extra=report)
     path = os.environ.get(READY_FILE)
     if not path:
         return
-    report = {"service": service, "port": port, "metrics_port": metrics_port, "pid": os.getpid()}
-    if http_port is not None:
-        report["http_port"] = http_port
+    report["pid"] = os.getpid()
     partial = f"{path}.partial"
     with open(partial, "w") as f:
         json.dump(report, f)

@@ -110,7 +110,17 @@ def reference_attention(q, k, v, slot, prefix, extra):
     return out
 
 
-def test_visible_attention_against_the_definition_and_alone():
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_visible_attention_against_the_definition_and_alone(two_threads):
+    """On 2 threads six queries run one task per key-value head (its 3 heads together) and a query alone
+    one task per head: the two ways give the same bits."""
     torch.manual_seed(1)
     q, k, v = torch.randn(6, 9, 64), torch.randn(4, 3, 50, 64), torch.randn(4, 3, 50, 64)
     slot = torch.tensor([0, 1, 1, 2, 3, 3])
