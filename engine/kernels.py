@@ -40,12 +40,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECPOOL_KERNEL_CACHE", Path.home() / ".cache" / "specpool" / "kernels"))
 
 
+def build_name(isa: str) -> str:
+    """The build of this source, these flags and this torch for `isa`: its cache entry's name, and what a
+    table of measured step costs is keyed by."""
+    digest = hashlib.sha256("|".join([SOURCE.read_text(), *_flags(isa), torch.__version__]).encode()).hexdigest()[:12]
+    return f"specpool_cpu_kernels_{isa}_{digest}"
+
+
+def _flags(isa: str) -> list[str]:
+    return ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
+
+
 def build(isa: str) -> None:
     """Load the kernels compiled for `isa` into this process, compiling them first if this source, these
     flags and this torch have no build yet (the name says which: a read-only cache, as in the image, serves)."""
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS[isa]]
-    digest = hashlib.sha256("|".join([SOURCE.read_text(), *flags, torch.__version__]).encode()).hexdigest()[:12]
-    name = f"specpool_cpu_kernels_{isa}_{digest}"
+    flags = _flags(isa)
+    name = build_name(isa)
     directory = cache_dir() / name
     library = directory / f"{name}.so"
     if library.exists():

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specpool.engine.device import cpu_class
+from specpool.engine.device import cpu_class, kernel_isa
 from specpool.engine.model import Llama
 from specpool.engine.tree_drafting import TreeShape
 
@@ -122,6 +122,10 @@ def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None
     fmt = model.format
     key = (f"v5|{model_id}|{fmt.name}|{model.dtype}|{fmt.dense_dtype}|{model.device}|{torch.get_num_threads()}"
            f"|{cpu_class()}|{kwargs}")
+    if fmt.own_kernels:  # a table measured with an older build of the kernels says little about this one
+        from specpool.engine import kernels
+
+        key += f"|{kernels.build_name(kernel_isa())}"
     cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
     path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
     if path.exists():
