@@ -132,8 +132,8 @@ class BlockLinear:
     (engine/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
     (ggml's Q8_1, as llama.cpp does), integer dot products per block, the block scales applied in fp32.
 
-    Every weight is the file's exactly (its fp16 scales widened to fp32): Q4_0's d * (q - 8) is held as
-    d * q + m with m = -8d (exact in fp32). Each row's result depends on that row alone, by the same
+    Every weight is the file's exactly (its fp16 scales kept in fp16, widened to fp32 by the kernel as it
+    loads them): Q4_0's d * (q - 8) is held as d * q + m with m = -8d (exact in fp16 too). Each row's result depends on that row alone, by the same
     instructions whatever the row count, so a verify step's rows equal a decode step's bit for bit; and the
     kernel unpacks each weight block once for up to 16 rows (8 with AVX2), so a verify step's extra rows cost
     their dot products, not another pass over the weights. Prefill steps run `prefill`, the dense twin.
@@ -161,11 +161,14 @@ class BlockLinear:
             else:
                 self.qs = packed.contiguous().view(torch.uint8)
 
-        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [out / lanes, groups, lanes]
-            return v.view(blocks_out, lanes, groups).permute(0, 2, 1).contiguous()
+        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, groups] fp32 -> [out / lanes, groups, lanes] fp16
+            half = v.half()
+            if not torch.equal(half.float(), v):  # the file's fp16 values times 1, -8 or -128: always exact
+                raise ValueError("block scales that fp16 does not hold exactly")
+            return half.view(blocks_out, lanes, groups).permute(0, 2, 1).contiguous()
 
         self.d = by_lane(d)
-        self.m = by_lane(m) if m is not None else torch.zeros(0)
+        self.m = by_lane(m) if m is not None else torch.zeros(0, dtype=torch.float16)
 
     @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:
@@ -174,7 +177,7 @@ class BlockLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one product reads: the packed values and the fp32 scales (and offsets)."""
+        """Bytes of weights one product reads: the packed values and the fp16 scales (and offsets)."""
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,

@@ -171,13 +171,16 @@ def exact_joint(model, prompt: list[int], params, first: int, last: int) -> Tens
     earlier ones marginalised, enumerated from the model: [V ** (last - first + 1)], row-major."""
     v, length = model.config.vocab_size, last + 1
     cache = model.new_cache(v ** (length - 1) + 1, len(prompt) + length)
-    p0 = exact_probs(model.forward(cache, [cache.allocate()], [prompt]), params)[0].double()  # [V]
+    # As decoding runs it: the prompt through a prefill step, the generated tokens through decode or verify
+    # steps (a quantized model's prefill runs other kernels than its verify steps).
+    p0 = exact_probs(model.forward(cache, [cache.allocate()], [prompt], prefill=True), params)[0].double()  # [V]
     if length == 1:
         return p0
     prefixes = torch.cartesian_prod(*[torch.arange(v)] * (length - 1)).reshape(-1, length - 1)  # t_0..t_{L-2}
     slots = [cache.allocate() for _ in range(len(prefixes))]
-    logits = model.forward(cache, slots, [prompt + r.tolist() for r in prefixes], all_logits=True)
-    p = exact_probs(logits[:, -(length - 1):], params).double()  # [R, L-1, V]: p(t_i | .. t_{i-1})
+    model.forward(cache, slots, [prompt] * len(slots), prefill=True)
+    logits = model.forward(cache, slots, prefixes.tolist(), all_logits=True)
+    p = exact_probs(logits, params).double()  # [R, L-1, V]: p(t_i | .. t_{i-1})
     rows, joint = torch.arange(len(prefixes)), p0[prefixes[:, 0]]
     for i in range(1, length - 1):
         joint = joint * p[rows, i - 1, prefixes[:, i]]

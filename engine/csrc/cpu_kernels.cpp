@@ -80,7 +80,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 // lane i holds elements 4j..4j+3 of output i's group. 4-bit weights (q in 0..15) are stored two vectors
 // to one, w_2L in the low nibbles and w_2L+1 in the high; 8-bit ones one vector to one: signed with AVX2
 // (and portable), offset by 128 with AVX-512 (unsigned, as its dot product takes them; m = -128 d undoes
-// it). The scales d and offsets m: [outputs / LANES, groups, LANES] fp32.
+// it). The scales d and offsets m: [outputs / LANES, groups, LANES] fp16, as the file stores them (m = -8 d
+// and -128 d are exact there too): half the bytes of fp32, widened to fp32 as they load.
 //
 // Row r's outputs then accumulate, over the groups in order and with no horizontal sum:
 //   acc += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
@@ -152,7 +153,7 @@ inline __m256i block_dot(const __m256i* w, const int8_t* x) {
 // Outputs ob*8 .. ob*8+7 of `tile` rows; y points at row 0's first of them.
 // TILE, the row count, is a template argument so that the rows' accumulators live in registers.
 template <bool FOUR_BIT, int TILE>
-void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t groups, const int8_t* xq,
+void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* qs, int64_t groups, const int8_t* xq,
                 const float* dx, const float* xs, int64_t in, const float* res, float* y, int64_t out) {
   constexpr int tile = TILE;
   constexpr int BYTES = (FOUR_BIT ? 16 : 32) * LANES;  // per group of LANES outputs
@@ -172,8 +173,8 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
         w[k] = b;
       }
     }
-    const __m512 dv = _mm512_loadu_ps(d + g * LANES);
-    const __m512 mv = _mm512_loadu_ps(m + g * LANES);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_half + g * LANES)));
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
@@ -205,8 +206,9 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
         w[k] = b;
       }
     }
-    const __m256 dv = _mm256_loadu_ps(d + g * LANES);
-    const __m256 mv = FOUR_BIT ? _mm256_loadu_ps(m + g * LANES) : _mm256_setzero_ps();
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half + g * LANES)));
+    const __m256 mv = FOUR_BIT ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_half + g * LANES)))
+                               : _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const __m256 isum = _mm256_cvtepi32_ps(block_dot<FOUR_BIT>(w, xq + r * in + g * GROUP));
@@ -232,8 +234,8 @@ void block_rows(const uint8_t* qs, const float* d, const float* m, int64_t group
                                    : static_cast<int8_t>(block[byte]);
             isum += q * x[4 * j + b];
           }
-        acc += d[g * LANES + i] * dx[r * groups + g] * static_cast<float>(isum);
-        if (FOUR_BIT) acc += m[g * LANES + i] * xs[r * groups + g];
+        acc += static_cast<float>(d_half[g * LANES + i]) * dx[r * groups + g] * static_cast<float>(isum);
+        if (FOUR_BIT) acc += static_cast<float>(m_half[g * LANES + i]) * xs[r * groups + g];
       }
       y[r * out + i] = res != nullptr ? acc + res[r * out + i] : acc;
     }
@@ -266,13 +268,13 @@ auto rows_fn(int tile) -> decltype(&block_rows<FOUR_BIT, 1>) {
 }
 
 // y [rows, out] = x [rows, in] @ W.T, W repacked as above: qs [out / 8, groups, 128 or 256] uint8, d and m
-// [out / 8, groups, 8] fp32 (m unused for 8-bit).
+// [out / 8, groups, 8] fp16 (m unused for 8-bit).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t bits, const std::optional<at::Tensor>& norm, double eps, bool silu_mul,
                         const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kFloat,
-              "block_linear: x and d fp32, qs uint8");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kHalf &&
+              (m.numel() == 0 || m.scalar_type() == at::kHalf), "block_linear: x fp32, qs uint8, d and m fp16");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (bits == 4 ? 16 : 32) * LANES && qs.is_contiguous() && d.is_contiguous(),
               "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
   const int64_t blocks = qs.size(0), groups = qs.size(1), in = groups * GROUP, out = blocks * LANES;
@@ -302,8 +304,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   }
   const float* res_ptr = residual.has_value() ? res.data_ptr<float>() : nullptr;
   const uint8_t* q_ptr = qs.data_ptr<uint8_t>();
-  const float* d_ptr = d.data_ptr<float>();
-  const float* m_ptr = bits == 4 || SIGNED_OFFSET ? m.data_ptr<float>() : nullptr;
+  const at::Half* d_ptr = d.data_ptr<at::Half>();
+  const at::Half* m_ptr = bits == 4 || SIGNED_OFFSET ? m.data_ptr<at::Half>() : nullptr;
   const int8_t* xq_ptr = xq.data_ptr<int8_t>();
   const float* dx_ptr = dx.data_ptr<float>();
   const float* xs_ptr = xs.data_ptr<float>();
@@ -314,7 +316,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     for (int64_t ob = begin; ob < end; ++ob)
       for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
         rows_of(static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0)))(
-            q_ptr + ob * block_bytes, d_ptr + ob * block_scales, m_ptr ? m_ptr + ob * block_scales : nullptr, groups,
+            d_ptr + ob * block_scales, m_ptr ? m_ptr + ob * block_scales : nullptr, q_ptr + ob * block_bytes, groups,
             xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups, in,
             res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr, y_ptr + r0 * out + ob * LANES, out);
   });

@@ -15,13 +15,15 @@ from unittest import mock
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from specpool.engine import decoding
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafter import Drafts, ModelDrafter
 from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama
+from specpool.engine.gguf_loader import save_gguf
+from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specpool.engine.speculation_policy import FixedDraftLength
 from tests.stats import cells, check_tv, exact_joint, report
@@ -55,14 +57,14 @@ def check(name: str, params: SamplingParams, drafter):
     return scored(name, params, run(params, drafter))
 
 
-def scored(name: str, params: SamplingParams, results: list):
+def scored(name: str, params: SamplingParams, results: list, target: Llama = TARGET):
     first = [r.rounds[0] for r in results]
     shares = {
         "drafted K": sum(d == K for d, _ in first) / len(results),
         "slot 2": sum(a >= 1 for _, a in first) / len(results),
         "bonus": sum(a == K for _, a in first) / len(results),
     }
-    exact = exact_joint(TARGET, PROMPT, params, 1, 3)
+    exact = exact_joint(target, PROMPT, params, 1, 3)
     assert exact.max() < 0.5, "a near-one-hot target would hide a bias"
     return check_tv(name, cells([r.token_ids for r in results], 1, 3, V), exact), shares
 
@@ -222,6 +224,24 @@ PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
 def test_speculative_sampling_is_lossless(name):
     params, make_drafter, _ = PATHS[name]
     result, shares = check(name, params, make_drafter())
+    report(result, **shares)
+    assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
+    assert result.passed, result
+
+
+@pytest.mark.slow
+def test_speculative_sampling_is_lossless_on_the_default_format(tmp_path):
+    """The TV check on q4 as `auto` loads a 4-bit GGUF: the engine's kernels verify the drafts (fused
+    verify rows), and the exact joint is enumerated through the same prefill and verify kernels."""
+    config = tiny_config(vocab_size=V, d_model=32)  # the kernels' shapes: inputs by 32, outputs by 16
+    path = save_gguf(tmp_path / "tiny-q4_1.gguf", config, random_weights(config, seed=11),
+                     quantize_layers=GGMLQuantizationType.Q4_1)
+    target, _ = Llama.from_gguf(path, device="cpu")
+    assert target.format.name == "q4" and target.fused
+    params = SamplingParams(temperature=3.0, seed=1)
+    results = generate(target, [PROMPT] * N, params, max_new_tokens=NEW, drafter=ModelDrafter(DRAFT, N, 16),
+                       num_draft_tokens=K, stop_ids=[], generator=make_generator(params.seed))
+    result, shares = scored("dense q, q4 target", params, results, target)
     report(result, **shares)
     assert shares["drafted K"] == 1.0 and shares["slot 2"] > 0.2 and shares["bonus"] > 0.05, shares
     assert result.passed, result
