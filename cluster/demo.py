@@ -155,7 +155,8 @@ def router_decisions(cluster: Cluster) -> dict[tuple[str, str], int]:
         except (OSError, ValueError):
             continue
         for d in capacity.get("decisions", []):
-            key = (d.get("plan", "?"), d.get("reason", "?"))
+            # /capacity names plans as the proto enum does (SPECULATION_METHOD_NGRAM): shown as "ngram"
+            key = (d.get("plan", "?").removeprefix("SPECULATION_METHOD_").lower(), d.get("reason", "?"))
             out[key] = out.get(key, 0) + int(d.get("count", 0))
     return out
 
