@@ -19,6 +19,7 @@ import grpc
 import jinja2
 import torch
 
+from specpool.cli import DTYPE_HELP
 from specpool.common import http_limits, logs, outcomes
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
@@ -47,7 +48,6 @@ from specpool.common.speculation import (
 )
 from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import Decoder, GenerationResult
-from specpool.cli import DTYPE_HELP
 from specpool.engine.device import off_main_thread
 from specpool.engine.gguf_loader import default_model_path, model_name
 from specpool.engine.model import Llama

@@ -21,8 +21,8 @@ from specpool.engine import decoding
 from specpool.engine.config import tiny_config
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafter import Drafts, ModelDrafter
-from specpool.engine.head import HeadDrafter
 from specpool.engine.gguf_loader import save_gguf
+from specpool.engine.head import HeadDrafter
 from specpool.engine.model import Llama, random_weights
 from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specpool.engine.speculation_policy import FixedDraftLength
