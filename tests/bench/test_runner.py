@@ -93,4 +93,6 @@ def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():
                     continue  # the reference the others were compared with
                 if r["mode"].startswith("llamacpp-"):
                     continue  # a peer whose kernels compute 1 and many rows differently: reported, not ours
+                if r["mode"] == "ar-fp32":
+                    continue  # the reference format beside the default: its own numerics, timed only
                 assert r["outputs_match_ar"], f"{path.name}: batch {batch}, {r['mode']} differs from AR"

@@ -61,7 +61,7 @@ def test_tokenizer_and_chat_template_match_transformers(real_model):
 def test_cli_generate_matches_transformers_greedy(hf_model):
     out = subprocess.run(
         [sys.executable, "-m", "specpool.cli", "generate", "--chat", "--prompt", FACTORIAL,
-         "--max-tokens", "48", "--temperature", "0", "--json"],
+         "--max-tokens", "48", "--temperature", "0", "--json", "--dtype", "fp32"],  # the reference format
         capture_output=True, text=True, check=True, timeout=600,
     )
     result = json.loads(out.stdout)
