@@ -133,10 +133,11 @@ class BlockLinear:
     (ggml's Q8_1, as llama.cpp does), integer dot products per block, the block scales applied in fp32.
 
     Every weight is the file's exactly (its fp16 scales kept in fp16, widened to fp32 by the kernel as it
-    loads them): Q4_0's d * (q - 8) is held as d * q + m with m = -8d (exact in fp16 too). Each row's result depends on that row alone, by the same
-    instructions whatever the row count, so a verify step's rows equal a decode step's bit for bit; and the
-    kernel unpacks each weight block once for up to 16 rows (8 with AVX2), so a verify step's extra rows cost
-    their dot products, not another pass over the weights. Prefill steps run `prefill`, the dense twin.
+    loads them): Q4_0's d * (q - 8) is held as d * q + m with m = -8d (exact in fp16 too). Each row's result
+    depends on that row alone, by the same instructions whatever the row count, so a verify step's rows
+    equal a decode step's bit for bit; and the kernel unpacks each weight block once for up to 16 rows (8
+    with AVX2), so a verify step's extra rows cost their dot products, not another pass over the weights.
+    Prefill steps run `prefill`, the dense twin.
     """
 
     FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
