@@ -157,14 +157,14 @@ class BlockLinear:
             self.qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes).contiguous()
         else:  # [blocks, groups, 8 vectors, lanes, 4 elements]
             packed = q.view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks_out, groups, -1)
-            if offset_8bit:  # unsigned q + 128, undone by m = -128 d (exact in fp32)
-                self.qs, m = (packed.to(torch.int16) + 128).to(torch.uint8).contiguous(), -128 * d
+            if offset_8bit:  # unsigned q + 128, undone in the kernel by -128 d (exact)
+                self.qs = (packed.to(torch.int16) + 128).to(torch.uint8).contiguous()
             else:
                 self.qs = packed.contiguous().view(torch.uint8)
 
         def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, groups] fp32 -> [out / lanes, groups, lanes] fp16
             half = v.half()
-            if not torch.equal(half.float(), v):  # the file's fp16 values times 1, -8 or -128: always exact
+            if not torch.equal(half.float(), v):  # the file's fp16 values, or -8 times them: always exact
                 raise ValueError("block scales that fp16 does not hold exactly")
             return half.view(blocks_out, lanes, groups).permute(0, 2, 1).contiguous()
 

@@ -79,9 +79,9 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 // for each block of LANES outputs and each group g, 8 vectors w_j (j = 0..7) of 4 * LANES bytes, whose
 // lane i holds elements 4j..4j+3 of output i's group. 4-bit weights (q in 0..15) are stored two vectors
 // to one, w_2L in the low nibbles and w_2L+1 in the high; 8-bit ones one vector to one: signed with AVX2
-// (and portable), offset by 128 with AVX-512 (unsigned, as its dot product takes them; m = -128 d undoes
-// it). The scales d and offsets m: [outputs / LANES, groups, LANES] fp16, as the file stores them (m = -8 d
-// and -128 d are exact there too): half the bytes of fp32, widened to fp32 as they load.
+// (and portable), offset by 128 with AVX-512 (unsigned, as its dot product takes them; m = -128 d, made
+// from d as it loads, undoes it). The scales d and the 4-bit offsets m: [outputs / LANES, groups, LANES]
+// fp16, as the file stores them (m = -8 d is exact there too): half the bytes of fp32, widened as they load.
 //
 // Row r's outputs then accumulate, over the groups in order and with no horizontal sum:
 //   acc += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
@@ -93,7 +93,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPECPOOL_AVX512 1
 constexpr int LANES = 16;  // outputs per block: one 512-bit vector
-constexpr bool SIGNED_OFFSET = true;  // 8-bit weights stored + 128, m = -128 d
+constexpr bool SIGNED_OFFSET = true;  // 8-bit weights stored + 128, undone by m = -128 d (made as it loads d)
 #else
 constexpr bool SIGNED_OFFSET = false;
 constexpr int LANES = 8;  // one 256-bit vector (AVX2), or 8 scalars
@@ -174,7 +174,8 @@ void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* q
       }
     }
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_half + g * LANES)));
+    const __m512 mv = FOUR_BIT ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_half + g * LANES)))
+                               : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
@@ -278,7 +279,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (bits == 4 ? 16 : 32) * LANES && qs.is_contiguous() && d.is_contiguous(),
               "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
   const int64_t blocks = qs.size(0), groups = qs.size(1), in = groups * GROUP, out = blocks * LANES;
-  TORCH_CHECK(d.numel() == blocks * groups * LANES && (bits == 8 && !SIGNED_OFFSET || m.sizes() == d.sizes()),
+  TORCH_CHECK(d.numel() == blocks * groups * LANES && (bits == 8 || m.sizes() == d.sizes()),
               "block_linear: d and m [out / lanes, groups, lanes]");
   const int64_t width = silu_mul ? 2 * in : in;
   TORCH_CHECK(x.size(-1) == width, "block_linear: x has ", x.size(-1), " inputs, the weights ", in,
@@ -305,7 +306,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* res_ptr = residual.has_value() ? res.data_ptr<float>() : nullptr;
   const uint8_t* q_ptr = qs.data_ptr<uint8_t>();
   const at::Half* d_ptr = d.data_ptr<at::Half>();
-  const at::Half* m_ptr = bits == 4 || SIGNED_OFFSET ? m.data_ptr<at::Half>() : nullptr;
+  const at::Half* m_ptr = bits == 4 ? m.data_ptr<at::Half>() : nullptr;
   const int8_t* xq_ptr = xq.data_ptr<int8_t>();
   const float* dx_ptr = dx.data_ptr<float>();
   const float* xs_ptr = xs.data_ptr<float>();
