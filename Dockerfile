@@ -22,7 +22,7 @@ WORKDIR /app
 # the client package's (client/, installed from the source below, not from an index).
 COPY pyproject.toml ./
 COPY client/pyproject.toml client/
-# g++ compiles the engine's CPU kernels (engine/kernels.py): below for every class, and at run time should
+# g++ compiles the engine's CPU kernels (engine/runtime/kernels.py): below for every class, and at run time should
 # the cache be replaced.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<a wheel index of torch 2.13.0 builds: \
@@ -39,8 +39,8 @@ COPY . .
 # The kernels of every CPU class, so that the image runs compiled on whichever node it lands.
 ENV SPECPOOL_KERNEL_CACHE=/opt/specpool/kernels
 RUN pip install --no-deps -e ./client -e . \
- && for isa in avx512vnni avx2 portable; do python -m specpool.engine.kernels --isa "$isa" || exit 1; done \
- && python -c "from specpool.engine.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \
+ && for isa in avx512vnni avx2 portable; do python -m specpool.engine.runtime.kernels --isa "$isa" || exit 1; done \
+ && python -c "from specpool.engine.runtime.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \
  && test -f models/smollm2-135m-datastore.npz && test -d models/smollm2-135m-draft && test -d models/smollm2-135m-head
 
 # Unprivileged; HOME holds ~/.cache/specpool (targets' measured step costs; the chart mounts a volume there).

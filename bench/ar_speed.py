@@ -12,7 +12,7 @@ they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-
 T(1, K) and T(16, K) for K drafts, the costs the speculation policy plans with
 (engine/speculation_policy.py), and llama.cpp's own T(1, K) for the same feeds. Each engine's start is
 timed: loading the model (q4: repacking its blocks), and the engine's CPU kernels' build or load
-(engine/kernels.py: a build the first time on a machine, a load after).
+(engine/runtime/kernels.py: a build the first time on a machine, a load after).
 
     python -m specpool.bench.ar_speed --tokens 128 --repeats 3 --json bench/results/ar_speed.json
     SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.bench.ar_speed ...   # the AVX2 class, fresh process
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 
 from specpool.common.machine import machine_info, machine_line, memory_read_gbps
-from specpool.engine import kernels
 from specpool.engine.decoding import generate
-from specpool.engine.device import DTYPES, int4_kernels, kernel_isa, native_bf16
-from specpool.engine.gguf_loader import default_model_path, load_gguf
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime import kernels
+from specpool.engine.runtime.device import DTYPES, int4_kernels, kernel_isa, native_bf16
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
+from specpool.engine.runtime.model import Llama
+from specpool.engine.runtime.tokenizer import Tokenizer
 from specpool.engine.speculation_policy import measure_step_costs
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.verification.sampling import SamplingParams
 
 try:
     from specpool.bench.llamacpp_peer import LlamaCpp

@@ -12,7 +12,7 @@ In order; a failed check ends the run with exit code 1:
    bound, and the same check fails a biased twin (q misreported), so it can tell;
 3. speed at batch 1 on HumanEval prompts: AR, SD (the draft model, K drafts) and SSD, tokens/s and
    tokens per target step, each equal to AR's tokens (greedy).
-The device, dtype (engine/device.py's choice: bf16 where native), attention (SDPA) and the tensor
+The device, dtype (engine/runtime/device.py's choice: bf16 where native), attention (SDPA) and the tensor
 channel's backend (NCCL on CUDA) are recorded with the figures. The dry run is the same code on the CPU
 in fp32 with few prompts and tokens: the suite runs it, so the script cannot rot.
 """
@@ -29,13 +29,13 @@ import torch
 
 from specpool.common.machine import machine_info
 from specpool.engine.decoding import generate
-from specpool.engine.device import default_device, distributed_backend
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.gguf_loader import default_model_path
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
-from specpool.engine.ssd import SsdDrafter
-from specpool.engine.verification import verify_dense
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.runtime.device import default_device, distributed_backend
+from specpool.engine.runtime.gguf_loader import default_model_path
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.rules import verify_dense
+from specpool.engine.verification.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a Python function that returns the factorial of n."

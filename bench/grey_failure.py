@@ -42,9 +42,9 @@ from specpool.common.machine import machine_info, machine_line
 from specpool.common.security import LocalCA
 from specpool.common.speculation import Method, method_to_pb
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import default_model_path, model_name
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.gguf_loader import default_model_path, model_name
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

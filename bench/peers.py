@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpool.engine.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig
 
 EOS_ID = 2  # SmolLM2's eos token, which is also its padding_token_id
 
@@ -112,7 +112,7 @@ def load_hf_draft(draft_dir: str | Path, target_path: str | Path, dtype: torch.d
     import transformers
     from safetensors.torch import load_file
 
-    from specpool.engine.gguf_loader import load_gguf
+    from specpool.engine.runtime.gguf_loader import load_gguf
 
     draft_dir = Path(draft_dir)
     cfg = ModelConfig(**json.loads((draft_dir / "config.json").read_text())["config"])

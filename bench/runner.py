@@ -9,7 +9,7 @@ against llamacpp-ar); every row is also compared with llamacpp-ar when it ran (t
 Mode names: ar; sd and ngram (draft length chosen per step by the hardware-aware policy);
 sd:K and ngram:K (fixed draft length K); head[:K] (the feature-fed head); sd-tree[:N] and head-tree[:N]
 (token trees of N nodes, or of the policy's budget); head-suffix[:N] (trees from a suffix store over the
-workload's prompts and outputs where it is sure, else the head's: engine/hybrid_drafter.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
+workload's prompts and outputs where it is sure, else the head's: engine/drafters/hybrid.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
 llamacpp-ar and llamacpp-lookup[:K] (llama.cpp on the same GGUF, batched as its server batches: bench/llamacpp_peer.py);
 the modes through servers in bench/remote.py. routed and routed-http are compared with routed-ar (AR
 through the same router and servers) when both run, so the router's planning is what the ratio measures;
@@ -32,16 +32,17 @@ from tqdm import tqdm
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
 from specpool.common.machine import machine_info
 from specpool.engine.decoding import generate
-from specpool.engine.device import resolve_dtype
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.head import HeadDrafter
-from specpool.engine.hybrid_drafter import HybridDraftLength, HybridTreeDrafter, ModelShare
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
+from specpool.engine.drafters.lookup import SuffixArrayDatastore
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.suffix_store import SuffixStore
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.device import resolve_dtype
+from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
-from specpool.engine.suffix_store import SuffixStore
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.verification.sampling import SamplingParams
 
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
@@ -302,7 +303,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "machine": machine_info(),
         "model": cfg.model_path.name,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "weight_format": model.format.name,  # q4: the GGUF's 4-bit blocks (engine/linear.py)
+        "weight_format": model.format.name,  # q4: the GGUF's 4-bit blocks (engine/runtime/linear.py)
         "draft_dtype": str(resolve_dtype(cfg.draft_dtype, model.device)).removeprefix("torch."),
         "policy_min_gain": SpeculationPolicy.min_gain,
         "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from specpool.cluster.demo import humaneval_path
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.runtime.tokenizer import Tokenizer
 
 CHAT = Path(__file__).with_name("chat.jsonl")
 

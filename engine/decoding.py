@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine import token_tree
-from specpool.engine.drafter import Drafter, DraftRequest, Drafts, propose_all
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_logits
+from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, propose_all
+from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     PLAIN_DECODING,
     AcceptanceEstimate,
@@ -25,7 +23,8 @@ from specpool.engine.speculation_policy import (
     FixedDraftLength,
     Running,
 )
-from specpool.engine.verification import (
+from specpool.engine.verification import token_tree
+from specpool.engine.verification.rules import (
     TreeVerifyResult,
     VerifyResult,
     verify_dense,
@@ -33,6 +32,12 @@ from specpool.engine.verification import (
     verify_point_mass,
     verify_sparse,
     verify_tree,
+)
+from specpool.engine.verification.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    sample_from_logits,
 )
 
 # What sampling or verifying one group can raise (torch's errors are RuntimeErrors; a bad draft token

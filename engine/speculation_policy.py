@@ -25,15 +25,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specpool.engine.device import cpu_class, kernel_isa
-from specpool.engine.model import Llama
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.device import cpu_class, kernel_isa
+from specpool.engine.runtime.model import Llama
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # 3, 7 and 11 end a block of 4 rows (s + 1 = 4, 8, 12): the int4 kernel's cost steps up after each
-# (engine/linear.py), and interpolating across a step would price s = 7 between two and three blocks.
+# (engine/runtime/linear.py), and interpolating across a step would price s = 7 between two and three blocks.
 DRAFT_LENS = (0, 1, 2, 3, 4, 6, 7, 8, 11, 12, 16)
 STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 
@@ -123,7 +123,7 @@ def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None
     key = (f"v5|{model_id}|{fmt.name}|{model.dtype}|{fmt.dense_dtype}|{model.device}|{torch.get_num_threads()}"
            f"|{cpu_class()}|{kwargs}")
     if fmt.own_kernels:  # a table measured with an older build of the kernels says little about this one
-        from specpool.engine import kernels
+        from specpool.engine.runtime import kernels
 
         key += f"|{kernels.build_name(kernel_isa())}"
     cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"

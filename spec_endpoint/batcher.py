@@ -24,8 +24,8 @@ import torch
 
 from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.common.tensor_channel import ChannelError
-from specpool.engine.drafter import Drafter
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.base import Drafter
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint import prespeculation
 from specpool.spec_endpoint.channels import TenantChannels
 from specpool.spec_endpoint.drafters import HostedDrafters

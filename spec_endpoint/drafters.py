@@ -17,16 +17,18 @@ from pathlib import Path
 import torch
 
 from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
-from specpool.engine.drafter import Drafter, ModelDrafter
-from specpool.engine.gguf_loader import GGUFModel, default_model_path, load_gguf, model_name
-from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
-from specpool.engine.sampling import make_generator
+from specpool.engine.drafters.base import Drafter
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters.lookup import SuffixArrayDatastore
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, load_gguf, model_name
+from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
-from specpool.engine.ssd import SsdDrafter
-from specpool.engine.suffix_store import SuffixStore, SuffixStores
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.verification.sampling import make_generator
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from specpool.spec_endpoint.streams import RoundStream
 
 if TYPE_CHECKING:
     from specpool.common.tensor_channel import ChannelHost, ChannelOffer
-    from specpool.engine.ngram import NgramIndex
+    from specpool.engine.drafters.lookup import NgramIndex
 
 log = logging.getLogger(__name__)
 

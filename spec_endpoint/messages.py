@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specpool.common.speculation import Method
-    from specpool.engine.sampling import SamplingParams
     from specpool.engine.speculation_policy import StepCosts
+    from specpool.engine.verification.sampling import SamplingParams
 
 
 class Transport(StrEnum):

@@ -13,7 +13,7 @@ from specpool.spec_endpoint.streams import RoundStream
 
 if TYPE_CHECKING:
     from specpool.common.speculation import Method
-    from specpool.engine.drafter import Drafter
+    from specpool.engine.drafters.base import Drafter
     from specpool.spec_endpoint.drafters import HostedDrafters
     from specpool.spec_endpoint.metrics import EndpointMetrics
     from specpool.spec_endpoint.sessions import Session, SessionTable

@@ -20,7 +20,7 @@ from specpool.common import http_limits, logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.drafters.trees import TreeShape
 from specpool.spec_endpoint import wire
 from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
@@ -224,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from specpool.common.tensor_channel import ChannelHost
-    from specpool.engine.device import default_device, off_main_thread
+    from specpool.engine.runtime.device import default_device, off_main_thread
 
     serving.setup_logging(args.log_level, args.log_format)
     for flag, value in (("--max-sessions", args.max_sessions), ("--max-len", args.max_len), ("--lease-s", args.lease_s),

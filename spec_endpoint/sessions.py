@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specpool.engine import token_tree
-from specpool.engine.drafter import accepted_prefix
+from specpool.engine.drafters.base import accepted_prefix
+from specpool.engine.verification import token_tree
 
 if TYPE_CHECKING:
     from specpool.common.speculation import Method
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.verification.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from specpool.common.speculation import (
     sampling_from_pb,
     sparse_q_to_pb,
 )
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint.messages import (
     CapacityReport,
     OpenRequest,

@@ -1,5 +1,5 @@
 """specpool: disaggregated speculative decoding."""
 
-from specpool.engine import process_env
+from specpool.engine.runtime import process_env
 
 process_env.apply()  # before anything imports torch: libgomp and oneDNN read these when it loads

@@ -66,8 +66,8 @@ def _set_threads(threads: int | None) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    from specpool.engine.gguf_loader import default_model_path
-    from specpool.engine.model import Llama
+    from specpool.engine.runtime.gguf_loader import default_model_path
+    from specpool.engine.runtime.model import Llama
 
     _set_threads(args.threads)
     return Llama.from_gguf(args.model or default_model_path(), dtype=args.dtype, device=args.device)
@@ -75,7 +75,7 @@ def load_model(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specpool.engine.decoding import generate
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.verification.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed)
@@ -106,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     _set_threads(args.threads)
     common = {
@@ -133,7 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specpool.bench.runner import BenchConfig, print_table, run_bench, write_report
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     _set_threads(args.threads)
     cfg = BenchConfig(
@@ -165,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_build_datastore(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specpool.engine.ngram import SuffixArrayDatastore
+    from specpool.engine.drafters.lookup import SuffixArrayDatastore
     from specpool.training.draft_data import Corpus
 
     corpus = Corpus.load(Path(args.corpus))

@@ -9,10 +9,10 @@ from dataclasses import replace
 import torch
 
 from specpool.common.speculation import drafter_to_pb, sampling_to_pb
-from specpool.engine import token_tree
-from specpool.engine.drafter import Drafts
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.base import Drafts
 from specpool.engine.speculation_policy import StepCosts
+from specpool.engine.verification import token_tree
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool_client.v1 import speculation_pb2 as pb
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from specpool.common import outcomes
 from specpool.engine.decoding import Decoder, GenerationResult
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.observer import SequenceCounts, TargetObserver

@@ -48,13 +48,14 @@ from specpool.common.speculation import (
 )
 from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import Decoder, GenerationResult
-from specpool.engine.device import off_main_thread
-from specpool.engine.gguf_loader import default_model_path, model_name
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
-from specpool.engine.sampling import continued_seed
+from specpool.engine.drafters.lookup import SuffixArrayDatastore
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.runtime.device import off_main_thread
+from specpool.engine.runtime.gguf_loader import default_model_path, model_name
+from specpool.engine.runtime.model import Llama
+from specpool.engine.runtime.tokenizer import Tokenizer
 from specpool.engine.speculation_policy import cached_step_costs
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.verification.sampling import continued_seed
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics

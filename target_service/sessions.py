@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.codec import session_spec
 from specpool_client.v1 import speculation_pb2 as pb

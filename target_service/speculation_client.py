@@ -26,11 +26,11 @@ import torch
 from specpool.common.security import Security
 from specpool.common.speculation import Method, q_travels_dense, sparse_q_from_pb
 from specpool.common.tensor_channel import ChannelError
-from specpool.engine.drafter import DraftRequest, Drafts, accepted_prefix
-from specpool.engine.ngram import NgramDrafter
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.base import DraftRequest, Drafts, accepted_prefix
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.speculation_policy import StepCosts
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
 from specpool.target_service.codec import Row, assemble, draft_costs, unusable
 from specpool.target_service.connection import Connection
@@ -108,7 +108,7 @@ class DraftRound:
 
 
 class SpeculationClient:
-    """A Drafter (engine.drafter protocol, with `propose_groups`) that drafts on a remote endpoint."""
+    """A Drafter (engine.drafters.base protocol, with `propose_groups`) that drafts on a remote endpoint."""
 
     inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them
 

@@ -5,10 +5,10 @@ import uuid
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
-from specpool.engine.device import native_bf16
-from specpool.engine.model import Llama
-from specpool.engine.process_env import NO_NATIVE_BF16
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.device import native_bf16
+from specpool.engine.runtime.model import Llama
+from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 from tests.pki import CA
 from tests.stats import FULL_POWER
 
@@ -105,7 +105,7 @@ def tiny_model() -> Llama:
 @pytest.fixture(scope="session")
 def real_model():
     """The default target (SmolLM2-135M, fp32) and its tokenizer: loaded once per test session."""
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     torch.manual_seed(0)
     return Llama.from_gguf(default_model_path(), dtype="fp32", device="cpu")
@@ -115,7 +115,7 @@ def real_model():
 def default_format_model():
     """The default target in the format a server picks by default (`--dtype auto`: q4 on CPU where the
     engine's kernels or torch's int4 kernel run) and its tokenizer: what a served target's output equals."""
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     return Llama.from_gguf(default_model_path(), dtype="auto", device="cpu")
 
@@ -125,7 +125,7 @@ def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM reading the same GGUF (tests only)."""
     import transformers  # the declared test dependency (pyproject's "test" extra): missing is an error
 
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(

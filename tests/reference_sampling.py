@@ -2,7 +2,7 @@
 engine's torch code: the reference the engine's sampler and every TV test's exact distribution are
 checked against (`checked_probs`).
 
-The four cuts compose in the engine's documented order (engine/sampling.py):
+The four cuts compose in the engine's documented order (engine/verification/sampling.py):
 
 1. temperature T > 0: p = softmax(logits / T); T = 0 is greedy: all mass on the largest logit (the
    first, lowest id, among tied maxima);

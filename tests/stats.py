@@ -158,7 +158,7 @@ def exact_probs(logits: Tensor, params) -> Tensor:
     equal to the numpy reference's (tests/reference_sampling.py): every exact distribution a lossless
     test compares with comes from here, so a temperature / top-k / top-p / min-p bug in the engine
     fails the test instead of moving its exact distribution along with its samples."""
-    from specpool.engine.sampling import logits_to_probs
+    from specpool.engine.verification.sampling import logits_to_probs
     from tests.reference_sampling import assert_matches_reference
 
     probs = logits_to_probs(logits, params)

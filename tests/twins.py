@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from specpool.engine import decoding
-from specpool.engine import verification as ver
-from specpool.engine.drafter import Drafts, ModelDrafter
-from specpool.engine.ssd import SsdDrafter
+from specpool.engine.drafters.base import Drafts
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.verification import rules as ver
 
 KINDS = ("misreported-q", "misreported-cache-q", "leaky-residual", "leaky-siblings")
 

@@ -3,8 +3,8 @@
 The draft shares the target's tokenizer and input embeddings (read from the target GGUF at load
 time, so the checkpoint does not carry them), starts from a few of the target's layers, and
 scores a reduced vocabulary: the tokens the target actually produces, mapped back to full ids.
-Its math is the runtime's (engine/model.py), including RoPE on adjacent pairs, so the exported
-weights load into `specpool.engine.model.Llama` unchanged.
+Its math is the runtime's (engine/runtime/model.py), including RoPE on adjacent pairs, so the exported
+weights load into `specpool.engine.runtime.model.Llama` unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from specpool.engine.config import ModelConfig
-from specpool.engine.model import rope_angles
+from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.model import rope_angles
 from specpool.training.draft_data import Corpus
 
 

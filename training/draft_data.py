@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from specpool.engine.decoding import generate
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.runtime.model import Llama
+from specpool.engine.runtime.tokenizer import Tokenizer
+from specpool.engine.verification.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ token. Past its first step the head drafts from its own predicted features, so t
 the same way ("training-time test", EAGLE-3): step j's input feature at p is step j-1's output at
 p-1, and its attention sees the true prefix up to the anchor plus the predicted positions since.
 The soft labels are the target's own distributions, recomputed from the stored features.
-Its math is the runtime's (engine/model.py with `feature_fed`), so the exported weights load into
-`specpool.engine.model.Llama` unchanged.
+Its math is the runtime's (engine/runtime/model.py with `feature_fed`), so the exported weights load into
+`specpool.engine.runtime.model.Llama` unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specpool.engine.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig
 from specpool.training.distill import StepLoss, add_output_and_rope
 from specpool.training.head_data import FeatureCorpus
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specpool.engine.model import Llama
+from specpool.engine.runtime.model import Llama
 
 
 @dataclass

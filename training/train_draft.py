@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from specpool.engine.decoding import generate
-from specpool.engine.drafter import Drafter, ModelDrafter
-from specpool.engine.gguf_loader import load_gguf
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.base import Drafter
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.runtime.gguf_loader import load_gguf
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.training.distill import (
     Batches,
     DraftLM,

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specpool.engine.gguf_loader import load_gguf
-from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.runtime.gguf_loader import load_gguf
+from specpool.engine.runtime.model import Llama
 from specpool.training.distill import reduced_vocab, train
 from specpool.training.draft_data import build_prompts, generate_answers, stdlib_functions
 from specpool.training.head import FeatureWindows, HeadLM, export, head_step

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from specpool.engine.device import distributed_backend
+from specpool.engine.runtime.device import distributed_backend
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _SECRET_BYTES = 32  # per offer

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from specpool.engine.device import cpu_class
-from specpool.engine.process_env import NO_NATIVE_BF16
+from specpool.engine.runtime.device import cpu_class
+from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 
 
 def machine_info() -> dict:
@@ -28,7 +28,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
-        # Constants tuned on one machine class, recorded with every figure (engine/process_env.py).
+        # Constants tuned on one machine class, recorded with every figure (engine/runtime/process_env.py).
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
     }
 

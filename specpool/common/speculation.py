@@ -19,7 +19,7 @@ from specpool_client.v1 import target_pb2
 if TYPE_CHECKING:  # the router speaks this vocabulary too, and never loads torch or the engine
     import torch
 
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.verification.sampling import SamplingParams
 
 MAX_DRAFT_TOKENS = 32  # per sequence and round
 # Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
@@ -125,7 +125,7 @@ def backend_from_pb(value: int) -> str:
 
 def sampling_from_pb(msg: target_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Checked where it enters a process: a bad value raises FieldError naming it."""
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.verification.sampling import SamplingParams
 
     check_sampling(msg, field)
     return SamplingParams(

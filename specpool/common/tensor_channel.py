@@ -44,7 +44,7 @@ from specpool.common.channel_pairing import (
     prove_secret,
     serve_store,
 )
-from specpool.engine.device import default_device, distributed_backend
+from specpool.engine.runtime.device import default_device, distributed_backend
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-from specpool.engine.gguf_loader import default_model_path
+from specpool.engine.runtime.gguf_loader import default_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ def llamacpp():
 @pytest.fixture(scope="module")
 def prompts():
     from specpool.bench.workloads import load_workload
-    from specpool.engine.gguf_loader import load_gguf
-    from specpool.engine.tokenizer import Tokenizer
+    from specpool.engine.runtime.gguf_loader import load_gguf
+    from specpool.engine.runtime.tokenizer import Tokenizer
 
     return load_workload("humaneval", Tokenizer.from_gguf(load_gguf(default_model_path())), 2)
 

@@ -51,9 +51,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target():
     """(gguf weights, our fp32 runtime, tokenizer, chat prompts): one GGUF read serves all three."""
-    from specpool.engine.gguf_loader import default_model_path, load_gguf
-    from specpool.engine.model import Llama
-    from specpool.engine.tokenizer import Tokenizer
+    from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
+    from specpool.engine.runtime.model import Llama
+    from specpool.engine.runtime.tokenizer import Tokenizer
 
     gguf = load_gguf(default_model_path())
     model = Llama(gguf.config, gguf.weights, torch.float32, "cpu")
@@ -66,7 +66,7 @@ def target():
 @pytest.fixture(scope="module")
 def hf_target():
     from specpool.bench.peers import load_hf_target
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     return load_hf_target(default_model_path())
 
@@ -88,7 +88,7 @@ def draft_dir(target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_draft(draft_dir):
     from specpool.bench.peers import load_hf_draft
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     return load_hf_draft(draft_dir, default_model_path())
 
@@ -101,7 +101,7 @@ def hf_greedy(hf_target, target):
 
 @pytest.mark.slow
 def test_hf_draft_logits_match_runtime_draft(target, draft_dir, hf_draft):
-    from specpool.engine.model import Llama
+    from specpool.engine.runtime.model import Llama
 
     gguf, _, _, prompts = target
     ours = Llama.from_draft_checkpoint(draft_dir, gguf.weights["embed"], dtype="fp32", device="cpu")
@@ -122,7 +122,7 @@ def test_hf_draft_logits_match_runtime_draft(target, draft_dir, hf_draft):
 @pytest.mark.slow
 def test_hf_generate_greedy_matches_engine_and_batching(target, hf_target, hf_greedy):
     from specpool.engine.decoding import generate
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.verification.sampling import SamplingParams
 
     _, model, _, prompts = target
     ours = [generate(model, [p], SamplingParams(), NEW_TOKENS)[0].token_ids for p in prompts]

@@ -3,8 +3,8 @@
 import json
 
 from specpool.bench.workloads import CHAT, load_workload
-from specpool.engine.gguf_loader import default_model_path, load_gguf
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
+from specpool.engine.runtime.tokenizer import Tokenizer
 
 
 def test_chat_workload_is_short_instructions_of_several_kinds():

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from specpool.cluster.processes import ServerProcess, start_server
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.device import native_bf16
-from specpool.engine.gguf_loader import default_model_path, model_name, save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.device import native_bf16
+from specpool.engine.runtime.gguf_loader import default_model_path, model_name, save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb

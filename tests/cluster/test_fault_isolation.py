@@ -35,11 +35,11 @@ from grpc_status import rpc_status
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Registry
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import default_model_path, model_name, save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import default_model_path, model_name, save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

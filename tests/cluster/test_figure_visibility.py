@@ -28,9 +28,9 @@ from specpool.cluster.redis_server import start_redis
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 from specpool.common.registry import Registry
 from specpool.common.security import ANONYMOUS, Security
-from specpool.engine.config import tiny_config
-from specpool.engine.gguf_loader import save_gguf
-from specpool.engine.model import random_weights
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import save_gguf
+from specpool.engine.runtime.model import random_weights
 from specpool.router.capacity import capacity_json
 from specpool_client.v1 import cluster_pb2, cluster_pb2_grpc, speculation_pb2_grpc
 from specpool_client.v1 import speculation_pb2 as spb

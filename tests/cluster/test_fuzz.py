@@ -43,9 +43,9 @@ from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Registry, member_key
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import model_name
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.gguf_loader import model_name
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import speculation_pb2 as spec_pb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2_grpc

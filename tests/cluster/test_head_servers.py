@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import load_gguf
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.gguf_loader import load_gguf
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.training.head import export
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb

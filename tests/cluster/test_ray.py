@@ -208,9 +208,9 @@ def test_members_on_their_nodes_restart_scale_and_down(ray_nodes, tmp_path):
     from specpool.cluster.ray_launcher import RayCluster
     from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
     from specpool.engine.decoding import generate
-    from specpool.engine.gguf_loader import model_name
-    from specpool.engine.model import Llama
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.runtime.gguf_loader import model_name
+    from specpool.engine.runtime.model import Llama
+    from specpool.engine.verification.sampling import SamplingParams
     from specpool_client import generate_result
     from specpool_client.v1 import target_pb2 as pb
     from specpool_client.v1 import target_pb2_grpc
@@ -357,7 +357,7 @@ def test_placement_groups_pair_and_spread(ray_nodes, tmp_path):
     too; strict_spread: a tenant's replicas on distinct nodes (STRICT_SPREAD). An endpoint's second
     instance takes the next target; scaled back, that target is replaced by one on the first."""
     from specpool.cluster.ray_launcher import RayCluster
-    from specpool.engine.gguf_loader import model_name
+    from specpool.engine.runtime.gguf_loader import model_name
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)

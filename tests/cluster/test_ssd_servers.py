@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.training.distill import DraftLM, export
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb

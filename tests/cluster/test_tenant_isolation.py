@@ -27,7 +27,7 @@ from specpool.common.security import LocalCA, Security
 from specpool.common.serving import build_server
 from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
-from specpool.engine.gguf_loader import model_name
+from specpool.engine.runtime.gguf_loader import model_name
 from specpool_client import generate_result
 from specpool_client.v1 import speculation_pb2 as spb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2_grpc

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from specpool.engine.decoding import generate
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from tests.cluster.test_disaggregation import (

@@ -56,10 +56,10 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
     from specpool.cluster.demo import AUTO, NONE, run_demo
     from specpool.cluster.launcher import Cluster
     from specpool.engine.decoding import generate
-    from specpool.engine.device import native_bf16
-    from specpool.engine.gguf_loader import model_name
-    from specpool.engine.model import Llama
-    from specpool.engine.sampling import SamplingParams
+    from specpool.engine.runtime.device import native_bf16
+    from specpool.engine.runtime.gguf_loader import model_name
+    from specpool.engine.runtime.model import Llama
+    from specpool.engine.verification.sampling import SamplingParams
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
@@ -118,7 +118,7 @@ def test_a_cluster_whose_member_cannot_start_stops_what_it_started(tmp_path):
     """The router (the last tier) cannot start: the targets, the endpoint and Redis, all up by then,
     are stopped again, and the error names the member and shows its log."""
     from specpool.cluster.launcher import Cluster
-    from specpool.engine.gguf_loader import model_name
+    from specpool.engine.runtime.gguf_loader import model_name
     from tests.cluster.test_disaggregation import tiny_files
     from tests.conftest import tagged_processes
 
@@ -157,7 +157,7 @@ def test_servers_stop_when_their_launcher_dies(tmp_path):
     import sys
     import time
 
-    from specpool.engine.gguf_loader import model_name
+    from specpool.engine.runtime.gguf_loader import model_name
     from tests.cluster.test_disaggregation import tiny_files
 
     gguf, _ = tiny_files(tmp_path, vocab=64, seed=3)

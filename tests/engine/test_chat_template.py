@@ -4,8 +4,8 @@ import jinja2
 import pytest
 from jinja2.exceptions import SecurityError
 
-from specpool.engine.gguf_loader import default_model_path, load_gguf
-from specpool.engine.tokenizer import Tokenizer
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
+from specpool.engine.runtime.tokenizer import Tokenizer
 
 
 def test_a_crafted_chat_template_cannot_run_commands(tmp_path):

@@ -1,4 +1,4 @@
-"""The one dtype rule (engine/device.py): bf16 only where the device computes it natively."""
+"""The one dtype rule (engine/runtime/device.py): bf16 only where the device computes it natively."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from specpool.engine.device import cpu_class, native_bf16, resolve_dtype
-from specpool.engine.process_env import NO_NATIVE_BF16
+from specpool.engine.runtime.device import cpu_class, native_bf16, resolve_dtype
+from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 
 
 def test_auto_is_fp32_on_cpu_and_names_are_checked():
@@ -25,7 +25,7 @@ def test_auto_is_fp32_on_cpu_and_names_are_checked():
 def test_bf16_without_native_support_falls_back_to_fp32_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setenv(NO_NATIVE_BF16, "1")
     assert not native_bf16("cpu") and cpu_class()["native_bf16"] is False
-    with caplog.at_level(logging.WARNING, logger="specpool.engine.device"):
+    with caplog.at_level(logging.WARNING, logger="specpool.engine.runtime.device"):
         assert resolve_dtype("bf16", "cpu") == torch.float32
         assert resolve_dtype(torch.bfloat16, "cpu") == torch.float32
     assert len([r for r in caplog.records if "using fp32" in r.message]) <= 1  # once per process
@@ -38,11 +38,11 @@ def test_bf16_is_kept_where_native(monkeypatch):
 
 
 PROBE = """
-import specpool  # first, as in every specpool process: engine/process_env.py, before torch loads
+import specpool  # first, as in every specpool process: engine/runtime/process_env.py, before torch loads
 import json, torch
-from specpool.engine.config import tiny_config
-from specpool.engine.device import cpu_class
-from specpool.engine.model import Llama
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.device import cpu_class
+from specpool.engine.runtime.model import Llama
 m = Llama.random_init(tiny_config(vocab_size=64), dtype=torch.bfloat16)
 cache = m.new_cache(1, 16)
 m.forward(cache, [cache.allocate()], [[1, 2, 3]])

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.training.head import FeatureWindows, HeadLM, export, head_losses
 from specpool.training.head_data import FeatureCorpus
 

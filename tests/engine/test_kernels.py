@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp via engine/kernels.py): each against a
+"""The engine's own CPU kernels (engine/runtime/csrc/cpu_kernels.cpp via engine/runtime/kernels.py): each against a
 float64 reference written from its definition, each row's result independent of the rows beside it (bit
 for bit), and the eager paths on a machine where the kernels cannot be built."""
 
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from specpool.engine import kernels
-from specpool.engine.device import kernel_isa
-from specpool.engine.gguf_loader import QuantizedBlocks
-from specpool.engine.linear import BlockLinear
+from specpool.engine.runtime import kernels
+from specpool.engine.runtime.device import kernel_isa
+from specpool.engine.runtime.gguf_loader import QuantizedBlocks
+from specpool.engine.runtime.linear import BlockLinear
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
@@ -162,9 +162,9 @@ def test_visible_attention_validates_its_indices():
 NO_COMPILER = """
 import specpool, json, logging, sys
 logging.basicConfig(level=logging.WARNING)
-from specpool.engine import kernels
-from specpool.engine.device import kernel_isa
-from specpool.engine.device import resolve_format
+from specpool.engine.runtime import kernels
+from specpool.engine.runtime.device import kernel_isa
+from specpool.engine.runtime.device import resolve_format
 fmt = resolve_format("q4", "cpu")
 print(json.dumps({"available": kernels.available(), "own_kernels": fmt.own_kernels, "int4": fmt.int4}))
 """

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
-from specpool.engine.kv_cache import KVCache
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.kv_cache import KVCache
 
 
 def test_a_fork_holds_the_prefix_and_the_original_is_untouched():

@@ -2,9 +2,9 @@
 
 import torch
 
-from specpool.engine.config import tiny_config
-from specpool.engine.device import native_bf16
-from specpool.engine.model import Llama
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.device import native_bf16
+from specpool.engine.runtime.model import Llama
 
 
 def _prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:

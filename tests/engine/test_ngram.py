@@ -5,17 +5,12 @@ import time
 import numpy as np
 import pytest
 
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.model import Llama
-from specpool.engine.ngram import (
-    NgramDrafter,
-    NgramIndex,
-    SuffixArrayDatastore,
-    merge_candidates,
-    suffix_array,
-)
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.lookup import NgramIndex, SuffixArrayDatastore, suffix_array
+from specpool.engine.drafters.ngram import NgramDrafter, merge_candidates
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

@@ -1,5 +1,5 @@
-"""The q4 format (engine/device.py resolve_format): the GGUF's own blocks through the engine's kernels
-(engine/linear.py BlockLinear, fused layers: tests/engine/test_kernels.py tests the kernels themselves) or,
+"""The q4 format (engine/runtime/device.py resolve_format): the GGUF's own blocks through the engine's kernels
+(engine/runtime/linear.py BlockLinear, fused layers: tests/engine/test_kernels.py tests the kernels themselves) or,
 where they cannot be built, through torch's int4 kernel (Int4Linear, against dequantize-then-matmul);
 both against the fp32 path and against their own decoding, bit for bit."""
 
@@ -18,15 +18,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from specpool.engine import device, kernels
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import QuantizedBlocks, load_gguf, save_gguf
-from specpool.engine.linear import BlockLinear, Int4Linear, Linear
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.process_env import NO_NATIVE_BF16
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime import device, kernels
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import QuantizedBlocks, load_gguf, save_gguf
+from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 from specpool.engine.speculation_policy import cached_step_costs
+from specpool.engine.verification.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -106,7 +106,7 @@ def test_q4_format_resolves_per_machine(monkeypatch, caplog):
     assert device.resolve_format("fp32", "cpu") == device.WeightFormat(torch.float32)
     monkeypatch.setattr(device, "int4_kernels", lambda dev: False)  # a CPU without AVX2: a scalar loop
     assert device.resolve_format("auto", "cpu") == device.WeightFormat(torch.float32)  # no log: not asked for
-    with caplog.at_level(logging.WARNING, logger="specpool.engine.device"):
+    with caplog.at_level(logging.WARNING, logger="specpool.engine.runtime.device"):
         assert device.resolve_format("q4", "cpu") == device.WeightFormat(torch.float32)
     assert any("int4 kernel has no fast path" in r.message for r in caplog.records)
 
@@ -153,7 +153,7 @@ def test_tiny_q4_model_runs_its_blocks_and_stays_close_to_fp32(tiny_q4_gguf, tmp
             layer[name] = _Counted(layer[name], calls)
     ar = generate(q4, [prompt], SamplingParams(), 16, stop_ids=[])[0].token_ids
     assert calls == {"int4": 15 * 4 * len(q4.layers), "prefill": 4 * len(q4.layers)}
-    from specpool.engine.ngram import NgramDrafter
+    from specpool.engine.drafters.ngram import NgramDrafter
     sd = generate(q4, [prompt], SamplingParams(), 16, NgramDrafter(), 3, stop_ids=[])[0].token_ids
     assert sd == ar
     assert calls["prefill"] == 2 * 4 * len(q4.layers)
@@ -186,11 +186,11 @@ class _Counted:
 
 
 PROBE = """
-import specpool  # first, as in every specpool process: engine/process_env.py, before torch loads
+import specpool  # first, as in every specpool process: engine/runtime/process_env.py, before torch loads
 import json, sys, torch
-from specpool.engine.device import cpu_class
-from specpool.engine.model import Llama
-from specpool.engine.device import kernel_isa
+from specpool.engine.runtime.device import cpu_class
+from specpool.engine.runtime.model import Llama
+from specpool.engine.runtime.device import kernel_isa
 m, _ = Llama.from_gguf(sys.argv[1], dtype="q4", device="cpu")
 cache = m.new_cache(1, 16)
 slot = cache.allocate()
@@ -225,7 +225,7 @@ Q4_NEAR_TIE = 0.5
 
 @pytest.fixture(scope="module")
 def shipped():
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     return load_gguf(default_model_path())
 
@@ -309,8 +309,9 @@ def test_q4_decode_verify_and_batch_rows_are_the_same_bits(real_model, q4_path, 
     engine's kernel) or in float64 (torch's path), so a token's logits are the same bits whichever step
     computes them: a decode row, a verify row, a token tree's path, a batch row. Greedy speculation and
     batching equal q4's AR decoding."""
-    from specpool.engine.drafter import ModelDrafter
-    from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
+    from specpool.engine.drafters.lookup import SuffixArrayDatastore
+    from specpool.engine.drafters.model import ModelDrafter
+    from specpool.engine.drafters.ngram import NgramDrafter
 
     _, tokenizer = real_model
     q4_model = request.getfixturevalue(q4_path)

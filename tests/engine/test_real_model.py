@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from specpool.engine.decoding import generate
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.verification.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_logits_match_transformers(real_model, hf_model):
 
 
 def test_tokenizer_and_chat_template_match_transformers(real_model):
-    from specpool.engine.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path
 
     _, tokenizer = real_model
     path = default_model_path()

@@ -5,10 +5,11 @@ from pathlib import Path
 import pytest
 
 from specpool.engine.decoding import generate
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter, SuffixArrayDatastore
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.lookup import SuffixArrayDatastore
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

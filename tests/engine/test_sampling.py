@@ -1,4 +1,4 @@
-"""The engine's sampler (engine/sampling.py) against the numpy reference written from the definitions
+"""The engine's sampler (engine/verification/sampling.py) against the numpy reference written from the definitions
 (tests/reference_sampling.py), one parameter at a time with the cut placed at a known token, then
 composed. Each cut is checked on both sides of its boundary and exactly on it (ties, mass exactly
 top_p, p exactly min_p * p_max), so a version one token off at the cut fails; the hand-written cases
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from specpool.engine import sampling
-from specpool.engine.sampling import SamplingParams, logits_to_probs
+from specpool.engine.verification import sampling
+from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
 from tests.reference_sampling import assert_matches_reference, reference_probs
 from tests.stats import exact_probs
 

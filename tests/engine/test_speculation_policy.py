@@ -7,8 +7,7 @@ import time
 import pytest
 
 from specpool.engine.decoding import generate
-from specpool.engine.ngram import NgramDrafter
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
     FixedDraftLength,
@@ -20,6 +19,7 @@ from specpool.engine.speculation_policy import (
     expected_tokens,
     measure_step_costs,
 )
+from specpool.engine.verification.sampling import SamplingParams
 
 # A memory-bound target at batch 1 (verify cost flat in s) that turns compute-bound at batch 16.
 COSTS = StepCosts(

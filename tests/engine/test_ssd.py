@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator
-from specpool.engine.ssd import SsdDrafter
-from specpool.engine.ssd_stats import geometric_fanout
+from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.drafters.ssd_stats import geometric_fanout
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams, logits_to_probs, make_generator
 from tests.stats import cells, check_tv, exact_joint, report, rows
 from tests.twins import biased
 

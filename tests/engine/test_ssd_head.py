@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams, make_generator
-from specpool.engine.ssd import SsdDrafter
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams, make_generator
 from tests.engine.test_head import tiny_head, trained_tiny_head
 from tests.engine.test_ssd import Inline, UnrescaledQ, scored_sources
 from tests.stats import check_tv, exact_probs, report

@@ -7,8 +7,8 @@ from collections import Counter, OrderedDict
 
 import pytest
 
-from specpool.engine.suffix_store import SuffixStore, SuffixStores, TreeDraft
-from specpool.engine.token_tree import check_tree, path_to
+from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores, TreeDraft
+from specpool.engine.verification.token_tree import check_tree, path_to
 
 
 def occurrences(docs, pattern):

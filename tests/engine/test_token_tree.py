@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpool.engine import token_tree
-from specpool.engine.model import Llama
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification import token_tree
 
 # root -> a, b; a -> c, d; b -> e; d -> f  (nodes in topological order)
 TOKENS = [11, 12, 13, 14, 15, 16]

@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpool.engine import token_tree
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.head import HeadDrafter
-from specpool.engine.hybrid_drafter import HybridDraftLength, HybridTreeDrafter, ModelShare
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams, make_generator
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.suffix_store import SuffixStore
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy, StepCosts
-from specpool.engine.suffix_store import SuffixStore
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.verification import token_tree
+from specpool.engine.verification.sampling import SamplingParams, make_generator
 from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V
 from tests.engine.test_head import tiny_head, trained_tiny_head
 from tests.stats import cells, check_tv, exact_joint, report

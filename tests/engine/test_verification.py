@@ -18,9 +18,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from specpool.engine import verification as ver
-from specpool.engine.sampling import SamplingParams, logits_to_probs, make_generator, sample
-from specpool.engine.verification import (
+from specpool.engine.verification import rules as ver
+from specpool.engine.verification.rules import (
     VerifyResult,
     verify_candidates,
     verify_dense,
@@ -29,6 +28,7 @@ from specpool.engine.verification import (
     verify_sparse,
     verify_tree,
 )
+from specpool.engine.verification.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from tests.stats import TvCheck, check_tv, exact_probs, report, tv, tv_threshold
 from tests.twins import temper
 

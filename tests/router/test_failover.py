@@ -27,11 +27,11 @@ import pytest
 
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.router.forwarding import Stream, copy_request
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb

@@ -39,9 +39,9 @@ from specpool.bench.slow_http_clients import (
 )
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.engine.config import tiny_config
-from specpool.engine.gguf_loader import default_model_path, load_gguf, model_name, save_gguf
-from specpool.engine.model import random_weights
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf, model_name, save_gguf
+from specpool.engine.runtime.model import random_weights
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

@@ -30,7 +30,7 @@ from specpool.common.registry import Heartbeat, Registry
 from specpool.common.security import Security
 from specpool.common.serving import METRICS_TOKEN_ENV, build_server
 from specpool.common.speculation import finish_reason_name
-from specpool.engine.gguf_loader import model_name
+from specpool.engine.runtime.gguf_loader import model_name
 from specpool.router.capacity import capacity_json
 from specpool_client import generate_result
 from specpool_client.v1 import cluster_pb2, cluster_pb2_grpc, target_pb2_grpc

@@ -19,7 +19,7 @@ from specpool.common.speculation import (
     sparse_q_from_pb,
     sparse_q_to_pb,
 )
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client.v1 import speculation_pb2 as spec_pb
 from specpool_client.v1 import target_pb2
 

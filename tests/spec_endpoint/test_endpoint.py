@@ -16,13 +16,13 @@ import torch
 from specpool.common import serving
 from specpool.common.speculation import Method
 from specpool.common.tensor_channel import LoopbackChannel
-from specpool.engine import token_tree
-from specpool.engine.config import tiny_config
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.gguf_loader import load_gguf, save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import load_gguf, save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification import token_tree
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint.batcher import NO_CHANNEL, SESSION_NOT_FOUND
 from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig

@@ -11,11 +11,11 @@ import torch
 
 from specpool.common.speculation import Method
 from specpool.common.tensor_channel import LoopbackChannel
-from specpool.engine.config import tiny_config
-from specpool.engine.gguf_loader import load_gguf, save_gguf
-from specpool.engine.head import HeadDrafter
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import load_gguf, save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint.drafters import DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
 from specpool.spec_endpoint.messages import OpenRequest, Round, SequenceRound, SessionSpec

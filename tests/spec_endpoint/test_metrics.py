@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from specpool.engine.ssd_stats import SsdStats
+from specpool.engine.drafters.ssd_stats import SsdStats
 from specpool.router.metrics import REGISTRY_OPS, RouterMetrics
 from specpool.spec_endpoint.drafters import HostedDrafters
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from specpool.cluster.processes import ServerProcess, start_server
-from specpool.engine.config import tiny_config
-from specpool.engine.gguf_loader import save_gguf
-from specpool.engine.model import random_weights
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import save_gguf
+from specpool.engine.runtime.model import random_weights
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc as pb_grpc
 from tests.pki import CA

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.drafter import ModelDrafter
-from specpool.engine.model import Llama
-from specpool.engine.sampling import SamplingParams, make_generator
-from specpool.engine.tree_drafting import TreeShape
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams, make_generator
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.fallback import Fallback
 from specpool.target_service.metrics import TargetMetrics

@@ -13,9 +13,9 @@ import torch
 
 from specpool.common.speculation import Method, sparse_q_from_pb
 from specpool.engine.decoding import Decoder, generate
-from specpool.engine.ngram import NgramDrafter
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
+from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.codec import assemble, session_spec, unusable
 from specpool.target_service.draft_length import TargetDraftLength

@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from specpool.cluster.processes import start_server, wait_for
-from specpool.engine.config import tiny_config
 from specpool.engine.decoding import generate
-from specpool.engine.gguf_loader import save_gguf
-from specpool.engine.model import Llama, random_weights
-from specpool.engine.sampling import SamplingParams
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import save_gguf
+from specpool.engine.runtime.model import Llama, random_weights
+from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from specpool.cluster.processes import start_server
-from specpool.engine.config import tiny_config
-from specpool.engine.gguf_loader import default_model_path, load_gguf, save_gguf
-from specpool.engine.model import random_weights
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf, save_gguf
+from specpool.engine.runtime.model import random_weights
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

@@ -2,8 +2,8 @@
 
 import torch
 
-from specpool.engine.config import tiny_config
-from specpool.engine.model import Llama
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.model import Llama
 from specpool.training.distill import DraftLM, distill_loss, export
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from specpool.engine.model import Llama
+from specpool.engine.runtime.model import Llama
 from specpool.training.head import FeatureWindows, HeadLM, export, head_losses
 from specpool.training.head_data import FeatureCorpus
 from tests.training.test_distill import _tiny_target_weights

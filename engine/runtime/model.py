@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specpool.engine.config import ModelConfig
-from specpool.engine.device import default_device, resolve_format
-from specpool.engine.gguf_loader import QuantizedBlocks
-from specpool.engine.kv_cache import KVCache
-from specpool.engine.linear import BlockLinear, Int4Linear, Linear
-from specpool.engine.token_tree import attention_layout, is_chain, padded
+from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.device import default_device, resolve_format
+from specpool.engine.runtime.gguf_loader import QuantizedBlocks
+from specpool.engine.runtime.kv_cache import KVCache
+from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
+from specpool.engine.verification.token_tree import attention_layout, is_chain, padded
 
 
 def rope_angles(config: ModelConfig) -> torch.Tensor:
@@ -136,8 +136,8 @@ class Llama:
     def from_gguf(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
         """Returns (model, tokenizer) for a Llama-architecture GGUF; tokenizer is None when the file
         has no vocabulary (tiny test models, which are fed token ids)."""
-        from specpool.engine.gguf_loader import load_gguf
-        from specpool.engine.tokenizer import Tokenizer
+        from specpool.engine.runtime.gguf_loader import load_gguf
+        from specpool.engine.runtime.tokenizer import Tokenizer
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)
@@ -190,7 +190,7 @@ class Llama:
         dtype: what a feature-fed draft head reads. A feature-fed model takes `fed_features` [B, T, d], the
         feature that goes with each fed token (rows padded like the tokens).
 
-        `parents` feeds token trees (engine/token_tree.py): parents[b] is row b's whole tree so far, the
+        `parents` feeds token trees (engine/verification/token_tree.py): parents[b] is row b's whole tree so far, the
         parent of each node (-1: a child of the prefix the tree hangs from), ending with the nodes this
         call feeds (tokens[b]); the earlier ones are the row's last cached positions. A node sits at the
         position of its depth past that prefix and sees only the prefix and its ancestors; K/V are
@@ -198,7 +198,7 @@ class Llama:
         grow over several calls. None: every row is a chain.
 
         `prefill`: the rows are prompts (a scheduler's prefill step, never mixed with decode rows), so
-        quantized matrices run their dense twin (engine/linear.py), faster for many rows. Its logits may
+        quantized matrices run their dense twin (engine/runtime/linear.py), faster for many rows. Its logits may
         differ from the quantized kernel's in rounding; AR and speculation share the prefill, and every
         decode and verify step runs the one kernel.
         """
@@ -356,7 +356,7 @@ class Llama:
 
     def _fused_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                       visible_keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The layers of a decode or verify step as the engine's fused kernels (engine/csrc/cpu_kernels.cpp):
+        """The layers of a decode or verify step as the engine's fused kernels (engine/runtime/csrc/cpu_kernels.cpp):
         x [N, d] fp32, the step's rows flattened; cos, sin [N, D/2] their RoPE angles; visible_keys: where
         each row's K/V go and which keys it sees (`cache_attention`). -> [N, d]"""
         eps = self.config.norm_eps

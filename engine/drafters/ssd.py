@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.drafter import Drafter, Drafts, Pick, accepted_prefix, sample_top_k
-from specpool.engine.model import Llama
-from specpool.engine.ngram import NgramDrafter
-from specpool.engine.sampling import SamplingParams, logits_to_probs
-from specpool.engine.ssd_stats import SsdStats, ema, geometric_fanout
+from specpool.engine.drafters.base import Drafter, Drafts, accepted_prefix
+from specpool.engine.drafters.loop import Pick, sample_top_k
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.ssd_stats import SsdStats, ema, geometric_fanout
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
 
 Outcome = tuple[int, int]  # (accepted drafts k, bonus token b)
 
@@ -347,7 +348,7 @@ class SsdDrafter(Drafter):
 
     def _chain(self, slots: list[int], feeds: list[list[int]], features: list[torch.Tensor] | None,
                nums: Sequence[int], pick: Pick) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """The drafting loop (engine.drafter.draft_steps): row b feeds feeds[b], then each token it drafts,
+        """The drafting loop (engine.drafters.loop.draft_steps): row b feeds feeds[b], then each token it drafts,
         for nums[b] steps, one forward a step for every row still drafting; its last draft is never fed. A
         head's row feeds features[b] with feeds[b], then each draft with the feature predicted at the step
         before. -> the drafts, and per row the predicted feature after each step (a head's; else none)."""

@@ -1,5 +1,5 @@
 """Process settings that torch reads once, when it loads: applied by the `specpool` package before
-anything imports torch. Torch-free, so importing it loads nothing. engine/device.py makes every
+anything imports torch. Torch-free, so importing it loads nothing. engine/runtime/device.py makes every
 other device choice.
 """
 

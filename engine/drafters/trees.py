@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.sampling import SamplingParams, logits_to_probs
+from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specpool.engine.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig
 
 
 class KVCache:

@@ -8,13 +8,13 @@ than fp32 (1536x576 by one row: 8.7 vs 0.14 ms on an AMD EPYC), so asking for bf
 fp32 and one log line. No other module names a dtype for CPU models.
 
 SPECPOOL_NO_NATIVE_BF16=1 makes a machine with native bf16 behave like one without, so the
-fallback path is tested on any machine (engine/process_env.py: set before torch loads, it also
+fallback path is tested on any machine (engine/runtime/process_env.py: set before torch loads, it also
 limits oneDNN and ATen to AVX2 kernels).
 
 The format rule (`resolve_format`): "q4" runs the matrices the GGUF stores in blocks (Q4_0, Q4_1, and
-the Q8_0 LM head) on those very blocks. Where the engine's own CPU kernels build (engine/kernels.py:
+the Q8_0 LM head) on those very blocks. Where the engine's own CPU kernels build (engine/runtime/kernels.py:
 any x86 or other CPU with a C++ compiler; `kernel_isa` picks AVX-512 VNNI, AVX2 or portable code), each
-layer of a decode or verify step is five fused kernels (engine/linear.py BlockLinear, engine/model.py
+layer of a decode or verify step is five fused kernels (engine/runtime/linear.py BlockLinear, engine/runtime/model.py
 `_fused_layers`): activations quantized to int8 per group of 32 as llama.cpp does, integer dot products
 on the file's weights, attention in fp32 over each query's exact keys. Where they do not build, torch's
 int4 kernel runs the 4-bit matrices (the file's weights up to bf16 rounding of the per-group constants)
@@ -23,10 +23,10 @@ the dense rule, one log line). Other matrices stay dense (bf16 where native, els
 
 "auto" is the fastest format that stays lossless against its own AR on this machine: q4 on CPU where the
 file has 4-bit blocks and a fast kernel runs them, else bf16 on a GPU that computes it natively, else fp32.
-Not dense bf16 on CPU: its decode and verify steps round differently (see engine/model.py), so speculation
+Not dense bf16 on CPU: its decode and verify steps round differently (see engine/runtime/model.py), so speculation
 through it would not equal its own decoding. q4's logits sit within ~1-2 of fp32's (int8 or bf16
 activations), so its greedy output can leave fp32's at near-ties (tests/engine/test_quantized.py), while
-speculation through q4 equals q4's own decoding bit for bit (engine/model.py). fp32 stays the reference
+speculation through q4 equals q4's own decoding bit for bit (engine/runtime/model.py). fp32 stays the reference
 numerics (`--dtype fp32`), whose greedy output equals transformers' reading the same GGUF token for token.
 """
 
@@ -43,7 +43,7 @@ from typing import TypeVar
 
 import torch
 
-from specpool.engine.process_env import NO_NATIVE_BF16, bf16_override
+from specpool.engine.runtime.process_env import NO_NATIVE_BF16, bf16_override
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class WeightFormat:
     dtype: torch.dtype  # activations, KV cache and norms
     int4: bool = False  # matrices the GGUF stores in 4-bit blocks run through the int4 kernel
     dense: torch.dtype | None = None  # every other matrix (None: `dtype`)
-    # The engine's own kernels (engine/kernels.py) run the file's blocks (4-bit and Q8_0) and decode and
+    # The engine's own kernels (engine/runtime/kernels.py) run the file's blocks (4-bit and Q8_0) and decode and
     # verify attention; else torch's int4 kernel and float64 attention.
     own_kernels: bool = False
 
@@ -153,7 +153,7 @@ def resolve_format(name: str | torch.dtype | None, device: torch.device | str, f
     dense, as `resolve_dtype` says. A model whose file has no 4-bit blocks (an fp32 GGUF, a draft
     checkpoint) is dense fp32 under q4.
     """
-    from specpool.engine import kernels  # (it asks this module which instruction set to build for)
+    from specpool.engine.runtime import kernels  # (it asks this module which instruction set to build for)
 
     device = torch.device(device)
     if name in (None, "auto") and four_bit and device.type == "cpu" and (kernels.available() or int4_kernels(device)):
@@ -182,7 +182,7 @@ def _cpu_flags() -> set[str]:
 
 
 def kernel_isa() -> str:
-    """The instruction set the engine's own CPU kernels are compiled for (engine/kernels.py):
+    """The instruction set the engine's own CPU kernels are compiled for (engine/runtime/kernels.py):
     "avx512vnni" where torch runs its AVX-512 kernels and the CPU has VNNI (int8 dot products),
     "avx2" where it runs AVX2 (or AVX-512 without VNNI; SPECPOOL_NO_NATIVE_BF16 included), else "portable".
     SPECPOOL_KERNEL_ISA names one instead (on a CPU that has it)."""

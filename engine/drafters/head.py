@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.drafter import ModelDrafter, Pick
-from specpool.engine.model import Llama
-from specpool.engine.tree_drafting import Candidates, TreeShape
+from specpool.engine.drafters.loop import Pick
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.trees import Candidates, TreeShape
+from specpool.engine.runtime.model import Llama
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpool.engine.sampling import sample
+from specpool.engine.verification.sampling import sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +238,7 @@ def verify_tree(
     target_probs: Tensor,
     generator: torch.Generator | None = None,
 ) -> TreeVerifyResult:
-    """Deterministic token trees (engine/token_tree.py), walked from the root one level at a time: at
+    """Deterministic token trees (engine/verification/token_tree.py), walked from the root one level at a time: at
     each node the children are candidates for the next token under the multi-candidate rule
     (verify_candidates), so the emitted tokens are distributed exactly as p however the tree was
     built, as long as siblings are distinct and the tree does not depend on this call's randomness.

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from specpool.engine.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,7 +36,7 @@ def model_name(path: str | Path) -> str:
 
 
 # Block formats kept as raw blocks too (GGUFModel.blocks; the int4 format reads the 4-bit ones,
-# engine/linear.py); others are only dequantized.
+# engine/runtime/linear.py); others are only dequantized.
 BLOCK_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
 

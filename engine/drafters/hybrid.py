@@ -15,9 +15,10 @@ import dataclasses
 from collections.abc import Sequence
 from itertools import count
 
-from specpool.engine.drafter import Drafter, Drafts, ModelDrafter
+from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.suffix_store import SuffixStore
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy
-from specpool.engine.suffix_store import SuffixStore
 
 
 @dataclasses.dataclass

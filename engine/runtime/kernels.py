@@ -1,14 +1,14 @@
-"""The engine's own CPU kernels (engine/csrc/cpu_kernels.cpp): weight-block products for the few rows of
+"""The engine's own CPU kernels (engine/runtime/csrc/cpu_kernels.cpp): weight-block products for the few rows of
 decode and verify steps, and attention over each query's exact visible keys.
 
-They are compiled once per machine class (engine/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
+They are compiled once per machine class (engine/runtime/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
 portable C++) with the C++ compiler torch's extension builder finds, into a cache that `make setup`
-fills (`python -m specpool.engine.kernels`). A process that finds no build compiles it on first use; one
+fills (`python -m specpool.engine.runtime.kernels`). A process that finds no build compiles it on first use; one
 where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line.
 
-    python -m specpool.engine.kernels                              # build this machine's class
-    SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.engine.kernels    # and the AVX2 class's
-    python -m specpool.engine.kernels --isa portable               # any class, by name (one per process)
+    python -m specpool.engine.runtime.kernels                              # build this machine's class
+    SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.engine.runtime.kernels    # and the AVX2 class's
+    python -m specpool.engine.runtime.kernels --isa portable               # any class, by name (one per process)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specpool.engine.device import kernel_isa
+from specpool.engine.runtime.device import kernel_isa
 
 log = logging.getLogger(__name__)
 

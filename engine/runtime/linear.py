@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from specpool.engine.gguf_loader import QuantizedBlocks
+from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 
 # The row count oneDNN lays the weights out for. Prepacked for 1 row, the layout is the plain one
 # ("ab"), and every product of 2 or more rows ran a slower path: the 30 layers + head of the 135M
@@ -129,7 +129,7 @@ class Int4Linear:
 
 class BlockLinear:
     """y = x @ weight.T on the GGUF's own blocks (Q4_0, Q4_1, Q8_0) through the engine's kernel
-    (engine/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
+    (engine/runtime/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
     (ggml's Q8_1, as llama.cpp does), integer dot products per block, the block scales applied in fp32.
 
     Every weight is the file's exactly (its fp16 scales kept in fp16, widened to fp32 by the kernel as it
@@ -149,7 +149,7 @@ class BlockLinear:
         fields = blocks.fields()
         d, q = fields[0], fields[-1]
         m = fields[1] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d if self.bits == 4 else None
-        # The kernel's layout (engine/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
+        # The kernel's layout (engine/runtime/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
         lanes, offset_8bit = torch.ops.specpool.block_layout()
         blocks_out, groups = self.out_features // lanes, self.in_features // QuantizedBlocks.BLOCK
         if self.bits == 4:  # [blocks, groups, 4 vectors, lanes, 4 elements]: w_2L low nibbles, w_2L+1 high

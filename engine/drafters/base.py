@@ -1,0 +1,161 @@
+"""The role every drafter plays, and what it hands the decoder: drafts for a batch of sequences.
+
+A drafter keeps its own per-sequence state and sees only deltas: the context once, then the
+tokens each round appended. Every drafter (the draft model, the head, n-gram, SSD, the remote
+endpoint) plugs into `specpool.engine.decoding.Decoder` through this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specpool.engine.runtime.kv_cache import KVCache
+from specpool.engine.verification.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specpool.engine.drafters.ssd import Fork
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """Proposed tokens for a batch of sequences, and how they were chosen.
+
+    With `probs` the tokens were sampled from that dense q; with `topk_ids`/`topk_probs` from the
+    top-k-truncated q those pairs describe; with neither they are deterministic (a point mass).
+    """
+
+    tokens: list[list[int]]  # ragged: row b may hold 0..K tokens
+    probs: torch.Tensor | None = None  # [B, K, V]
+    topk_ids: torch.Tensor | None = None  # [B, K, k]
+    topk_probs: torch.Tensor | None = None  # [B, K, k]
+    # Token trees: row b's node i has parent parents[b][i] (engine/verification/token_tree.py). None: every row is a
+    # chain. Tree nodes are deterministic, so trees come without q.
+    parents: list[list[int]] | None = None
+
+    @staticmethod
+    def empty(batch: int) -> Drafts:
+        return Drafts(tokens=[[] for _ in range(batch)])
+
+    def select(self, rows: Sequence[int | None]) -> Drafts:
+        """These rows in this order; None: a row without drafts (its q rows are zero, never read)."""
+        if list(rows) == list(range(len(self.tokens))):
+            return self
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = t.new_zeros((len(rows), *t.shape[1:]))
+            for i, r in enumerate(rows):
+                if r is not None:
+                    out[i] = t[r]
+            return out
+
+        tokens = [list(self.tokens[r]) if r is not None else [] for r in rows]
+        parents = None if self.parents is None else [list(self.parents[r]) if r is not None else [] for r in rows]
+        return Drafts(tokens, pick(self.probs), pick(self.topk_ids), pick(self.topk_probs), parents)
+
+
+class Drafter(Protocol):
+    """The role every drafter plays, local or remote, model or n-gram or SSD: it is told a sequence's
+    context once (`start`), proposes drafts for it (`propose`), observes what the target emitted after
+    verifying them (`observe`), and forgets it (`release`).
+
+    The members below `release` are optional: a drafter that subclasses Drafter gets their defaults,
+    and a pooled endpoint reads them instead of asking which kind of drafter it holds."""
+
+    # Inputs beyond token ids this drafter wants from the target ("features": the target's last hidden
+    # states, for a feature-fed head). The caller passes each one declared here to `start` and
+    # `observe` as a keyword argument of that name, and sends none that is not declared.
+    inputs: frozenset[str] = frozenset()
+
+    def start(self, seq_id: str, context: Sequence[int]) -> None: ...
+
+    def propose(
+        self,
+        seq_ids: Sequence[str],
+        num_tokens: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Drafts: ...
+
+    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """The tokens the target emitted for this sequence in the round just verified: the accepted
+        prefix of the last drafts (see accepted_prefix), then the target's own token."""
+        ...
+
+    def release(self, seq_id: str) -> None: ...
+
+    # -- optional members -----------------------------------------------------------------------
+
+    # The KV cache of a drafter that runs a model (None: it holds no model state). Such a drafter
+    # continues from the tokens emitted since its previous drafts, and n drafts take n - 1 positions.
+    cache: KVCache | None = None
+    # Drafts that no sampler changes (n-gram: point masses): one propose call serves every sampler.
+    deterministic: bool = False
+    # `propose` takes `sparse=` (q as top-k pairs, else dense rows) per call: one drafter then serves
+    # sequences of either transport.
+    sparse_q_per_call: bool = False
+    # `propose` takes `tree=` per call: a TreeShape grows token trees of num_tokens nodes each, None
+    # drafts chains (or, for a drafter built with a shape, trees of that one).
+    grows_trees: bool = False
+    # It works while the target verifies (SSD pre-speculates the likely outcomes): the caller calls
+    # `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead.
+    prespeculates: bool = False
+
+    def outcome_arrived(self, seq_id: str, at: float) -> None:
+        """When the outcome that `observe` gets next arrived (time.monotonic()), for a drafter that times
+        the target's verification (SSD sizes its forks by it); without it, the time `observe` runs."""
+
+    def served_from_cache(self, seq_id: str) -> bool:
+        """Whether the sequence's last drafts were ready before it asked (an SSD hit)."""
+        return False
+
+    def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
+        """The target verifies drafts of its own next (a miss it resolved locally)."""
+        raise NotImplementedError(f"{type(self).__name__} does not pre-speculate")
+
+    def prespeculate(self, seq_ids: Sequence[str]) -> None:
+        """Prepare the next drafts of these sequences for the likely outcomes of their last ones."""
+
+    def outcome_table(self, seq_id: str) -> dict[tuple[int, int], Fork]:
+        """The prepared drafts by outcome (accepted drafts, bonus token): what push mode streams out."""
+        return {}
+
+    def fast_backup(self) -> bool:
+        """Whether an outcome with no prepared drafts is best met by fast local (n-gram) drafts."""
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One `propose` call's arguments: sequences sharing sampling parameters."""
+
+    seq_ids: list[str]
+    num_tokens: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def accepted_prefix(drafts: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many of the drafts the target accepted, given the tokens it emitted after them: the length
+    of their common prefix (the token after it is the target's own)."""
+    n = 0
+    for draft, token in zip(drafts, emitted, strict=False):
+        if draft != token:
+            break
+        n += 1
+    return n
+
+
+def propose_all(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Drafts]:
+    """Drafts for several sampling-parameter groups of one step. A drafter that can serve them all
+    at once (the remote endpoint: one message per step) defines `propose_groups`."""
+    if hasattr(drafter, "propose_groups"):
+        return drafter.propose_groups(requests)
+    return [drafter.propose(r.seq_ids, r.num_tokens, r.params, r.generator) for r in requests]
+
+
