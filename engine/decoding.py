@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, propose_all
+from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     PLAIN_DECODING,
@@ -346,12 +346,7 @@ class Decoder:
             budget = [offered[batch[r].seq_id] for r in rows]
             if any(budget):
                 asks.append(DraftRequest([batch[r].seq_id for r in rows], budget, params, self._generator(params)))
-        if not asks:
-            asked = _Asked(offered, asks, self.drafter, drafts=[])
-        elif hasattr(self.drafter, "start_groups"):
-            asked = _Asked(offered, asks, self.drafter, in_flight=self.drafter.start_groups(asks))
-        else:
-            asked = _Asked(offered, asks, self.drafter, drafts=propose_all(self.drafter, asks))
+        asked = _Asked(offered, asks, self.drafter, self.drafter.start_groups(asks) if asks else Ready([]))
         asked.drafting_s = time.perf_counter() - start
         return asked
 
@@ -429,26 +424,25 @@ class Decoder:
 
 @dataclass
 class _Asked:
-    """One round's drafts, asked for: either here already, or on their way from a remote drafter."""
+    """One round's drafts, asked for: here already, or on their way from a remote drafter."""
 
     offered: dict[str, int]  # seq_id -> positions offered to the drafter
     asks: list[DraftRequest]
     drafter: Drafter | None
-    drafts: list[Drafts] | None = None  # per ask, when the drafter answered at once
-    in_flight: object | None = None  # drafter.start_groups(...)'s handle otherwise
+    in_flight: InFlight  # drafter.start_groups(asks)
     moved: set[str] = field(default_factory=set)  # stepped meanwhile: their drafts no longer fit
     drafting_s: float = 0.0  # asking and collecting, the wait for a remote reply included
 
     def waiting(self) -> set[str]:
-        return self.in_flight.waiting if self.in_flight is not None else set()
+        return set(self.in_flight.waiting)
 
     def ready(self) -> bool:
-        return self.in_flight is None or self.in_flight.ready()
+        return self.in_flight.ready()
 
     def collect(self, vocab_size: int) -> dict[str, tuple[Drafts, int]]:
         """seq_id -> (its group's Drafts, its row), less the sequences that moved since the ask."""
         start = time.perf_counter()
-        drafts = self.drafts if self.in_flight is None else self.drafter.finish_groups(self.in_flight)
+        drafts = self.drafter.finish_groups(self.in_flight) if self.asks else []
         self.drafting_s += time.perf_counter() - start
         out = {}
         for ask, d in zip(self.asks, drafts):

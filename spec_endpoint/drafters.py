@@ -13,22 +13,24 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
+from specpool.common.speculation import Method
+from specpool.engine.drafters import registry
 from specpool.engine.drafters.base import Drafter
-from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
-from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.ngram import NgramDrafter
-from specpool.engine.drafters.ssd import SsdDrafter
+from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, load_gguf, model_name
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
 from specpool.engine.verification.sampling import make_generator
+
+if TYPE_CHECKING:
+    from specpool.engine.drafters.ngram import NgramDrafter
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +110,13 @@ class LoadOptions:
 
 @dataclass(slots=True)
 class ModelDrafters:
-    """The drafters of one target model."""
+    """The drafters of one target model, by method (built by the engine's drafter registry)."""
 
     name: str
     vocab_size: int
-    ngram: NgramDrafter
+    drafters: dict[Method, Drafter]
     max_len: int = 2048  # tokens a session may hold (context and reported tokens), every drafter kind
     feature_dim: int = 0  # the width of the target's features, which a head reads
-    model: ModelDrafter | None = None
-    head: HeadDrafter | None = None
-    ssd: SsdDrafter | None = None  # the head (else the draft model) with a speculation cache of its own
     draft_costs: StepCosts | None = None
     tree_shape: TreeShape = TREE_SHAPE
     suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
@@ -127,9 +126,16 @@ class ModelDrafters:
     @property
     def kinds(self) -> tuple[Method, ...]:
         """What sessions may ask for; the first is what they get when they name none."""
-        kinds = [m for m, d in ((Method.DRAFT_MODEL, self.model), (Method.HEAD, self.head), (Method.SSD, self.ssd))
-                 if d is not None]
-        return (*kinds, Method.NGRAM)
+        return tuple(self.drafters)
+
+    @property
+    def best(self) -> Method:
+        return self.kinds[0]
+
+    @property
+    def ngram(self) -> NgramDrafter | None:
+        """The n-gram drafter, whose request indexes the endpoint builds outside its lock."""
+        return self.drafters.get(Method.NGRAM)
 
     def suffix_store(self, tenant: str) -> SuffixStore | None:
         """The tenant's suffix store: its own, or the one the opted-in tenants share (never another's)."""
@@ -137,24 +143,10 @@ class ModelDrafters:
             return None
         return self.suffix.for_tenant(self.name, tenant, share=tenant in self.suffix_shared)
 
-    @property
-    def best(self) -> Method:
-        return self.kinds[0]
-
     def drafter(self, kind: Method) -> Drafter:
-        if kind is Method.SSD:
-            if self.ssd is None:
-                raise KeyError(f"{self.name} has no draft model for SSD")
-            return self.ssd
-        if kind is Method.DRAFT_MODEL:
-            if self.model is None:
-                raise KeyError(f"{self.name} has no draft model")
-            return self.model
-        if kind is Method.HEAD:
-            if self.head is None:
-                raise KeyError(f"{self.name} has no draft head")
-            return self.head
-        return self.ngram
+        if kind not in self.drafters:
+            raise KeyError(f"{self.name} has no {kind.value} drafter")
+        return self.drafters[kind]
 
     @classmethod
     def load(cls, spec: DrafterSpec, options: LoadOptions) -> ModelDrafters:
@@ -162,10 +154,6 @@ class ModelDrafters:
         target = load_gguf(spec.target_gguf, only={"embed"})
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
-        drafters = cls(name=spec.name, vocab_size=vocab, ngram=NgramDrafter(datastore), max_len=max_len,
-                       tree_shape=options.tree_shape, suffix_shared=options.suffix_shared,
-                       suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None)
-        drafters.feature_dim = target.config.d_model
         models = {kind: _load_draft(spec, kind, path, target, options)
                   for kind, path in (("draft", spec.draft_dir), ("head", spec.head_dir)) if path is not None}
         for model in models.values():
@@ -173,26 +161,18 @@ class ModelDrafters:
                 # No session may outgrow a draft's positions (the n-gram drafter's too: one cap per model).
                 log.warning("--drafter %s: --max-len %d exceeds a draft's context %d; sessions are capped at %d",
                             spec.name, max_len, model.config.max_context, model.config.max_context)
-                max_len = drafters.max_len = model.config.max_context
-        # A tree session's growing tree takes draft-cache positions past the session's own tokens.
-        if "head" in models:
-            drafters.head = HeadDrafter(models["head"], max_sequences=options.max_sessions,
-                                        max_len=max_len + drafters.tree_shape.fed_room)
+                max_len = model.config.max_context
+        sources = DraftSources(options.max_sessions, max_len, models.get("draft"), models.get("head"), datastore,
+                               options.tree_shape, options.ssd or {})
+        drafters = cls(name=spec.name, vocab_size=vocab, drafters=registry.build_all(sources), max_len=max_len,
+                       feature_dim=target.config.d_model, tree_shape=options.tree_shape,
+                       suffix_shared=options.suffix_shared,
+                       suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None)
         if "draft" in models:
-            drafters.model = ModelDrafter(models["draft"], max_sequences=options.max_sessions,
-                                          max_len=max_len + drafters.tree_shape.fed_room)
             drafters.draft_costs = cached_step_costs(models["draft"], str(spec.draft_dir),
                                                      cache_dir=options.step_cost_dir)
         if models:
             drafters.generator = make_generator(None, device)
-            # SSD sessions hold forks too, so they get a cache of their own (`options.ssd`: SsdDrafter options).
-            # A session holds up to max_len tokens; pre-speculation feeds its drafts on top, and a fork
-            # a bonus token and its own drafts: without that room a session near max_len failed the
-            # pre-speculation of every SSD session in its step.
-            ssd = {"max_sequences": 16, "fork_slots": 128} | (options.ssd or {})
-            # SSD runs on the head where there is one: its forks grow from the head's predicted features.
-            drafters.ssd = SsdDrafter(models.get("head", models.get("draft")),
-                                      max_len=max_len + 2 * MAX_DRAFT_TOKENS + 1, ngram=NgramDrafter(datastore), **ssd)
         log.info(
             "drafters for %s: %s (vocab %d%s)", spec.name, ", ".join(k.value for k in drafters.kinds), vocab,
             f", datastore {len(datastore)} tokens" if datastore else "",

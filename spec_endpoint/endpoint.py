@@ -133,9 +133,10 @@ class Endpoint:
         lease_s = min(request.lease_s or self.config.lease_s, self.config.max_lease_s)
         # n-gram contexts are indexed before the engine lock is taken: under it, indexing 64 sessions
         # of --max-len tokens would stall every tenant's rounds for about 0.6 s.
-        indexes = [drafters.ngram.index(spec.context)
-                   if (spec.drafter or drafters.best) is Method.NGRAM and len(spec.context) <= drafters.max_len
-                   else None for spec in request.sessions]
+        ngram = drafters.ngram
+        indexes = [ngram.index(spec.context)
+                   if ngram is not None and (spec.drafter or drafters.best) is Method.NGRAM
+                   and len(spec.context) <= drafters.max_len else None for spec in request.sessions]
         with self.lock:
             results = [self._open(request.tenant, drafters, f"sessions[{i}]", spec, index, lease_s)
                        for i, (spec, index) in enumerate(zip(request.sessions, indexes))]
@@ -307,7 +308,7 @@ class Endpoint:
             TenantReport(tenant, active, totals.drafted, totals.accepted)
             for tenant, active, totals in self.sessions.tenants()
         )
-        ssd = [d.ssd.stats for d in self.drafters.models.values() if d.ssd is not None]
+        ssd = [d.drafters[Method.SSD].stats for d in self.drafters.models.values() if Method.SSD in d.drafters]
         lookups = sum(st.lookups for st in ssd)
         return CapacityReport(
             endpoint_id=self.config.endpoint_id,

@@ -89,6 +89,15 @@ class Drafter(Protocol):
 
     def release(self, seq_id: str) -> None: ...
 
+    def start_groups(self, requests: Sequence[DraftRequest]) -> InFlight:
+        """Asks for the drafts of one step's sampling groups. A local drafter makes them now; a remote
+        one returns while they are made, and the decoder steps the sequences that wait for none."""
+        return Ready([self.propose(r.seq_ids, r.num_tokens, r.params, r.generator) for r in requests])
+
+    def finish_groups(self, in_flight: InFlight) -> list[Drafts]:
+        """The drafts `start_groups` asked for, one Drafts per request (waiting for them if need be)."""
+        return in_flight.drafts
+
     # -- optional members -----------------------------------------------------------------------
 
     # The KV cache of a drafter that runs a model (None: it holds no model state). Such a drafter
@@ -151,11 +160,27 @@ def accepted_prefix(drafts: Sequence[int], emitted: Sequence[int]) -> int:
     return n
 
 
-def propose_all(drafter: Drafter, requests: Sequence[DraftRequest]) -> list[Drafts]:
-    """Drafts for several sampling-parameter groups of one step. A drafter that can serve them all
-    at once (the remote endpoint: one message per step) defines `propose_groups`."""
-    if hasattr(drafter, "propose_groups"):
-        return drafter.propose_groups(requests)
-    return [drafter.propose(r.seq_ids, r.num_tokens, r.params, r.generator) for r in requests]
+class InFlight(Protocol):
+    """Drafts asked for by `start_groups` and not yet collected."""
+
+    @property
+    def waiting(self) -> set[str]:
+        """The sequences whose drafts are still being made: they must not move until collected."""
+        ...
+
+    def ready(self) -> bool:
+        """Whether `finish_groups` would return without waiting."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Drafts made at once: nothing waits."""
+
+    drafts: list[Drafts]
+    waiting: frozenset[str] = frozenset()
+
+    def ready(self) -> bool:
+        return True
 
 

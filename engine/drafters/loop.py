@@ -1,4 +1,5 @@
-"""The one drafting loop of a model drafter, and how it picks its tokens."""
+"""The one drafting loop of every model drafter (the draft model, the head, SSD's forks), and how a
+drafter that samples picks its tokens."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specpool.engine.drafters.base import Drafts
+from specpool.engine.drafters.feeds import TokenFeed
 from specpool.engine.runtime.kv_cache import KVCache
-from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -25,20 +26,28 @@ def sample_top_k(q: torch.Tensor, k: int, generator: torch.Generator | None):
 Pick = Callable[[int, list[int], torch.Tensor], torch.Tensor]
 
 
-def draft_steps(model: Llama, cache: KVCache, slots: Sequence[int], feeds: Sequence[list[int]],
-                num_tokens: Sequence[int], pick: Pick) -> list[list[int]]:
-    """The draft model's drafting loop: row b feeds feeds[b], then each token it drafts, for
+def draft_steps(feed: TokenFeed, cache: KVCache, slots: Sequence[int], tokens: Sequence[list[int]],
+                features: Sequence[torch.Tensor | None], num_tokens: Sequence[int], pick: Pick):
+    """The drafting loop of every model drafter: row b feeds tokens[b] (with features[b], for a feed that
+    reads them), then each token it drafts (with the feature predicted at the step before), for
     num_tokens[b] steps; one forward a step for every row still drafting. The last draft of a row is
-    never fed: its cache holds the feed and its first n - 1 drafts."""
-    tokens: list[list[int]] = [[] for _ in slots]
-    feed = list(feeds)
+    never fed: its cache holds the feed and its first n - 1 drafts.
+    -> (drafts per row, the feature predicted after each of its steps)."""
+    drafts: list[list[int]] = [[] for _ in slots]
+    predicted: list[list[torch.Tensor]] = [[] for _ in slots]
+    feed_tokens, feed_features = list(tokens), list(features)
     for j in range(max(num_tokens, default=0)):
         active = [b for b, n in enumerate(num_tokens) if n > j]
-        logits = model.forward(cache, [slots[b] for b in active], [feed[b] for b in active])
+        logits, hidden = feed.forward(cache, [slots[b] for b in active], [feed_tokens[b] for b in active],
+                                      [feed_features[b] for b in active])
+        last = hidden[torch.arange(len(active)), torch.tensor([len(feed_tokens[b]) - 1 for b in active])]
+        for a, b in enumerate(active):
+            predicted[b].append(last[a])
+            feed_features[b] = last[a][None]
         for b, t in zip(active, pick(j, active, logits).tolist()):
-            tokens[b].append(t)
-            feed[b] = [t]
-    return tokens
+            drafts[b].append(t)
+            feed_tokens[b] = [t]
+    return drafts, predicted
 
 
 class DraftPicker:

@@ -1,29 +1,23 @@
-"""The draft model as a drafter: a small Llama that shares the target's tokenizer."""
+"""A model as a drafter: the draft model (a small Llama sharing the target's tokenizer) or, with a
+feature feed, the head; chains through the one drafting loop, or EAGLE-2 token trees."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from specpool.engine.drafters.base import Drafter, Drafts, accepted_prefix
-from specpool.engine.drafters.loop import DraftPicker, Pick, draft_steps
+from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.feeds import DraftState, feed_for
+from specpool.engine.drafters.loop import DraftPicker, draft_steps
 from specpool.engine.drafters.trees import Candidates, TreeShape, grow_trees, tree_logprobs
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
 
-@dataclass(slots=True)
-class _DraftSeq:
-    slot: int
-    pending: list[int]  # context tokens not yet in the draft KV cache
-    fed_drafts: int = 0  # this round's drafts whose K/V are in the cache
-    drafts: tuple[int, ...] = ()
-
-
 class ModelDrafter(Drafter):
-    """Autoregressive drafting with a small Llama that shares the target's tokenizer.
+    """Autoregressive drafting with a model: the draft model, or a head (its feed reads the target's
+    features, which the caller passes to `start` and `observe`).
 
     Sampled drafts come from the same temperature/top-k/top-p transform as the target, and q is
     sent with them: sparsely as (id, prob) pairs when top-k bounds its support, densely otherwise.
@@ -36,28 +30,28 @@ class ModelDrafter(Drafter):
                  tree: TreeShape | None = None):
         """tree: propose token trees of this shape (num_tokens is then each tree's node budget), not chains."""
         self.model = model
+        self.feed = feed_for(model)
+        self.inputs = self.feed.inputs
         self.cache = model.new_cache(max_sequences, max_len)
         self.sparse_top_k = sparse_top_k
         self.tree = tree
-        self._seqs: dict[str, _DraftSeq] = {}
+        self._seqs: dict[str, DraftState] = {}
 
-    def start(self, seq_id: str, context: Sequence[int]) -> None:
-        self._seqs[seq_id] = _DraftSeq(slot=self.cache.allocate(), pending=list(context))
+    def start(self, seq_id: str, context: Sequence[int], features: torch.Tensor | None = None) -> None:
+        """A head's features [len(context) - 1, d]: the target's at every context position but the last."""
+        pending, features = self.feed.first_feed(context, features)
+        self._seqs[seq_id] = DraftState(self.cache.allocate(), pending, features)
 
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.cache.release(seq.slot)
 
-    def observe(self, seq_id: str, tokens: Sequence[int]) -> None:
+    def observe(self, seq_id: str, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
+        """A head's features [len(tokens), d]: the target's at the position before each token."""
         seq = self._seqs[seq_id]
-        # Drafts d_1..d_j that the target accepted are already cached; keep them, drop the rest.
-        # The last token is always fed again, as the next forward's input, even when it equals a fed
-        # draft (a residual that fell back to p may re-emit the rejected token).
-        keep = min(accepted_prefix(seq.drafts, tokens), seq.fed_drafts, max(len(tokens) - 1, 0))
-        self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed_drafts + keep)
-        seq.pending.extend(tokens[keep:])
-        seq.fed_drafts, seq.drafts = 0, ()
+        self.feed.observe(self.cache, seq, tokens, features)
+        seq.fed, seq.drafts = 0, ()
 
     def propose(self, seq_ids, num_tokens, params, generator, *, sparse: bool | None = None,
                 tree: TreeShape | None = None) -> Drafts:
@@ -71,52 +65,53 @@ class ModelDrafter(Drafter):
         sparse = self.sparse_top_k if sparse is None else sparse
         picker = DraftPicker(len(seq_ids), max(num_tokens, default=0), self.model.config.vocab_size, params,
                              generator, sparse)
-        return picker.drafts(self._draft(seqs, num_tokens, picker.pick))
-
-    def _draft(self, seqs: list[_DraftSeq], num_tokens: Sequence[int], pick: Pick) -> list[list[int]]:
-        tokens = draft_steps(self.model, self.cache, [s.slot for s in seqs], [s.pending for s in seqs],
-                             num_tokens, pick)
-        for seq, n, drafted in zip(seqs, num_tokens, tokens):
+        # A row with nothing to draft keeps its pending tokens for the next round.
+        taken = [self.feed.take(self.cache, s) if n > 0 else ([], None) for s, n in zip(seqs, num_tokens)]
+        drafts, _ = draft_steps(self.feed, self.cache, [s.slot for s in seqs], [t for t, _ in taken],
+                                [f for _, f in taken], num_tokens, picker.pick)
+        for seq, n, drafted in zip(seqs, num_tokens, drafts):
             if n > 0:
-                seq.pending, seq.fed_drafts, seq.drafts = [], n - 1, tuple(drafted)
-        return tokens
+                seq.fed, seq.drafts = n - 1, tuple(drafted)
+        return picker.drafts(drafts)
 
-    # -- trees ------------------------------------------------------------------------------------
-
-    def _propose_trees(self, seqs, budgets: Sequence[int], params: SamplingParams, shape: TreeShape) -> Drafts:
+    def _propose_trees(self, seqs: list[DraftState], budgets: Sequence[int], params: SamplingParams,
+                       shape: TreeShape) -> Drafts:
+        """Each row's root feeds its pending tokens; each level feeds the picked candidates, as a tree over
+        the row's cache, each with the feature predicted at its parent (for a feed that reads them)."""
         tokens: list[list[int]] = [[] for _ in seqs]
         parents: list[list[int]] = [[] for _ in seqs]
         active = [b for b, n in enumerate(budgets) if n > 0]
-        if active:
-            act = [seqs[b] for b in active]
-            cands = [Candidates() for _ in act]
+        if not active:
+            return Drafts(tokens=tokens, parents=parents)
+        act = [seqs[b] for b in active]
+        cands = [Candidates() for _ in act]
+        predicted: list[dict[int, torch.Tensor]] = [{} for _ in act]  # node -> the feature after it (-1: root)
 
-            def expand(rows: list[int], picks: list[list[int]]) -> torch.Tensor:
-                logits = self._tree_expand([act[a] for a in rows], [cands[a] for a in rows], picks)
-                return tree_logprobs(logits, params)
+        def expand(rows: list[int], picks: list[list[int]]) -> torch.Tensor:
+            features = [torch.stack([predicted[a][cands[a].parents[n]] for n in pick]) for a, pick in zip(rows, picks)]
+            feeds = [[cands[a].tokens[n] for n in pick] for a, pick in zip(rows, picks)]
+            fed_parents = [cands[a].feed(pick) for a, pick in zip(rows, picks)]
+            logits, hidden = self.feed.forward(self.cache, [act[a].slot for a in rows], feeds, features,
+                                               all_logits=True, parents=fed_parents)
+            for i, (a, pick) in enumerate(zip(rows, picks)):
+                predicted[a].update((n, hidden[i, j]) for j, n in enumerate(pick))
+            return tree_logprobs(logits, params)
 
-            first = tree_logprobs(self._tree_root(act), params)
-            trees = grow_trees(first, [budgets[b] for b in active], shape, expand, cands)
-            for a, b in enumerate(active):
-                tokens[b], parents[b] = trees[a]
-                self._drafted_tree(act[a], cands[a])
+        feeds, features = zip(*(self.feed.take(self.cache, s) for s in act))
+        logits, hidden = self.feed.forward(self.cache, [s.slot for s in act], feeds, features)
+        last = hidden[torch.arange(len(act)), torch.tensor([len(f) - 1 for f in feeds])]
+        for a in range(len(act)):
+            predicted[a][-1] = last[a]
+        trees = grow_trees(tree_logprobs(logits, params), [budgets[b] for b in active], shape, expand, cands)
+        for a, b in enumerate(active):
+            tokens[b], parents[b] = trees[a]
+            # The tree's K/V all go at the next observe (no accepted node is kept: it is fed again).
+            act[a].fed, act[a].drafts = len(cands[a].fed_parents), ()
         return Drafts(tokens=tokens, parents=parents)
 
-    def _tree_root(self, seqs: list) -> torch.Tensor:
-        """Feeds each sequence's pending tokens -> the logits for its next token [A, V]."""
-        logits = self.model.forward(self.cache, [s.slot for s in seqs], [s.pending for s in seqs])
-        for seq in seqs:
-            seq.pending = []
-        return logits
 
-    def _tree_expand(self, seqs: list, cands: list[Candidates], picks: list[list[int]]) -> torch.Tensor:
-        """Feeds the picked candidates of each sequence's tree -> the logits after each [A, T, V]."""
-        feeds = [[c.tokens[n] for n in pick] for c, pick in zip(cands, picks)]
-        parents = [c.feed(pick) for c, pick in zip(cands, picks)]
-        return self.model.forward(self.cache, [s.slot for s in seqs], feeds, all_logits=True, parents=parents)
-
-    def _drafted_tree(self, seq, cand: Candidates) -> None:
-        # The tree's K/V are dropped at the next observe (no accepted draft is kept: it is fed again).
-        seq.fed_drafts, seq.drafts = len(cand.fed_parents), ()
-
-
+def build(sources) -> ModelDrafter | None:
+    """The registry's draft-model drafter (drafters/registry.py); a growing tree takes cache room past a sequence."""
+    if sources.draft is None:
+        return None
+    return ModelDrafter(sources.draft, sources.max_sequences, sources.max_len + sources.tree_shape.fed_room)

@@ -14,13 +14,12 @@ sigma(z)_t ~ C * exp(z_t) on the top-F tokens, exp(z_t) elsewhere (C <= 1 pushes
 the forks' tokens: fewer accepts, more hits), truncated to its top `q_top_k` tokens; that exact q
 travels with the drafts, so the verifier stays lossless.
 
-With a feature-fed head (engine.head) the forks grow from the head's own predicted features: a
-fork (k, b) feeds b with the feature the head predicted after d_k, and each draft with the one it
-predicted at the step before. As in HeadDrafter, K/V made from predicted features never outlive their
-round: each outcome truncates the sequence back to its true-feature positions and the emitted tokens
-are fed next as true pairs (the target's features arrive with them).
+SSD runs the model drafters' one loop (drafters/loop.py) on its feed (drafters/feeds.py): with a
+feature-fed head, a fork (k, b) feeds b with the feature the head predicted after d_k, and each draft
+with the one it predicted at the step before; what of the cache survives an outcome is the feed's to
+say. A miss's fast backup is the n-gram drafter where the registry has one.
 
-The figures SSD measures, and the fan-out it sizes from them, are in engine.ssd_stats.
+The figures SSD measures, and the fan-out it sizes from them, are in drafters/ssd_stats.py.
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.engine.drafters.base import Drafter, Drafts, accepted_prefix
-from specpool.engine.drafters.loop import Pick, sample_top_k
-from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.feeds import DraftState, feed_for
+from specpool.engine.drafters.loop import draft_steps, sample_top_k
 from specpool.engine.drafters.ssd_stats import SsdStats, ema, geometric_fanout
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
@@ -51,36 +51,30 @@ class Fork:
     rows: list[torch.Tensor]  # candidate ids of rows 0..K-1 (row j: after its bonus and d'1..d'j)
     topk_ids: torch.Tensor | None  # [K, k] the sparse q each draft was sampled from
     topk_probs: torch.Tensor | None
-    # A head's: the feature it predicted after the bonus and after each fed draft (d'_j's input).
+    # The feature predicted after the bonus and after each fed draft (a head's d'_j input).
     predicted: list[torch.Tensor] = field(default_factory=list)
 
 
-@dataclass
-class _Seq:
-    slot: int
-    pending: list[int]  # tokens not yet in the KV cache
+@dataclass(slots=True)
+class _Seq(DraftState):
+    """A sequence's DraftState (its `drafts` handed out, awaiting their outcome) and SSD's own record."""
+
     params: SamplingParams = field(default_factory=SamplingParams)
-    drafts: list[int] = field(default_factory=list)  # handed out, awaiting their outcome
-    fed: int = 0  # of those drafts, how many are in the KV cache
     rows: list[torch.Tensor] = field(default_factory=list)  # candidate ids per draft row known so far
+    # predicted[k]: the feature predicted after the prefix and d1..dk (a head's input of d_{k+1} or of a
+    # fork's bonus).
+    predicted: list[torch.Tensor] = field(default_factory=list)
     forks: dict[Outcome, Fork] = field(default_factory=dict)
     ready: Fork | None = None  # a hit: the next drafts, already decoded (d'1..d'_{K-1} in the cache)
     q: tuple[torch.Tensor, torch.Tensor] | None = None  # sparse q of neural drafts: ids, probs [K, k]
     source: str = "neural"  # where the outstanding drafts came from: cache, neural, fast
     handed_out_at: float = 0.0
     arrived_at: float = 0.0  # when their outcome arrived, if the caller said (outcome_arrived)
-    # A head's only: the target's features paired with the pending tokens [len(pending), d], the cached
-    # positions made from true features, the last true pair fed, and its predicted features:
-    # predicted[k] after the prefix and d1..dk, the input of d_{k+1} (or of a fork's bonus).
-    features: torch.Tensor | None = None
-    kept: int = 0
-    last: tuple[int, torch.Tensor] | None = None
-    predicted: list[torch.Tensor] = field(default_factory=list)
 
 
 class SsdDrafter(Drafter):
-    """The Drafter for SSD: the draft model's (or head's) drafting loop on a cache with room for forks,
-    and the role's optional members of a drafter that pre-speculates."""
+    """The Drafter for SSD: the model drafters' loop on a cache with room for forks, and the role's
+    optional members of a drafter that pre-speculates. `fast`: the drafter a miss may fall back to."""
 
     prespeculates = True
 
@@ -98,20 +92,21 @@ class SsdDrafter(Drafter):
         fork_budget: int = 8,
         saguaro_c: float = 1.0,
         q_top_k: int = 32,
-        ngram: NgramDrafter | None = None,
+        fast: Drafter | None = None,
         backup: str = "auto",  # auto (from measured figures), neural or fast
     ):
         self.model = model
-        self.head = model.config.feature_fed
-        if self.head:
-            self.inputs = frozenset({"features"})
+        self.feed = feed_for(model)
+        self.inputs = self.feed.inputs
         self.cache = model.new_cache(max_sequences + fork_slots, max_len)
         self.fork_budget = fork_budget  # the most forks per sequence
         self.forks = max(1, fork_budget // 2)  # forks per sequence now (sized by _size_forks)
         self.saguaro_c = saguaro_c
         self.q_top_k = q_top_k
-        self.ngram = ngram or NgramDrafter()
-        self.backup_mode = backup
+        if backup == "fast" and fast is None:
+            raise ValueError("backup='fast' needs a fast drafter (fast=)")
+        self.fast = fast
+        self.backup_mode = backup if fast is not None else "neural"
         self.stats = SsdStats()
         self.generator = torch.Generator().manual_seed(0)
         self.lookahead = 0  # drafts per fork: what the target asked for last
@@ -122,17 +117,15 @@ class SsdDrafter(Drafter):
     def start(self, seq_id: str, context: Sequence[int], features: torch.Tensor | None = None) -> None:
         """A head's features [len(context) - 1, d]: the target's at every context position but the
         last (feature i pairs with context[i + 1]); a draft model takes none."""
-        if self.head:
-            self._check(features, len(context) - 1, "positions before the context's last")
-            seq = _Seq(slot=self.cache.allocate(), pending=list(context[1:]), features=features.to(self.model.device))
-        else:
-            seq = _Seq(slot=self.cache.allocate(), pending=list(context))
-        self._seqs[seq_id] = seq
-        self.ngram.start(seq_id, context)
+        pending, features = self.feed.first_feed(context, features)
+        self._seqs[seq_id] = _Seq(self.cache.allocate(), pending, features)
+        if self.fast is not None:
+            self.fast.start(seq_id, context)
 
     def release(self, seq_id: str) -> None:
         seq = self._seqs.pop(seq_id, None)
-        self.ngram.release(seq_id)
+        if self.fast is not None:
+            self.fast.release(seq_id)
         if seq is not None:
             self._drop_forks(seq)
             self.cache.release(seq.slot)
@@ -144,10 +137,10 @@ class SsdDrafter(Drafter):
         """The verification outcome of the outstanding drafts (and anything emitted since), which
         arrived when `outcome_arrived` said (default: now). A head's features [len(tokens), d]: the
         target's at the position before each token."""
-        if self.head:
-            self._check(features, len(tokens), "emitted tokens")
+        self.feed.check(len(tokens), features, "emitted tokens")
         seq = self._seqs[seq_id]
-        self.ngram.observe(seq_id, tokens)
+        if self.fast is not None:
+            self.fast.observe(seq_id, tokens)
         if seq.ready is not None:  # a hit nobody drafted from
             self._unready(seq)
         drafts = seq.drafts
@@ -159,27 +152,15 @@ class SsdDrafter(Drafter):
             arrived = seq.arrived_at or time.monotonic()
             self.stats.verify_s = ema(self.stats.verify_s, arrived - seq.handed_out_at)
         seq.arrived_at = 0.0
+        self._drop_forks(seq)
         if fork is not None:
             # Hit: the fork already holds context + d1..dk + b + its own drafts; it becomes the sequence
-            # (a head's is cut back below to its true pairs: its drafts are handed out all the same).
-            self._drop_forks(seq)
+            # (cut back as the feed says: its drafts are handed out all the same).
             self.cache.release(seq.slot)
-            seq.slot, seq.ready, seq.pending = fork.slot, fork, []
-        elif self.head:
-            self._drop_forks(seq)
-            seq.ready = None
+            seq.slot, seq.ready = fork.slot, fork
+            self.feed.observe_hit(self.cache, seq, tokens, features)
         else:
-            self._drop_forks(seq)
-            # As in ModelDrafter.observe, the last token is always fed again: the next forward needs an
-            # input (an outcome of accepted drafts only, with no bonus, left nothing to feed).
-            keep = min(k, seq.fed, max(len(tokens) - 1, 0))
-            self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - seq.fed + keep)
-            seq.pending.extend(tokens[keep:])
-            seq.ready = None
-        if self.head:
-            # Drafts (a hit's fork's too) were fed predicted features: keep only true pairs, then these.
-            self.cache.truncate(seq.slot, seq.kept)
-            self._add_pairs(seq, tokens, features)
+            self.feed.observe(self.cache, seq, tokens, features)
         seq.drafts, seq.fed, seq.rows, seq.predicted = [], 0, [], []
 
     def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
@@ -197,20 +178,16 @@ class SsdDrafter(Drafter):
             if seq.ready is not None:
                 fork = seq.ready
                 n = min(n, len(fork.drafts))
-                seq.drafts, seq.rows = fork.drafts[:n], fork.rows[:n]
-                if self.head:  # none in the cache (observe kept true pairs only): the glue feeds them
-                    seq.fed, seq.predicted = 0, fork.predicted[:n]
-                else:
-                    # The fork fed d'1..d'_{K-1}; as after any propose, the cache keeps d'1..d'_{n-1}.
-                    seq.fed = n - 1
-                    self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - (len(fork.drafts) - 1) + seq.fed)
+                seq.drafts, seq.rows, seq.predicted = fork.drafts[:n], fork.rows[:n], fork.predicted[:n]
+                # The fork fed d'1..d'_{K-1}; as after any propose, keep d'1..d'_{n-1} where the feed keeps drafts.
+                seq.fed = self.feed.keep_hit_drafts(self.cache, seq, len(fork.drafts) - 1, n)
                 out_tokens[b] = list(seq.drafts)
                 if sampled:
                     q_ids[b], q_probs[b] = fork.topk_ids[:n], fork.topk_probs[:n]
                 seq.source, seq.ready = "cache", None
             elif self.choose_backup() == "fast":
                 seq.ready = None
-                seq.drafts, seq.fed, seq.rows, seq.source = self.ngram.draft(sid, n), 0, [], "fast"
+                seq.drafts, seq.fed, seq.rows, seq.source = self.fast.propose([sid], [n], params, None).tokens[0], 0, [], "fast"
                 out_tokens[b] = list(seq.drafts)
                 self.stats.backups["fast"] += 1
             else:
@@ -310,65 +287,6 @@ class SsdDrafter(Drafter):
     def fast_backup(self) -> bool:
         return self.choose_backup() == "fast"
 
-    def _check(self, features: torch.Tensor | None, n: int, what: str) -> None:
-        if features is None or len(features) != n:
-            raise ValueError(f"SSD with a head needs the target's features at the {n} {what}, "
-                             f"got {None if features is None else len(features)}")
-
-    def _add_pairs(self, seq: _Seq, tokens: Sequence[int], features: torch.Tensor) -> None:
-        """Pends a head's true pairs. With none (an outcome that emitted nothing), the last true pair is
-        fed again: the next forward needs an input."""
-        seq.pending += tokens
-        seq.features = torch.cat([seq.features, features.to(seq.features)])
-        if not seq.pending and seq.last is not None:
-            seq.kept -= 1
-            self.cache.truncate(seq.slot, seq.kept)
-            seq.pending, seq.features = [seq.last[0]], seq.last[1][None]
-
-    def _take_pending(self, seq: _Seq) -> tuple[list[int], torch.Tensor | None]:
-        """The pending tokens (with a head's features), fed next: a head's true positions end after them."""
-        tokens, features = seq.pending, seq.features
-        if self.head and tokens:
-            seq.kept, seq.last = self.cache.lengths[seq.slot] + len(tokens), (tokens[-1], features[-1])
-            seq.features = features[:0]
-        seq.pending = []
-        return tokens, features
-
-    def _forward(self, slots: list[int], tokens: list[list[int]], features: list[torch.Tensor] | None,
-                 all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward -> (logits, and a head's predicted features [B, T, d]); a head's row b feeds
-        features[b] [len(tokens[b]), d] with its tokens."""
-        if not self.head:
-            return self.model.forward(self.cache, slots, tokens, all_logits=all_logits), None
-        fed = torch.zeros(len(slots), max(map(len, tokens)), self.model.config.d_model, dtype=self.model.dtype,
-                          device=self.model.device)
-        for b, f in enumerate(features):
-            fed[b, : len(f)] = f
-        return self.model.forward(self.cache, slots, tokens, all_logits=all_logits, features=True, fed_features=fed)
-
-    def _chain(self, slots: list[int], feeds: list[list[int]], features: list[torch.Tensor] | None,
-               nums: Sequence[int], pick: Pick) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """The drafting loop (engine.drafters.loop.draft_steps): row b feeds feeds[b], then each token it drafts,
-        for nums[b] steps, one forward a step for every row still drafting; its last draft is never fed. A
-        head's row feeds features[b] with feeds[b], then each draft with the feature predicted at the step
-        before. -> the drafts, and per row the predicted feature after each step (a head's; else none)."""
-        tokens: list[list[int]] = [[] for _ in slots]
-        predicted: list[list[torch.Tensor]] = [[] for _ in slots]
-        feed, feats = list(feeds), list(features) if self.head else None
-        for j in range(max(nums, default=0)):
-            active = [b for b, n in enumerate(nums) if n > j]
-            logits, hidden = self._forward([slots[b] for b in active], [feed[b] for b in active],
-                                           [feats[b] for b in active] if feats else None)
-            if hidden is not None:
-                last = hidden[torch.arange(len(active)), torch.tensor([len(feed[b]) - 1 for b in active])]
-                for a, b in enumerate(active):
-                    predicted[b].append(last[a])
-                    feats[b] = last[a][None]
-            for b, t in zip(active, pick(j, active, logits).tolist()):
-                tokens[b].append(t)
-                feed[b] = [t]
-        return tokens, predicted
-
     def _candidates(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.topk(logits, min(self.CANDIDATES, logits.shape[-1]), dim=-1).indices
 
@@ -397,8 +315,8 @@ class SsdDrafter(Drafter):
                     q_rows[b].append((ids[i], probs[i]))
             return picked
 
-        feeds, features = zip(*(self._take_pending(s) for s in seqs))
-        drafts, predicted = self._chain([s.slot for s in seqs], list(feeds), list(features), nums, pick)
+        feeds, features = zip(*(self.feed.take(self.cache, s) for s in seqs))
+        drafts, predicted = draft_steps(self.feed, self.cache, [s.slot for s in seqs], feeds, features, nums, pick)
         for s, n, drafted, cands, q, p in zip(seqs, nums, drafts, rows, q_rows, predicted):
             s.drafts, s.fed, s.rows, s.source, s.predicted = drafted, n - 1, cands, "neural", p
             s.q = _stacked(q)
@@ -411,26 +329,24 @@ class SsdDrafter(Drafter):
         seqs = [s for s in seqs if s.pending or s.fed < len(s.drafts)]  # glued already: nothing to feed
         if not seqs:
             return
-        # Drafts whose input is known: all, or a head's up to those it has a predicted feature for.
-        ends = [min(len(s.drafts), len(s.predicted)) if self.head else len(s.drafts) for s in seqs]
+        # Drafts whose inputs are known (a head's: those it has a predicted feature for) go in the first forward.
+        ends = [self.feed.known(s.drafts, s.predicted) for s in seqs]
         feeds, features = [], []
         for s, end in zip(seqs, ends):
             known = s.fed + 1 - bool(s.pending)  # the first row this feed yields (row 0 after pending context)
-            tokens, true = self._take_pending(s)
-            feeds.append(tokens + s.drafts[s.fed : end])
-            if self.head:
-                features.append(torch.cat([true.to(self.model.dtype), *[p[None] for p in s.predicted[s.fed : end]]]))
+            tokens, true = self.feed.take(self.cache, s)
+            feeds.append(tokens + list(s.drafts[s.fed : end]))
+            features.append(self.feed.row_features(true, s.predicted[s.fed : end]))
             s.rows, s.predicted, s.fed = s.rows[:known], s.predicted[:known], end
-        logits, hidden = self._forward([s.slot for s in seqs], feeds, features, all_logits=True)  # [B, T, V]
+        logits, hidden = self.feed.forward(self.cache, [s.slot for s in seqs], feeds, features, all_logits=True)
         for b, s in enumerate(seqs):
             # Rows known..end are the last positions of this row's feed.
             n, first = len(feeds[b]), len(feeds[b]) - (s.fed + 1 - len(s.rows))
             s.rows += list(self._candidates(logits[b, first:n]))
-            if hidden is not None:
-                s.predicted += list(hidden[b, first:n])
+            s.predicted += list(hidden[b, first:n])
         while rest := [s for s in seqs if s.fed < len(s.drafts)]:
-            logits, hidden = self._forward([s.slot for s in rest], [[s.drafts[s.fed]] for s in rest],
-                                           [s.predicted[s.fed][None] for s in rest])
+            logits, hidden = self.feed.forward(self.cache, [s.slot for s in rest], [[s.drafts[s.fed]] for s in rest],
+                                               [s.predicted[s.fed][None] for s in rest])
             for s, row, p in zip(rest, self._candidates(logits), hidden[:, 0]):
                 s.rows.append(row)
                 s.predicted.append(p)
@@ -446,8 +362,7 @@ class SsdDrafter(Drafter):
                 self.cache.release(seq.forks[(k, bonus)].slot)
             fork = seq.forks[(k, bonus)] = Fork(self.cache.fork(seq.slot, prefix), bonus, [], [], None, None)
             built.append((seq, fork))
-            if self.head:
-                features.append(seq.predicted[k][None])
+            features.append(seq.predicted[k][None])
         groups = {params: [i for i, (s, _) in enumerate(built) if s.params == params]
                   for params in {s.params for s, _ in built}}
         q_rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in built]
@@ -463,23 +378,18 @@ class SsdDrafter(Drafter):
                         q_rows[i].append((ids[r], probs[r]))
             return picked
 
-        drafts, predicted = self._chain([f.slot for _, f in built], [[f.bonus] for _, f in built], features,
-                                        [k_next] * len(built), pick)
+        drafts, predicted = draft_steps(self.feed, self.cache, [f.slot for _, f in built], [[f.bonus] for _, f in built],
+                                        features, [k_next] * len(built), pick)
         for (_, fork), drafted, q, p in zip(built, drafts, q_rows, predicted):
             # The last draft was never fed (as after any propose): the cache holds b, d'1..d'_{K-1}.
             fork.drafts, fork.predicted = drafted, p
             fork.topk_ids, fork.topk_probs = _stacked(q) or (None, None)
 
     def _unready(self, seq: _Seq) -> None:
-        """Drops a hit's drafts from the cache, and its bonus token too, back to pending: the next forward
-        (drafts, or the glue before pre-speculating) needs a token to feed. Keeping the bonus cached
-        left nothing to feed after an outcome with no new tokens, and the glue one row short. (A head's
-        hit left neither in the cache: its bonus is a pending true pair already.)"""
-        if self.head:
-            seq.ready = None
-            return
-        self.cache.truncate(seq.slot, self.cache.lengths[seq.slot] - len(seq.ready.drafts))
-        seq.pending = [seq.ready.bonus, *seq.pending]
+        """Drops a hit's drafts from the cache as the feed says, and its bonus token too, back to
+        pending: keeping the bonus cached left nothing to feed after an outcome with no new tokens, and
+        the glue one row short."""
+        self.feed.undo_hit(self.cache, seq, seq.ready.bonus, len(seq.ready.drafts) - 1)
         seq.ready = None
 
     def _drop_forks(self, seq: _Seq) -> None:
@@ -514,3 +424,20 @@ def _stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
         return None
     ids, probs = zip(*rows)
     return torch.stack(ids), torch.stack(probs)
+
+
+def build(sources) -> SsdDrafter | None:
+    """The registry's SSD drafter (drafters/registry.py): on the head where there is one (its forks grow
+    from the head's predicted features), else on the draft model; the registry's n-gram drafter, if
+    any, is its fast backup. SSD sequences hold forks too, so they get a cache of their own: a sequence
+    holds up to max_len tokens, pre-speculation feeds its drafts on top, and a fork a bonus token and
+    its own drafts (without that room, a sequence near max_len failed the pre-speculation of every SSD
+    sequence in its step)."""
+    from specpool.engine.drafters import registry  # (the registry imports this module)
+
+    model = sources.head or sources.draft
+    if model is None:
+        return None
+    options = {"max_sequences": 16, "fork_slots": 128} | dict(sources.ssd)
+    return SsdDrafter(model, max_len=sources.max_len + 2 * MAX_DRAFT_TOKENS + 1,
+                      fast=registry.build(Method.NGRAM, sources), **options)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from specpool.engine.decoding import generate
+from specpool.engine.drafters.base import Drafter
+from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.ssd import SsdDrafter
 from specpool.engine.drafters.ssd_stats import geometric_fanout
 from specpool.engine.runtime.config import tiny_config
@@ -22,7 +24,7 @@ from tests.stats import cells, check_tv, exact_joint, report, rows
 from tests.twins import biased
 
 
-class Inline:
+class Inline(Drafter):
     """The Drafter protocol over an SsdDrafter, pre-speculating after every propose. `sources`
     records where each sequence's drafts came from, round by round (cache, neural or fast)."""
 
@@ -59,7 +61,7 @@ def test_geometric_fanout_by_hand():
 def test_a_draft_equal_to_the_target_hits_the_cache_and_greedy_equals_ar(tiny_model):
     prompts = [[5, 6, 7, 8, 5, 6], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
     ar = generate(tiny_model, prompts, SamplingParams(), 30, stop_ids=[])
-    ssd = SsdDrafter(tiny_model, len(prompts), 64, fork_slots=32, fork_budget=4)
+    ssd = SsdDrafter(tiny_model, len(prompts), 64, fork_slots=32, fork_budget=4, fast=NgramDrafter())
     out = generate(tiny_model, prompts, SamplingParams(), 30, Inline(ssd), 3, stop_ids=[])
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     # Every model draft is accepted, so the outcome is (K, top-1 after dK): in the cache once the
@@ -74,10 +76,11 @@ def test_greedy_equals_ar_with_a_different_draft_on_hits_and_misses(tiny_model, 
     draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=5)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11, 9, 10], [12, 13, 14]]
     ar = generate(tiny_model, prompts, SamplingParams(), 40, stop_ids=[])
-    ssd = SsdDrafter(draft, len(prompts), 96, fork_slots=48, fork_budget=8, backup=backup)
+    ssd = SsdDrafter(draft, len(prompts), 96, fork_slots=48, fork_budget=8, backup=backup, fast=NgramDrafter())
     out = generate(tiny_model, prompts, SamplingParams(), 40, Inline(ssd), 3, stop_ids=[])
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     assert 0 < ssd.stats.hits < ssd.stats.lookups, "both paths ran"
+    assert ssd.stats.backups[backup] > 0, f"misses were drafted by the {backup} backup"
 
 
 def test_forks_per_sequence_follow_the_verify_time(tiny_model):

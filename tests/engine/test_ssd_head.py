@@ -12,6 +12,7 @@ import torch
 
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.ssd import SsdDrafter
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
@@ -53,12 +54,13 @@ def head_chain(head: Llama, history: list[int], feeds: list[int], n: int) -> lis
 def test_greedy_ssd_with_a_head_equals_ar_on_hits_and_misses(backup):
     head = trained_tiny_head(TARGET)
     ar = generate(TARGET, PROMPTS, SamplingParams(), 40, stop_ids=[])
-    ssd = SsdDrafter(head, len(PROMPTS), 96, fork_slots=48, fork_budget=8, backup=backup)
+    ssd = SsdDrafter(head, len(PROMPTS), 96, fork_slots=48, fork_budget=8, backup=backup, fast=NgramDrafter())
     assert ssd.inputs == {"features"}
     inline = Inline(ssd)
     out = generate(TARGET, PROMPTS, SamplingParams(), 40, inline, 3, stop_ids=[])
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
     assert 0 < ssd.stats.hits < ssd.stats.lookups, "both paths ran"
+    assert ssd.stats.backups[backup] > 0, f"misses were drafted by the {backup} backup"
     served = [s for sources in inline.sources.values() for s in sources]
     assert 0 < served.count("cache") <= ssd.stats.hits and backup in served  # a last hit may go unserved
     assert ssd.cache.free_slots == ssd.cache.max_slots, "forks and sequences give their slots back"

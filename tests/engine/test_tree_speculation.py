@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specpool.engine.decoding import generate
+from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
 from specpool.engine.drafters.model import ModelDrafter
@@ -33,7 +34,7 @@ BUDGET = 4
 NEW = 6  # the first round's budget is 4: max_new_tokens - 1 (prefill) - 1 (the bonus's place)
 
 
-class Recording:
+class Recording(Drafter):
     """Wraps a drafter and keeps every tree it proposed, in order (the first round's come first)."""
 
     def __init__(self, drafter):
