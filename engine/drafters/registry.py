@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from specpool.common.speculation import Method
-from specpool.engine.drafters import head, model, ssd
+from specpool.engine.drafters import head, model, ngram, ssd
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.trees import TreeShape
@@ -36,6 +36,7 @@ BUILDERS: dict[Method, Callable[[DraftSources], Drafter | None]] = {
     Method.DRAFT_MODEL: model.build,
     Method.HEAD: head.build,
     Method.SSD: ssd.build,
+    Method.NGRAM: ngram.build,
 }
 
 
