@@ -2,7 +2,7 @@
 
 The servicer only translates: it validates a GenerateRequest into a scheduler Request, then turns
 the request's events back into GenerateResponses. Decoding, batching and speculation live in the
-scheduler, the engine's Decoder and the SpeculationClient.
+scheduler, the engine's Decoder and the RemoteDrafter.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from specpool.engine.verification.sampling import continued_seed
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
-from specpool.target_service.observer import SequenceCounts, TargetObserver
+from specpool.target_service.remote.drafter import RemoteDrafter
+from specpool.target_service.remote.observer import SequenceCounts, TargetObserver
 from specpool.target_service.scheduler import Request, Scheduler, request_key
-from specpool.target_service.speculation_client import SpeculationClient
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc
 
@@ -72,7 +72,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     names (it authenticated that tenant's token). Another owner's id is simply not found."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
-                 tenant: str, max_context: int, max_batch: int, client: SpeculationClient,
+                 tenant: str, max_context: int, max_batch: int, client: RemoteDrafter,
                  credentials: Security | None = None):
         self.credentials = credentials or Security.insecure()
         self.scheduler = scheduler
@@ -360,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
     observer = TargetObserver(metrics)
-    client = SpeculationClient(
+    client = RemoteDrafter(
         tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), observer,
         deadline_s=args.spec_deadline_ms / 1000, ssd_push=args.ssd_mode == "push",
         delay_s=args.spec_delay_ms / 1000, credentials=credentials,

@@ -16,8 +16,8 @@ from specpool.common.security import Security
 from specpool.common.serving import MESSAGE_SIZE_OPTIONS
 from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
-from specpool.target_service.fallback import DeadlineBreaker
-from specpool.target_service.sessions import OutcomeTables
+from specpool.target_service.remote.fallback import DeadlineBreaker
+from specpool.target_service.remote.sessions import OutcomeTables
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc
 

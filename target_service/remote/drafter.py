@@ -1,4 +1,5 @@
-"""The target's side of the Speculation API: a Drafter backed by a pooled endpoint, failing open.
+"""The remote drafter: the target's side of the Speculation API, a Drafter backed by a pooled endpoint,
+failing open.
 
 Every step, the drafts for all of this target's sequences come from the endpoint in one
 RoundsRequest on one bidirectional stream; the same message reports what the previous round
@@ -32,10 +33,10 @@ from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
-from specpool.target_service.codec import Row, assemble, draft_costs, unusable
-from specpool.target_service.connection import Connection
-from specpool.target_service.fallback import DeadlineBreaker, Fallback
-from specpool.target_service.sessions import Session, Sessions
+from specpool.target_service.remote.codec import Row, assemble, draft_costs, unusable
+from specpool.target_service.remote.connection import Connection
+from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
+from specpool.target_service.remote.sessions import Session, Sessions
 from specpool_client.v1 import speculation_pb2 as pb
 
 log = logging.getLogger("specpool.target.speculation")
@@ -47,10 +48,10 @@ FEATURE_METHODS = (Method.HEAD, Method.SSD)
 
 
 class SpeculationObserver(Protocol):
-    """What the client reports, on the step's thread unless said otherwise."""
+    """What the drafter reports, on the step's thread unless said otherwise."""
 
     def attached(self, capacity: pb.GetCapacityResponse) -> None:
-        """An endpoint was attached (on the client's attach thread)."""
+        """An endpoint was attached (on the drafter's attach thread)."""
 
     def fell_back(self, reason: Fallback, seq_ids: list[str]) -> None:
         """These sequences' round is drafted locally."""
@@ -86,7 +87,7 @@ class _InFlight:
 
 @dataclass
 class DraftRound:
-    """One step's drafts, asked for (`SpeculationClient.start_groups`) and not yet collected."""
+    """One step's drafts, asked for (`RemoteDrafter.start_groups`) and not yet collected."""
 
     requests: list[DraftRequest]
     in_flight: _InFlight | None
@@ -107,7 +108,7 @@ class DraftRound:
                 or flight.conn.broken.is_set() or time.monotonic() >= self.deadline)
 
 
-class SpeculationClient:
+class RemoteDrafter:
     """A Drafter (engine.drafters.base protocol, with `propose_groups`) that drafts on a remote endpoint."""
 
     inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them

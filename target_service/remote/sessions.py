@@ -15,18 +15,18 @@ import torch
 
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.codec import session_spec
+from specpool.target_service.remote.codec import session_spec
 from specpool_client.v1 import speculation_pb2 as pb
 
 if TYPE_CHECKING:
-    from specpool.target_service.connection import Connection
+    from specpool.target_service.remote.connection import Connection
 
 log = logging.getLogger("specpool.target.speculation")
 
 
 @dataclass
 class Session:
-    """One sequence, as the speculation client knows it."""
+    """One sequence, as the remote drafter knows it."""
 
     context: list[int]  # prompt and every emitted token: what a re-opened session starts from
     params: SamplingParams

@@ -17,10 +17,10 @@ from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.codec import assemble, session_spec, unusable
 from specpool.target_service.draft_length import TargetDraftLength
-from specpool.target_service.fallback import Fallback
-from specpool.target_service.speculation_client import SpeculationClient
+from specpool.target_service.remote.codec import assemble, session_spec, unusable
+from specpool.target_service.remote.drafter import RemoteDrafter
+from specpool.target_service.remote.fallback import Fallback
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2
 
@@ -117,15 +117,15 @@ def serve(endpoint: Endpoint):
     return server, f"127.0.0.1:{port}"
 
 
-def client_for(address: str | None, observer: Recorder) -> SpeculationClient:
-    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
+def client_for(address: str | None, observer: Recorder) -> RemoteDrafter:
+    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
                                reattach_s=0.05)
     if address:
         client.wait_attached(5.0)
     return client
 
 
-def decode(model, client: SpeculationClient, choice: SpeculationChoice | list[SpeculationChoice],
+def decode(model, client: RemoteDrafter, choice: SpeculationChoice | list[SpeculationChoice],
            draft_tokens: int = 3):
     """choice: every sequence's, or each one's."""
     choices = choice if isinstance(choice, list) else [choice] * len(PROMPTS)
@@ -274,7 +274,7 @@ def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model,
 
     endpoint = HungOpens(ar)
     server, address = serve(endpoint)
-    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
+    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
     try:
         assert client.wait_attached(5.0)
         with ThreadPoolExecutor(1) as pool:
