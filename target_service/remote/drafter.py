@@ -33,7 +33,15 @@ from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
-from specpool.target_service.remote.codec import Row, assemble, draft_costs, unusable
+from specpool.target_service.remote.codec import (
+    Row,
+    assemble,
+    draft_costs,
+    resolved_round,
+    rounds_request,
+    sequence_round,
+    unusable,
+)
 from specpool.target_service.remote.connection import Connection
 from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
 from specpool.target_service.remote.sessions import Session, Sessions
@@ -320,33 +328,28 @@ class RemoteDrafter:
         if not ready:
             return None
         self._round_id += 1
-        request = pb.RoundsRequest(tenant=self.tenant, round_id=self._round_id)
         resolved: dict[str, Row] = {}
         asking = []
         features = []
+        sequences = []
         for s, n in ready:
             seq = self.sessions[s]
             ssd = seq.choice.method is Method.SSD and not probing
             found = self._resolve_from_table(conn, s, seq, n) if ssd else None
+            rows = seq.take_unsent()
+            num_features = 0 if rows is None else rows.shape[0]
+            if rows is not None:
+                features.append(rows)
             if found is None:
-                msg = pb.SequenceRound(request_id=s, new_tokens=seq.pending, num_draft_tokens=max(n, 0))
+                sequences.append(sequence_round(s, seq.pending, max(n, 0), num_features))
                 asking.append((s, n))
             else:
-                resolution, tokens, q = found
-                msg = pb.SequenceRound(
-                    request_id=s, new_tokens=seq.pending, resolution=resolution,
-                    num_draft_tokens=len(tokens) if resolution == pb.ROUND_RESOLUTION_TABLE_HIT else 0,
-                    drafts_in_use=tokens if resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS else [],
-                )
+                table_hit, tokens, q = found
+                sequences.append(resolved_round(s, seq.pending, tokens, table_hit, num_features))
                 resolved[s] = (tokens, q, None)
-            rows = seq.take_unsent()
-            if rows is not None:
-                msg.num_features = rows.shape[0]
-                features.append(rows)
-            request.sequences.append(msg)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
-        if features:
-            request.feature_dim = features[0].shape[1]
+        request = rounds_request(self.tenant, self._round_id, sequences,
+                                 feature_dim=features[0].shape[1] if features else 0)
         if not asking:
             conn.send(request)
             flight = _InFlight(conn, request.round_id, None, {}, resolved)
@@ -440,9 +443,9 @@ class RemoteDrafter:
         return drafts
 
     def _resolve_from_table(self, conn: Connection, seq_id: str, seq: Session, n: int):
-        """SSD: count the lookup; in push mode, -> (resolution, tokens, q) when the pushed table
-        answers this outcome (a hit) or says the endpoint would back off to n-gram drafts anyway
-        (then draft them here, with no round trip). None: ask the endpoint."""
+        """SSD: count the lookup; in push mode, -> (table_hit, tokens, q) when the pushed table
+        answers this outcome (a hit: True) or says the endpoint would back off to n-gram drafts anyway
+        (False: then draft them here, with no round trip). None: ask the endpoint."""
         k = accepted_prefix(seq.drafts, seq.pending)
         if not seq.drafts or len(seq.pending) != k + 1:
             return None
@@ -465,8 +468,8 @@ class RemoteDrafter:
                     return None
                 seq.cache_hits += 1
                 self.ssd_hit_ratio.add(1.0)
-                return pb.ROUND_RESOLUTION_TABLE_HIT, tokens, q
+                return True, tokens, q
         if table.fast_backup:
             self.ssd_hit_ratio.add(0.0)
-            return pb.ROUND_RESOLUTION_LOCAL_DRAFTS, self.local.draft(seq_id, n), None
+            return False, self.local.draft(seq_id, n), None
         return None

@@ -18,7 +18,14 @@ from specpool.engine.speculation_policy import AcceptanceEstimate, Running, Step
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.draft_length import TargetDraftLength
-from specpool.target_service.remote.codec import assemble, session_spec, unusable
+from specpool.target_service.remote.codec import (
+    assemble,
+    resolved_round,
+    rounds_request,
+    sequence_round,
+    session_spec,
+    unusable,
+)
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.fallback import Fallback
 from specpool_client.v1 import speculation_pb2 as pb
@@ -158,6 +165,20 @@ def test_a_session_spec_names_its_drafter_and_sends_no_seed():
     assert spec.drafter == pb.DRAFTER_KIND_SSD and spec.push and list(spec.context) == [1, 2]
     assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed") and not spec.tree
     assert session_spec("t", [1], SpeculationChoice(Method.NGRAM, True, tree=True), SamplingParams(), False).tree
+
+
+def test_an_ssd_round_resolved_on_the_target_says_how():
+    hit = resolved_round("s", [3, 4], [7, 8], table_hit=True, num_features=2)
+    assert hit.resolution == pb.ROUND_RESOLUTION_TABLE_HIT and hit.num_draft_tokens == 2 and not hit.drafts_in_use
+    assert list(hit.new_tokens) == [3, 4] and hit.num_features == 2
+    local = resolved_round("s", [3], [7, 8, 9], table_hit=False)
+    assert local.resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS and local.num_draft_tokens == 0
+    assert list(local.drafts_in_use) == [7, 8, 9]
+    asked = sequence_round("s", [1], 4)
+    assert asked.resolution == pb.ROUND_RESOLUTION_UNSPECIFIED and asked.num_draft_tokens == 4
+    request = rounds_request("t1", 5, [asked, hit], feature_dim=16)
+    assert request.tenant == "t1" and request.round_id == 5 and request.feature_dim == 16
+    assert [r.num_draft_tokens for r in request.sequences] == [4, 2]
 
 
 def test_a_q_row_mismatched_to_its_tokens_is_refused():
