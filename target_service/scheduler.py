@@ -43,7 +43,7 @@ class Request:
     finished_at: float | None = None
     cancelled: bool = False
     expired: bool = False  # cancelled because its client's deadline passed
-    owner: str = ""  # who submitted it (target_service/server.py): ids are unique per owner only
+    owner: str = ""  # who submitted it (target_service/servicer.py): ids are unique per owner only
 
     @property
     def key(self) -> str:

@@ -1,3 +1,4 @@
+# Over 400 lines: a round's send, its collection and each fallback share one state (its parts live apart).
 """The remote drafter: the target's side of the Speculation API, a Drafter backed by a pooled endpoint,
 failing open.
 
