@@ -15,18 +15,18 @@ from specpool.engine.speculation_policy import (
     SpeculationPolicy,
     StepCosts,
 )
-from specpool.target_service.speculation_client import SpeculationClient
+from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool_client.v1 import speculation_pb2 as pb
 
 
 class TargetDraftLength:
-    """engine.speculation_policy.DraftLength over the client's sequences. With measured costs, the
+    """engine.speculation_policy.DraftLength over the remote drafter's sequences. With measured costs, the
     draft model is charged only while a running sequence drafts with it (n-gram drafting costs the
     target nothing measurable), SSD only for the share of rounds it misses, and every remote round its
     measured wire time: so no batch size speculates where that is predicted slower than plain
     decoding. Without costs, `fixed` tokens a round."""
 
-    def __init__(self, client: SpeculationClient, target_costs: StepCosts | None, fixed: int = 0):
+    def __init__(self, client: RemoteDrafter, target_costs: StepCosts | None, fixed: int = 0):
         self.client = client
         self.free: SpeculationPolicy | None = None
         self.ssd: SpeculationPolicy | None = None

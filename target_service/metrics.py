@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specpool.common import outcomes
 from specpool.common.speculation import MAX_DRAFT_TOKENS
-from specpool.target_service.fallback import Fallback
+from specpool.target_service.remote.fallback import Fallback
 
 if TYPE_CHECKING:
     from specpool.target_service.scheduler import Request

@@ -10,8 +10,8 @@ from specpool.common.speculation import Method
 from specpool.engine.decoding import Decoder
 from specpool.engine.speculation_policy import Expected, SpeculationPolicy
 from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.scheduler import Scheduler
-from specpool.target_service.speculation_client import SpeculationClient
 
 
 def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: Expected | float) -> float:
@@ -34,7 +34,7 @@ class HeartbeatFields:
     scheduler: Scheduler
     decoder: Decoder
     metrics: TargetMetrics
-    client: SpeculationClient | None
+    client: RemoteDrafter | None
     free_policy: SpeculationPolicy | None  # n-gram drafting (costs the target nothing measurable)
     # The draft-model policy, which exists once the endpoint has told its draft costs.
     draft_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None

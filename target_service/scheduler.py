@@ -19,8 +19,8 @@ from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.metrics import TargetMetrics
-from specpool.target_service.observer import SequenceCounts, TargetObserver
-from specpool.target_service.speculation_client import SpeculationClient
+from specpool.target_service.remote.drafter import RemoteDrafter
+from specpool.target_service.remote.observer import SequenceCounts, TargetObserver
 
 log = logging.getLogger("specpool.target.scheduler")
 
@@ -43,7 +43,7 @@ class Request:
     finished_at: float | None = None
     cancelled: bool = False
     expired: bool = False  # cancelled because its client's deadline passed
-    owner: str = ""  # who submitted it (target_service/server.py): ids are unique per owner only
+    owner: str = ""  # who submitted it (target_service/servicer.py): ids are unique per owner only
 
     @property
     def key(self) -> str:
@@ -62,7 +62,7 @@ class Scheduler:
     """Requests onto the Decoder's batch: queueing, admission, cancellation, and their tokens out.
     The Decoder steps the batch; this decides which requests are in it and runs its thread."""
 
-    def __init__(self, decoder: Decoder, client: SpeculationClient, metrics: TargetMetrics,
+    def __init__(self, decoder: Decoder, client: RemoteDrafter, metrics: TargetMetrics,
                  observer: TargetObserver, model_name: str, max_queue: int = 1024):
         self.decoder = decoder
         self.client = client

@@ -352,7 +352,7 @@ def test_target_heartbeat_fields_read_the_live_process():
 
     from specpool.target_service.metrics import TargetMetrics
     from specpool.target_service.registration import HeartbeatFields
-    from specpool.target_service.speculation_client import RunningMean
+    from specpool.target_service.remote.drafter import RunningMean
 
     metrics = TargetMetrics("m", "t1")
     metrics.accept_length.observe(2.0)

@@ -1,7 +1,7 @@
 """DeadlineBreaker: how long a round waits for the endpoint, when the target stops waiting, and when it
 starts again (the process-level behaviour, a SIGSTOPped endpoint, is in tests/cluster/test_fault_isolation.py)."""
 
-from specpool.target_service.fallback import DeadlineBreaker
+from specpool.target_service.remote.fallback import DeadlineBreaker
 
 
 class Clock:

@@ -17,8 +17,8 @@ from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, make_generator
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.fallback import Fallback
 from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.remote.fallback import Fallback
 from specpool.target_service.scheduler import Request
 
 LABELS = {"model": "m", "tenant": "alpha"}

@@ -16,8 +16,9 @@ from specpool.common.security import Security
 from specpool.common.serving import MESSAGE_SIZE_OPTIONS
 from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
-from specpool.target_service.fallback import DeadlineBreaker
-from specpool.target_service.sessions import OutcomeTables
+from specpool.target_service.remote.codec import capacity_request, tensor_channel_request
+from specpool.target_service.remote.fallback import DeadlineBreaker
+from specpool.target_service.remote.sessions import OutcomeTables
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc
 
@@ -45,14 +46,14 @@ class Connection:
         # Only a certificate that names an endpoint (endpoint.specpool) gets this target's contexts.
         self.channel = (credentials or Security.insecure()).channel(address, "endpoint", options=MESSAGE_SIZE_OPTIONS)
         self.stub = speculation_pb2_grpc.SpeculationServiceStub(self.channel)
-        self.capacity = self.stub.GetCapacity(pb.GetCapacityRequest(), timeout=connect_timeout_s)
+        self.capacity = self.stub.GetCapacity(capacity_request(), timeout=connect_timeout_s)
         self.broken = threading.Event()
         self._outbox: queue.Queue = queue.Queue()
         self._waiting: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
         self.tensor: DistributedPairChannel | None = None
         self._tensor_ready = threading.Event()
-        offer = self.stub.OpenTensorChannel(pb.OpenTensorChannelRequest(tenant=tenant), timeout=connect_timeout_s)
+        offer = self.stub.OpenTensorChannel(tensor_channel_request(tenant), timeout=connect_timeout_s)
         threading.Thread(target=self._connect_tensor, args=(offer,), daemon=True).start()
         self._stream = self.stub.Rounds(self._delayed(iter(self._outbox.get, None)))
         threading.Thread(target=self._read, daemon=True, name="spec-reader").start()

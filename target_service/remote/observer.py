@@ -1,12 +1,12 @@
-"""What the speculation client reports, turned into this service's metrics and per-completion counts.
-Built before the client, the decoder and the scheduler, so none of them needs another's reference."""
+"""What the remote drafter reports, turned into this service's metrics and per-completion counts.
+Built before the drafter, the decoder and the scheduler, so none of them needs another's reference."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specpool.target_service.fallback import Fallback
 from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.remote.fallback import Fallback
 from specpool_client.v1 import speculation_pb2 as pb
 
 
@@ -20,7 +20,7 @@ class SequenceCounts:
 
 
 class TargetObserver:
-    """speculation_client.SpeculationObserver over the metrics and the counts of the sequences the
+    """drafter.SpeculationObserver over the metrics and the counts of the sequences the
     scheduler follows (`follow` at admission, `unfollow` when they leave: reports after that are
     metrics only)."""
 

@@ -1,4 +1,6 @@
-"""The target's side of the Speculation API: a Drafter backed by a pooled endpoint, failing open.
+# Over 400 lines: a round's send, its collection and each fallback share one state (its parts live apart).
+"""The remote drafter: the target's side of the Speculation API, a Drafter backed by a pooled endpoint,
+failing open.
 
 Every step, the drafts for all of this target's sequences come from the endpoint in one
 RoundsRequest on one bidirectional stream; the same message reports what the previous round
@@ -32,10 +34,18 @@ from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
-from specpool.target_service.codec import Row, assemble, draft_costs, unusable
-from specpool.target_service.connection import Connection
-from specpool.target_service.fallback import DeadlineBreaker, Fallback
-from specpool.target_service.sessions import Session, Sessions
+from specpool.target_service.remote.codec import (
+    Row,
+    assemble,
+    draft_costs,
+    resolved_round,
+    rounds_request,
+    sequence_round,
+    unusable,
+)
+from specpool.target_service.remote.connection import Connection
+from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
+from specpool.target_service.remote.sessions import Session, Sessions
 from specpool_client.v1 import speculation_pb2 as pb
 
 log = logging.getLogger("specpool.target.speculation")
@@ -47,10 +57,10 @@ FEATURE_METHODS = (Method.HEAD, Method.SSD)
 
 
 class SpeculationObserver(Protocol):
-    """What the client reports, on the step's thread unless said otherwise."""
+    """What the drafter reports, on the step's thread unless said otherwise."""
 
     def attached(self, capacity: pb.GetCapacityResponse) -> None:
-        """An endpoint was attached (on the client's attach thread)."""
+        """An endpoint was attached (on the drafter's attach thread)."""
 
     def fell_back(self, reason: Fallback, seq_ids: list[str]) -> None:
         """These sequences' round is drafted locally."""
@@ -86,7 +96,7 @@ class _InFlight:
 
 @dataclass
 class DraftRound:
-    """One step's drafts, asked for (`SpeculationClient.start_groups`) and not yet collected."""
+    """One step's drafts, asked for (`RemoteDrafter.start_groups`) and not yet collected."""
 
     requests: list[DraftRequest]
     in_flight: _InFlight | None
@@ -107,7 +117,7 @@ class DraftRound:
                 or flight.conn.broken.is_set() or time.monotonic() >= self.deadline)
 
 
-class SpeculationClient:
+class RemoteDrafter:
     """A Drafter (engine.drafters.base protocol, with `propose_groups`) that drafts on a remote endpoint."""
 
     inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them
@@ -319,33 +329,28 @@ class SpeculationClient:
         if not ready:
             return None
         self._round_id += 1
-        request = pb.RoundsRequest(tenant=self.tenant, round_id=self._round_id)
         resolved: dict[str, Row] = {}
         asking = []
         features = []
+        sequences = []
         for s, n in ready:
             seq = self.sessions[s]
             ssd = seq.choice.method is Method.SSD and not probing
             found = self._resolve_from_table(conn, s, seq, n) if ssd else None
+            rows = seq.take_unsent()
+            num_features = 0 if rows is None else rows.shape[0]
+            if rows is not None:
+                features.append(rows)
             if found is None:
-                msg = pb.SequenceRound(request_id=s, new_tokens=seq.pending, num_draft_tokens=max(n, 0))
+                sequences.append(sequence_round(s, seq.pending, max(n, 0), num_features))
                 asking.append((s, n))
             else:
-                resolution, tokens, q = found
-                msg = pb.SequenceRound(
-                    request_id=s, new_tokens=seq.pending, resolution=resolution,
-                    num_draft_tokens=len(tokens) if resolution == pb.ROUND_RESOLUTION_TABLE_HIT else 0,
-                    drafts_in_use=tokens if resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS else [],
-                )
+                table_hit, tokens, q = found
+                sequences.append(resolved_round(s, seq.pending, tokens, table_hit, num_features))
                 resolved[s] = (tokens, q, None)
-            rows = seq.take_unsent()
-            if rows is not None:
-                msg.num_features = rows.shape[0]
-                features.append(rows)
-            request.sequences.append(msg)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
-        if features:
-            request.feature_dim = features[0].shape[1]
+        request = rounds_request(self.tenant, self._round_id, sequences,
+                                 feature_dim=features[0].shape[1] if features else 0)
         if not asking:
             conn.send(request)
             flight = _InFlight(conn, request.round_id, None, {}, resolved)
@@ -439,9 +444,9 @@ class SpeculationClient:
         return drafts
 
     def _resolve_from_table(self, conn: Connection, seq_id: str, seq: Session, n: int):
-        """SSD: count the lookup; in push mode, -> (resolution, tokens, q) when the pushed table
-        answers this outcome (a hit) or says the endpoint would back off to n-gram drafts anyway
-        (then draft them here, with no round trip). None: ask the endpoint."""
+        """SSD: count the lookup; in push mode, -> (table_hit, tokens, q) when the pushed table
+        answers this outcome (a hit: True) or says the endpoint would back off to n-gram drafts anyway
+        (False: then draft them here, with no round trip). None: ask the endpoint."""
         k = accepted_prefix(seq.drafts, seq.pending)
         if not seq.drafts or len(seq.pending) != k + 1:
             return None
@@ -464,8 +469,8 @@ class SpeculationClient:
                     return None
                 seq.cache_hits += 1
                 self.ssd_hit_ratio.add(1.0)
-                return pb.ROUND_RESOLUTION_TABLE_HIT, tokens, q
+                return True, tokens, q
         if table.fast_backup:
             self.ssd_hit_ratio.add(0.0)
-            return pb.ROUND_RESOLUTION_LOCAL_DRAFTS, self.local.draft(seq_id, n), None
+            return False, self.local.draft(seq_id, n), None
         return None

@@ -17,10 +17,17 @@ from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.codec import assemble, session_spec, unusable
 from specpool.target_service.draft_length import TargetDraftLength
-from specpool.target_service.fallback import Fallback
-from specpool.target_service.speculation_client import SpeculationClient
+from specpool.target_service.remote.codec import (
+    assemble,
+    resolved_round,
+    rounds_request,
+    sequence_round,
+    session_spec,
+    unusable,
+)
+from specpool.target_service.remote.drafter import RemoteDrafter
+from specpool.target_service.remote.fallback import Fallback
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2
 
@@ -117,15 +124,15 @@ def serve(endpoint: Endpoint):
     return server, f"127.0.0.1:{port}"
 
 
-def client_for(address: str | None, observer: Recorder) -> SpeculationClient:
-    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
+def client_for(address: str | None, observer: Recorder) -> RemoteDrafter:
+    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
                                reattach_s=0.05)
     if address:
         client.wait_attached(5.0)
     return client
 
 
-def decode(model, client: SpeculationClient, choice: SpeculationChoice | list[SpeculationChoice],
+def decode(model, client: RemoteDrafter, choice: SpeculationChoice | list[SpeculationChoice],
            draft_tokens: int = 3):
     """choice: every sequence's, or each one's."""
     choices = choice if isinstance(choice, list) else [choice] * len(PROMPTS)
@@ -158,6 +165,20 @@ def test_a_session_spec_names_its_drafter_and_sends_no_seed():
     assert spec.drafter == pb.DRAFTER_KIND_SSD and spec.push and list(spec.context) == [1, 2]
     assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed") and not spec.tree
     assert session_spec("t", [1], SpeculationChoice(Method.NGRAM, True, tree=True), SamplingParams(), False).tree
+
+
+def test_an_ssd_round_resolved_on_the_target_says_how():
+    hit = resolved_round("s", [3, 4], [7, 8], table_hit=True, num_features=2)
+    assert hit.resolution == pb.ROUND_RESOLUTION_TABLE_HIT and hit.num_draft_tokens == 2 and not hit.drafts_in_use
+    assert list(hit.new_tokens) == [3, 4] and hit.num_features == 2
+    local = resolved_round("s", [3], [7, 8, 9], table_hit=False)
+    assert local.resolution == pb.ROUND_RESOLUTION_LOCAL_DRAFTS and local.num_draft_tokens == 0
+    assert list(local.drafts_in_use) == [7, 8, 9]
+    asked = sequence_round("s", [1], 4)
+    assert asked.resolution == pb.ROUND_RESOLUTION_UNSPECIFIED and asked.num_draft_tokens == 4
+    request = rounds_request("t1", 5, [asked, hit], feature_dim=16)
+    assert request.tenant == "t1" and request.round_id == 5 and request.feature_dim == 16
+    assert [r.num_draft_tokens for r in request.sequences] == [4, 2]
 
 
 def test_a_q_row_mismatched_to_its_tokens_is_refused():
@@ -274,7 +295,7 @@ def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model,
 
     endpoint = HungOpens(ar)
     server, address = serve(endpoint)
-    client = SpeculationClient("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
+    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
     try:
         assert client.wait_attached(5.0)
         with ThreadPoolExecutor(1) as pool:

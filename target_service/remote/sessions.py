@@ -15,18 +15,18 @@ import torch
 
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.choice import SpeculationChoice
-from specpool.target_service.codec import session_spec
+from specpool.target_service.remote.codec import close_sessions_request, open_sessions_request, session_spec
 from specpool_client.v1 import speculation_pb2 as pb
 
 if TYPE_CHECKING:
-    from specpool.target_service.connection import Connection
+    from specpool.target_service.remote.connection import Connection
 
 log = logging.getLogger("specpool.target.speculation")
 
 
 @dataclass
 class Session:
-    """One sequence, as the speculation client knows it."""
+    """One sequence, as the remote drafter knows it."""
 
     context: list[int]  # prompt and every emitted token: what a re-opened session starts from
     params: SamplingParams
@@ -129,9 +129,7 @@ class Sessions:
         # Hold the futures until done: grpc cancels a call whose future is garbage-collected.
         self._closing = [f for f in self._closing if not f.done()]
         if ids and conn is not None and not conn.broken.is_set():
-            self._closing.append(
-                conn.stub.CloseSessions.future(pb.CloseSessionsRequest(tenant=self.tenant, request_ids=ids))
-            )
+            self._closing.append(conn.stub.CloseSessions.future(close_sessions_request(self.tenant, ids)))
 
     def open(self, conn: Connection, seq_ids: list[str], wait_s: float, timeout_s: float) -> bool:
         """Opens sessions for new (or re-attached) sequences, waiting at most wait_s: a slow open
@@ -147,9 +145,7 @@ class Sessions:
                 seq.opening, seq.opened_at = True, len(seq.context)
                 specs.append(session_spec(s, seq.context, seq.choice, seq.params, self.push))
             future = conn.stub.OpenSessions.future(
-                pb.OpenSessionsRequest(tenant=self.tenant, target_model=self.target_model,
-                                       lease_s=self.lease_s, sessions=specs),
-                timeout=timeout_s,
+                open_sessions_request(self.tenant, self.target_model, self.lease_s, specs), timeout=timeout_s,
             )
             self._opens.append((conn, closed, future))
             try:
