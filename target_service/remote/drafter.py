@@ -28,7 +28,7 @@ import torch
 from specpool.common.security import Security
 from specpool.common.speculation import Method, q_travels_dense, sparse_q_from_pb
 from specpool.common.tensor_channel import ChannelError
-from specpool.engine.drafters.base import DraftRequest, Drafts, accepted_prefix
+from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepted_prefix
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.speculation_policy import StepCosts
@@ -117,8 +117,9 @@ class DraftRound:
                 or flight.conn.broken.is_set() or time.monotonic() >= self.deadline)
 
 
-class RemoteDrafter:
-    """A Drafter (engine.drafters.base protocol, with `propose_groups`) that drafts on a remote endpoint."""
+class RemoteDrafter(Drafter):
+    """The Drafter (engine/drafters/base.py) that drafts on a remote endpoint: `start_groups` sends a step's
+    round, `finish_groups` collects it."""
 
     inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them
 
@@ -255,14 +256,12 @@ class RemoteDrafter:
             self.sessions.flush_closes(self._conn)
 
     def propose(self, seq_ids, num_tokens, params, generator) -> Drafts:
-        return self.propose_groups([DraftRequest(list(seq_ids), list(num_tokens), params, generator)])[0]
-
-    def propose_groups(self, requests: Sequence[DraftRequest]) -> list[Drafts]:
-        return self.finish_groups(self.start_groups(requests))
+        requests = [DraftRequest(list(seq_ids), list(num_tokens), params, generator)]
+        return self.finish_groups(self.start_groups(requests))[0]
 
     def start_groups(self, requests: Sequence[DraftRequest]) -> DraftRound:
-        """The first half of propose_groups: sends the step's round; `finish_groups` waits for it. In
-        between, the decoder steps the sequences that wait for no remote drafts (engine.decoding)."""
+        """Sends the step's round; `finish_groups` waits for it. In between, the decoder steps the
+        sequences that wait for no remote drafts (engine/decoding.py)."""
         self.sessions.flush_closes(self._conn)
         requests = list(requests)
         return DraftRound(requests, self._send(requests), time.monotonic() + self.breaker.deadline())
