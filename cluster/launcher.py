@@ -16,7 +16,8 @@ Secure by default: a throwaway CA (specpool/common/security.py, in a 0700 tempor
 each server a certificate naming it, every target's tenant and every weighted tenant gets a bearer
 token (`cluster.token(tenant)`, `cluster.router_channel(tenant)`), and Redis gets a random password.
 Each server logs in to Redis as a user of its own, whose ACL lets it write only its role's keys
-(specpool.common.registry.member_acl); the default user (the password) stays the operator's.
+(specpool.common.registry_schema.member_acl); the default user (the password) stays the
+operator's.
 Servers read the CA's directory and the Redis URL from the environment, so no secret is in a
 process's arguments. `insecure=True` (`specpool up --insecure`) runs plaintext and open.
 """
@@ -38,7 +39,8 @@ import grpc
 from specpool.cluster.config import ClusterConfig, EndpointSpec, RouterSpec, TargetSpec
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.common.logs import LOG_FORMAT_ENV
-from specpool.common.registry import PREFIX, member_acl, redacted
+from specpool.common.registry import redacted
+from specpool.common.registry_schema import PREFIX, member_acl
 from specpool.common.security import LocalCA, Security
 from specpool.common.serving import REDIS_URL_ENV
 

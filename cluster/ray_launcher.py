@@ -29,27 +29,23 @@ use, and keeps it: an instance that drains first has its targets replaced by one
 Secure by default as `specpool up`: one throwaway CA; its directory (certificate, key, tokens) travels
 to each actor in its arguments (held by Ray's GCS, to restart it) and the cluster's state actor,
 which `scale` and clients in other processes read. Run with --insecure only on a private network.
+The parts: ray_plan.py works out names, flags, resources and placement groups without Ray;
+ray_actors.py holds the actors (the state, a member's server, Redis) that run on Ray's nodes;
+ray_members.py finds a running cluster's members from any process (RayMembers, attach()); this
+module starts, scales and stops them (RayCluster).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
-import signal
-import sys
-import tempfile
-import threading
-import time
 from collections import Counter
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Self
 
 from specpool.cluster.config import ClusterConfig, EndpointSpec, RaySpec, TargetSpec
 from specpool.cluster.launcher import (
-    Member,
     endpoint_command,
     endpoint_of,
     router_command,
@@ -57,280 +53,21 @@ from specpool.cluster.launcher import (
     target_command,
     target_tiers,
 )
-from specpool.cluster.processes import start_server
+from specpool.cluster.ray_actors import ClusterState, MemberServer, RedisServer
+from specpool.cluster.ray_members import RayMembers, _named_actors, connect
+from specpool.cluster.ray_plan import NAMESPACE, STATE, _free, _index, actor_name, placement_groups, resources
 from specpool.common.logs import LOG_FORMAT_ENV
-from specpool.common.registry import redacted
-from specpool.common.security import TLS_DIR_ENV, LocalCA, Security
+from specpool.common.security import LocalCA
 from specpool.common.serving import REDIS_URL_ENV
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "specpool"
-STATE = "cluster"  # the state actor's name
 TIERS = ("router", "target", "endpoint", "redis")  # the order down() drains them in
-PORT_FLAGS = ("--port", "--metrics-port", "--http-port")
-
-# -- pure planning: names, command lines, placement ----------------------------------------------------
 
 
-def actor_name(role: str, name: str, index: int | None = None) -> str:
-    return f"{role}:{name}" if index is None else f"{role}:{name}:{index}"
-
-
-def with_host(args: list[str], role: str, host: str) -> list[str]:
-    """args listening on host: --host (and what each role advertises) right after the subcommand, so a
-    cluster file's own `args` still override them."""
-    flags = ["--host", host]
-    if role in ("target", "endpoint"):
-        flags += ["--advertise-host", host]
-    if role == "endpoint":
-        flags += ["--channel-host", host]
-    return args[:1] + flags + args[1:]
-
-
-def with_ports(args: list[str], ports: dict[str, int]) -> list[str]:
-    """args with the port flags set to ports[flag] (those args have)."""
-    out = list(args)
-    for flag, port in ports.items():
-        if flag in out:
-            out[out.index(flag) + 1] = str(port)
-    return out
-
-
-def resources(spec: RaySpec, threads: int | None) -> dict:
-    """The actor's resource options."""
-    num_cpus = spec.num_cpus if spec.num_cpus is not None else (threads or 1)
-    return {"num_cpus": num_cpus, "num_gpus": spec.num_gpus, "resources": dict(spec.resources)}
-
-
-def bundle(spec: RaySpec, threads: int | None) -> dict[str, float]:
-    r = resources(spec, threads)
-    out = {"CPU": r["num_cpus"], "GPU": r["num_gpus"], **r["resources"]}
-    return {k: v for k, v in out.items() if v} or {"CPU": 0.001}  # a bundle must ask for something
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    """A placement group: its strategy and (actor name, bundle) in bundle order."""
-
-    name: str
-    strategy: str  # STRICT_PACK or STRICT_SPREAD
-    members: tuple[tuple[str, dict[str, float]], ...]
-
-
-def placement_groups(config: ClusterConfig) -> list[Group]:
-    """The placement groups a cluster file asks for: each endpoint with the targets placed with it
-    (STRICT_PACK), and each strict_spread tenant with more than one replica (STRICT_SPREAD)."""
-    groups = []
-    for e in config.endpoints:
-        packed = [(actor_name("target", t.tenant, i), bundle(t.ray, t.threads))
-                  for t in config.targets if t.ray.placement == "with_endpoint" and endpoint_of(config, t) == e.name
-                  for i in range(t.ray.replicas)]
-        if packed:
-            groups.append(Group(f"pack:{e.name}", "STRICT_PACK",
-                                ((actor_name("endpoint", e.name), bundle(e.ray, e.threads)), *packed)))
-    for t in config.targets:
-        if t.ray.placement == "strict_spread" and t.ray.replicas > 1:
-            groups.append(Group(f"spread:{t.tenant}", "STRICT_SPREAD",
-                                tuple((actor_name("target", t.tenant, i), bundle(t.ray, t.threads))
-                                      for i in range(t.ray.replicas))))
-    return groups
-
-
-def ray_cpus_needed(config: ClusterConfig) -> float:
-    """The CPUs the file's members ask Ray for, all together (to size a one-node Ray for it)."""
-    total = sum(resources(t.ray, t.threads)["num_cpus"] * t.ray.replicas for t in config.targets)
-    total += sum(resources(e.ray, e.threads)["num_cpus"] for e in config.endpoints)
-    total += resources(config.routers.ray, None)["num_cpus"] * config.routers.count
-    return total + (0 if config.redis.url else resources(config.redis.ray, None)["num_cpus"])
-
-
-# -- the actors ------------------------------------------------------------------------------------------
-
-
-class ClusterState:
-    """The cluster as its launcher started it (file, CA, Redis URL), and the ports each restartable
-    member last served on. A detached actor: `scale`, `down` and clients in other processes read it."""
-
-    def __init__(self, spec: dict):
-        self.spec = spec
-        self.served: dict[str, dict] = {}
-
-    def get(self) -> dict:
-        return self.spec
-
-    def update(self, **fields) -> None:
-        self.spec.update(fields)
-
-    def remember(self, name: str, report: dict) -> None:
-        self.served[name] = report
-
-    def last(self, name: str) -> dict | None:
-        return self.served.get(name)
-
-
-class MemberServer:
-    """One specpool server as a child of this actor, on this node's address; exits (so Ray restarts the
-    actor) when the server dies, unless told to drain it."""
-
-    def __init__(self, name: str, role: str, args: list[str], env: dict[str, str], ca_files: dict[str, bytes],
-                 cpus: list[int] | None, keep_ports: bool, namespace: str, timeout_s: float = 300.0):
-        import ray
-
-        self.name, self.role = name, role
-        # The endpoint instance a target drafts on: scale_endpoint counts each instance's targets.
-        self.drafts_on = args[args.index("--spec-endpoint") + 1] if "--spec-endpoint" in args else None
-        self.node_ip = ray.util.get_node_ip_address()
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.state = ray.get_actor(STATE, namespace=namespace)
-        self.tls_dir = _write_ca(ca_files)
-        env = {**env, **({TLS_DIR_ENV: str(self.tls_dir)} if self.tls_dir else {})}
-        args = with_host(args, role, self.node_ip)
-        last = ray.get(self.state.last.remote(name)) if keep_ports else None
-        if last and last["node_ip"] == self.node_ip:  # a restart on the same node: the same address
-            args = with_ports(args, last["ports"])
-        self.notes = []
-        self.server = _start_retrying(name, args, env, _pin(cpus, self.notes), self.node_ip, timeout_s)
-        self.state.remember.remote(name, {"node_ip": self.node_ip, "ports": {
-            "--port": self.server.port, "--metrics-port": self.server.metrics_port,
-            "--http-port": self.server.http_port}})
-        self._draining = False
-        threading.Thread(target=self._supervise, daemon=True, name=f"supervise-{name}").start()
-
-    def _supervise(self) -> None:
-        code = self.server.proc.wait()
-        if not self._draining:
-            sys.stderr.write(f"{self.name}: server exited with {code}; its log:\n{self.server.logs()}\n")
-            sys.stderr.flush()
-            os._exit(1)  # the actor dies with its server: Ray restarts both
-
-    def info(self) -> dict:
-        s = self.server
-        return {"name": self.name, "role": self.role, "address": s.address, "metrics_port": s.metrics_port,
-                "http_port": s.http_port, "node_ip": self.node_ip, "node_id": self.node_id,
-                "server_pid": s.proc.pid, "actor_pid": os.getpid(), "alive": s.alive(), "notes": self.notes,
-                "drafts_on": self.drafts_on}
-
-    def drain(self, grace_s: float = 20.0) -> int:
-        """SIGTERM: the server finishes its in-flight requests and exits (SIGKILL after grace_s)."""
-        self._draining = True
-        code = self.server.stop(grace_s)
-        if self.tls_dir:
-            shutil.rmtree(self.tls_dir.parent, ignore_errors=True)
-        return code
-
-
-class RedisServer:
-    """The registry's Redis as a member: on this node's address, with the cluster's password."""
-
-    def __init__(self, port: int, password: str, data_dir: str | None, namespace: str):
-        import ray
-
-        from specpool.cluster.redis_server import start_redis
-
-        self.node_ip = ray.util.get_node_ip_address()
-        self.node_id = ray.get_runtime_context().get_node_id()
-        state = ray.get_actor(STATE, namespace=namespace)
-        last = ray.get(state.last.remote("redis"))
-        if last and last["node_ip"] == self.node_ip:  # a restart on the same node: the same address
-            port = last["ports"]["--port"]
-            _end(last["pid"], port)  # redis-server outlives a killed parent (the servers drain by themselves)
-        self.redis = start_redis(port, Path(data_dir) if data_dir else None, host=self.node_ip, password=password)
-        state.remember.remote("redis", {"node_ip": self.node_ip, "ports": {"--port": self.redis.port},
-                                        "pid": self.redis.proc.pid})
-        self._draining = False
-        threading.Thread(target=self._supervise, daemon=True, name="supervise-redis").start()
-
-    def _supervise(self) -> None:
-        self.redis.proc.wait()
-        if not self._draining:
-            os._exit(1)
-
-    def info(self) -> dict:
-        return {"name": "redis", "role": "redis", "address": f"{self.node_ip}:{self.redis.port}", "metrics_port": 0,
-                "http_port": 0, "node_ip": self.node_ip, "node_id": self.node_id, "server_pid": self.redis.proc.pid,
-                "actor_pid": os.getpid(), "alive": self.redis.alive(), "notes": []}
-
-    def drain(self, grace_s: float = 5.0) -> int:
-        self._draining = True
-        self.redis.close()
-        return 0
-
-
-def _end(pid: int, port: int) -> None:
-    """SIGTERM the redis-server of this member's previous incarnation, if it still runs, and wait."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-        if b"redis-server" not in cmd or f"--port\0{port}\0".encode() not in cmd:
-            return
-        os.kill(pid, signal.SIGTERM)
-    except OSError:
-        return
-    end = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < end:
-        time.sleep(0.1)
-
-
-def _write_ca(files: dict[str, bytes]) -> Path | None:
-    """The cluster's CA directory, written on this node (0700); None when insecure."""
-    if not files:
-        return None
-    directory = Path(tempfile.mkdtemp(prefix="specpool-ca-")) / "ca"
-    directory.mkdir(mode=0o700)
-    for name, data in files.items():
-        path = directory / name
-        path.touch(0o600)
-        path.write_bytes(data)
-    return directory
-
-
-def _pin(cpus: list[int] | None, notes: list[str]) -> list[int] | None:
-    if not cpus:
-        return None
-    missing = sorted(set(cpus) - set(os.sched_getaffinity(0)))
-    if missing:
-        notes.append(f"cpus {cpus}: {missing} not on this node; running unpinned")
-        return None
-    return list(cpus)
-
-
-def _start_retrying(name: str, args: list[str], env: dict, cpus, host: str, timeout_s: float):
-    """start_server; while its port is still held (the previous incarnation of a restarted member drains
-    on the same port), again."""
-    end = time.monotonic() + 60.0
-    while True:
-        try:
-            return start_server(name, args, timeout_s=timeout_s, cpus=cpus, env=env, host=host)
-        except RuntimeError as e:
-            if not ("cannot bind" in str(e) or "Address already in use" in str(e)) or time.monotonic() > end:
-                raise
-            time.sleep(1.0)
-
-
-# -- the driver's side -----------------------------------------------------------------------------------
-
-
-def connect(address: str | None = None, node_ip: str | None = None, namespace: str = NAMESPACE) -> None:
-    """Joins the Ray cluster at address ("auto": the local node's, or $RAY_ADDRESS) unless this process
-    already has; node_ip: this process's own address towards it (default: Ray's choice)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    ray.init(address=address or "auto", namespace=namespace, _node_ip_address=node_ip, log_to_driver=False,
-             logging_level=logging.WARNING)
-
-
-class RayCluster:
-    """A cluster file's members on a Ray cluster (start(), or attach() to one started elsewhere)."""
-
-    def __init__(self, namespace: str, spec: dict, ca: LocalCA | None):
-        self.namespace = namespace
-        self.spec = spec  # config, ca_files, redis_url, insecure, log_format
-        self.config: ClusterConfig = spec["config"]
-        self.ca = ca
-        self._scratch: Path | None = None  # the local copy of an attached cluster's CA
+class RayCluster(RayMembers):
+    """A cluster file's members on a Ray cluster: start() them, or attach() to them started elsewhere
+    (ray_members.py), then scale() and down()."""
 
     # -- start -------------------------------------------------------------------------------------
 
@@ -474,101 +211,6 @@ class RayCluster:
             infos.append(info)
         return infos
 
-    # -- attach, use -------------------------------------------------------------------------------------
-
-    @classmethod
-    def attach(cls, address: str | None = None, node_ip: str | None = None, namespace: str = NAMESPACE) -> RayCluster:
-        """The cluster started in this Ray namespace, from any process."""
-        import ray
-
-        connect(address, node_ip, namespace)
-        try:
-            state = ray.get_actor(STATE, namespace=namespace)
-        except ValueError:
-            raise RuntimeError(f"no specpool cluster runs in Ray namespace {namespace!r}") from None
-        spec = ray.get(state.get.remote())
-        cluster = cls(namespace, spec, None)
-        if spec["ca_files"]:
-            cluster._scratch = _write_ca(spec["ca_files"])
-            cluster.ca = LocalCA(cluster._scratch)
-        return cluster
-
-    def _state(self):
-        import ray
-
-        return ray.get_actor(STATE, namespace=self.namespace)
-
-    def actors(self, role: str | None = None) -> dict[str, object]:
-        """Actor name -> handle of the running members (of one role), in name order."""
-        import ray
-
-        names = sorted(n for n in _named_actors(self.namespace) if n != STATE and (role is None or
-                                                                                    n.startswith(role + ":")))
-        return {n: ray.get_actor(n, namespace=self.namespace) for n in names}
-
-    def endpoint_instances(self, endpoint: str) -> dict[str, object]:
-        """Actor name -> handle of an endpoint's running instances, the first (the file's) first."""
-        first, actors = actor_name("endpoint", endpoint), self.actors("endpoint")
-        names = [n for n in actors if n == first or n.startswith(first + ":")]
-        return {n: actors[n] for n in sorted(names, key=_index)}
-
-    def infos(self, role: str | None = None, timeout_s: float = 30.0) -> dict[str, dict | None]:
-        """Actor name -> its info() (None: not answering, e.g. restarting)."""
-        import ray
-
-        out = {}
-        for name, actor in self.actors(role).items():
-            try:
-                out[name] = ray.get(actor.info.remote(), timeout=timeout_s)
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                out[name] = None
-        return out
-
-    def members(self) -> list[Member]:
-        """The members as `specpool up` lists them (cluster/launcher.format_members)."""
-        out = []
-        for name, info in self.infos().items():
-            role, _, rest = name.partition(":")
-            if info is None:
-                out.append(Member(role, rest, "-", 0, "not answering (restarting?)"))
-            elif role == "redis":
-                out.append(Member(role, rest, redacted(self.spec["redis_url"]), 0, f"node {info['node_ip']}"))
-            else:
-                out.append(Member(role, rest, info["address"], info["metrics_port"],
-                                  f"node {info['node_ip']} ({info['node_id'][:8]})"
-                                  + "".join(f"; {n}" for n in info["notes"])))
-        if self.config.redis.url:
-            out.append(Member("redis", "registry", redacted(self.config.redis.url), 0, "external"))
-        return out
-
-    @property
-    def router_addresses(self) -> list[str]:
-        return [i["address"] for i in self.infos("router").values() if i]
-
-    @property
-    def router_address(self) -> str:
-        addresses = self.router_addresses
-        if not addresses:
-            raise RuntimeError("this cluster runs no router")
-        return addresses[0]
-
-    def token(self, tenant: str) -> str | None:
-        return self.ca.token(tenant) if self.ca is not None else None
-
-    def credentials(self, tenant: str = "alpha") -> Security:
-        return self.ca.client(tenant, tenant) if self.ca is not None else Security.insecure()
-
-    def operator_credentials(self) -> Security:
-        return self.ca.operator() if self.ca is not None else Security.insecure()
-
-    def router_channel(self, tenant: str = "alpha", index: int = 0, options=None):
-        return self.credentials(tenant).channel(self.router_addresses[index], "router", options=options)
-
-    def http_url(self, index: int = 0) -> str:
-        info = list(self.infos("router").values())[index]
-        host = info["address"].rpartition(":")[0]
-        return f"{'http' if self.ca is None else 'https'}://{host}:{info['http_port']}/v1"
-
     # -- scale, down ---------------------------------------------------------------------------------------
 
     def scale(self, tenant: str, replicas: int, grace_s: float = 20.0, timeout_s: float = 300.0,
@@ -683,23 +325,6 @@ def _drain_all(actors: dict, grace_s: float) -> None:
                         name, type(e).__name__)
     for actor in actors.values():
         ray.kill(actor, no_restart=True)
-
-
-def _index(name: str) -> int:
-    """A member's index: I of target:TENANT:I or endpoint:NAME:I; 0 for endpoint:NAME, the file's instance."""
-    parts = name.split(":")
-    return int(parts[2]) if len(parts) > 2 else 0
-
-
-def _free(indices: list[int], count: int) -> list[int]:
-    """The `count` lowest indices not in use."""
-    return [i for i in range(len(indices) + count) if i not in indices][:count]
-
-
-def _named_actors(namespace: str) -> list[str]:
-    from ray.util import list_named_actors
-
-    return [a["name"] for a in list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
 
 
 def _remote(cls):

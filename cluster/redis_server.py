@@ -75,8 +75,9 @@ class RedisProcess:
         return f"redis://{urllib.parse.quote(name, safe='')}:{password}@{self.host}:{self.port}/0"
 
     def add_user(self, name: str, rules: list[str]) -> str:
-        """A user of its own with a fresh password, allowed only `rules` (specpool.common.registry.member_acl);
-        its URL. Kept across restarts (the users are in the config each start reads)."""
+        """A user of its own with a fresh password, allowed only `rules`
+        (specpool.common.registry_schema.member_acl); its URL. Kept across restarts (the users are in the
+        config each start reads)."""
         if not name or any(c.isspace() for c in name):
             raise ValueError(f"a Redis user name has no spaces and is not empty, got {name!r}")
         self.users[name] = (secrets.token_urlsafe(24), list(rules))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from specpool.cluster.ray_launcher import NAMESPACE
+from specpool.cluster.ray_plan import NAMESPACE
 
 
 def add_ray_arguments(p) -> None:

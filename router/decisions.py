@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specpool.common.registry import EndpointRegistration, TargetRegistration
+from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
 from specpool.common.speculation import Method
 
 # Reasons, as labelled in metrics and the capacity API.

@@ -13,7 +13,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specpool.common.outcomes import UNKNOWN_MODEL
-from specpool.common.registry import KINDS, EndpointRegistration, guarantees
+from specpool.common.registry_leases import guarantees
+from specpool.common.registry_schema import KINDS, EndpointRegistration
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # The registry operations whose failures are counted (server.py: read; routing.py: acquire; leases.py: renew,

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specpool.common.registry import TargetRegistration
+from specpool.common.registry_schema import TargetRegistration
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import grpc
 import redis
 
 from specpool.common.errors import FieldError
-from specpool.common.registry import EndpointRegistration, TargetRegistration
+from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
 from specpool.common.speculation import method_to_pb
 from specpool.common.target_api import check_generate_request
 from specpool.router.decisions import Decision, LeaseUnavailable, decide, draft_endpoint

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from specpool.common.registry import EndpointRegistration, Registry, TargetRegistration
+from specpool.common.registry import Registry
+from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
 
 log = logging.getLogger(__name__)
 

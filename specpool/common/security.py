@@ -1,3 +1,4 @@
+# Over 400 lines: one trust model; the CA (LocalCA) and a process's credentials (Security) build each other.
 """Who may call what: TLS on every gRPC hop, identities from certificates and bearer tokens.
 
 Every server speaks TLS. Services (router, target, endpoint), operators' tools and tenants' programs

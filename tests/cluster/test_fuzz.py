@@ -41,7 +41,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
-from specpool.common.registry import Registry, member_key
+from specpool.common.registry import Registry
+from specpool.common.registry_schema import member_key
 from specpool.engine.decoding import generate
 from specpool.engine.runtime.gguf_loader import model_name
 from specpool.engine.runtime.model import Llama

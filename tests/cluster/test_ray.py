@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from specpool.cluster.config import ClusterConfig, ConfigError, RaySpec
-from specpool.cluster.ray_launcher import (
+from specpool.cluster.ray_plan import (
     _free,
     _index,
     bundle,
@@ -155,7 +155,8 @@ def _metric(info: dict, sample: str = "specpool_target_generated_tokens_total") 
 
 
 def _cleanup(namespace: str) -> None:
-    from specpool.cluster.ray_launcher import RayCluster, _named_actors
+    from specpool.cluster.ray_launcher import RayCluster
+    from specpool.cluster.ray_members import _named_actors
 
     if _named_actors(namespace):
         RayCluster.attach(namespace=namespace).down(grace_s=5)
@@ -164,7 +165,7 @@ def _cleanup(namespace: str) -> None:
 def _leftovers(namespace: str) -> tuple[list[str], list[str]]:
     from ray.util import placement_group_table
 
-    from specpool.cluster.ray_launcher import _named_actors
+    from specpool.cluster.ray_members import _named_actors
 
     groups = [g["name"] for g in placement_group_table().values()
               if g.get("name", "").startswith(f"{namespace}:") and g.get("state") != "REMOVED"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpool.common.registry import member_acl
+from specpool.common.registry_schema import member_acl
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "specpool"
@@ -414,7 +414,7 @@ def test_two_endpoints_each_with_its_own_identity(rendered):
     """Each endpoint instance registers under its own address and id (its certificate's name); each
     target drafting on the pool is given one instance's address, which is how the router pairs them
     (router.decisions.draft_endpoint matches a target's spec_endpoint to an endpoint's address)."""
-    from specpool.common.registry import EndpointRegistration, TargetRegistration
+    from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
     from specpool.router.decisions import draft_endpoint
 
     deployments = objects(rendered, "two-endpoints-values.yaml", "Deployment")

@@ -3,7 +3,7 @@ as the lease script reserves them (floor(max_sessions * weight / sum of weights)
 
 from prometheus_client import generate_latest
 
-from specpool.common.registry import EndpointRegistration
+from specpool.common.registry_schema import EndpointRegistration
 from specpool.router.metrics import RouterMetrics
 
 

@@ -1,5 +1,6 @@
-"""The OpenAI front's translation, without servers (router/openai_schema.py): requests to GenerateRequest,
-what is refused and with which param, gRPC statuses to HTTP errors, and the scan for stop strings."""
+"""The OpenAI front's translation, without servers (router/openai_schema.py, openai_responses.py):
+requests to GenerateRequest, what is refused and with which param, gRPC statuses to HTTP errors, and
+the scan for stop strings."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ import pytest
 from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from specpool.router.openai_responses import StopScanner, error_from_status, speculation_json
 from specpool.router.openai_schema import (
     CHAT_MAX_TOKENS,
     COMPLETIONS_MAX_TOKENS,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
-    StopScanner,
-    error_from_status,
     parse,
-    speculation_json,
     to_generate_request,
 )
 from specpool_client.v1 import target_pb2 as pb

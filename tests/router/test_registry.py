@@ -20,16 +20,14 @@ import redis
 from specpool.cluster.processes import start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.errors import FieldError
-from specpool.common.registry import (
+from specpool.common.registry import Heartbeat, Registry, redacted
+from specpool.common.registry_leases import guarantees
+from specpool.common.registry_schema import (
     EndpointRegistration,
-    Heartbeat,
-    Registry,
     TargetRegistration,
     decode_record,
     encode_fields,
-    guarantees,
     member_acl,
-    redacted,
 )
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
 from specpool.spec_endpoint.messages import CapacityReport, ModelReport, TenantReport

@@ -368,7 +368,7 @@ On the in-chart Redis each member logs in as its own user, with a password from 
 {{- end }}
 
 {{/* The in-chart Redis' users, one per member (YAML: user -> ACL rules), the rules exactly as
-specpool.common.registry.member_acl writes them (tests/helm checks that): a target tenant's user
+specpool.common.registry_schema.member_acl writes them (tests/helm checks that): a target tenant's user
 writes only its tenant's records, an endpoint instance's only its own record, the routers' reads
 every record and runs the lease scripts. Tenants and endpoint ids are DNS labels: no glob
 character, nothing to quote. */}}
