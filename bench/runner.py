@@ -20,249 +20,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
+from specpool.bench.modes import PEERS, BenchConfig, ModeTotals, build_runners, mode_hardware
+from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
 from specpool.common.machine import machine_info
-from specpool.engine.decoding import generate
-from specpool.engine.drafters.head import HeadDrafter
-from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
-from specpool.engine.drafters.lookup import SuffixArrayDatastore
-from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.ngram import NgramDrafter
-from specpool.engine.drafters.suffix_store import SuffixStore
-from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.runtime.device import resolve_dtype
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
+from specpool.engine.speculation_policy import SpeculationPolicy
 from specpool.engine.verification.sampling import SamplingParams
 
-TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
-
-
-@dataclass
-class ModeTotals:
-    new_tokens: int = 0
-    seconds: float = 0.0
-    target_steps: int | None = None
-    first_tokens: int = 0
-    drafted: int = 0
-    fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
-    cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
-    cache_lookups: int = 0
-    verify_seconds: float | None = None  # remote modes: the target's verify forwards, drafting excluded
-    outputs: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class BenchConfig:
-    model_path: Path
-    workload: str
-    limit: int | None
-    max_tokens: int
-    batch_sizes: list[int]
-    temperature: float
-    modes: list[str]
-    draft_dir: Path | None
-    datastore: Path | None
-    head_dir: Path | None = None  # the feature-fed head (modes head, head-tree, head-suffix)
-    dtype: str = "auto"  # the target's
-    draft_dtype: str = "bf16"  # the draft model's (bf16 where native: its speed matters, its q is sent exactly)
-    seed: int = 0
-    spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
-    threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
-    cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/default.yaml)
-    ray_address: str | None = None  # routed-ray modes: the Ray cluster (None: a one-node Ray of the run's own)
-    endpoint_args: tuple[str, ...] = ()  # remote modes: further serve-spec flags
-
-
-# A runner takes a chunk of prompts and fills one ModeTotals.
-Runner = Callable[[list[list[int]], SamplingParams, ModeTotals], None]
-
-
-def _ours(model: Llama, max_tokens: int, drafter_factory=None, k: int = 0, policy=None,
-          threads: int | None = None) -> Runner:
-    """In-process decoding; `threads`: torch's thread count while this mode runs (AR on fewer cores)."""
-    # A policy learns acceptance across the whole workload, as a server's decoder does across requests.
-    acceptance = AcceptanceEstimate() if policy is not None else None
-
-    def run(prompts, params, totals):
-        drafter = drafter_factory(len(prompts)) if drafter_factory else None
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads or before)
-        try:
-            start = time.perf_counter()
-            results = generate(model, prompts, params, max_tokens, drafter, k, policy=policy, acceptance=acceptance)
-            totals.seconds += time.perf_counter() - start
-        finally:
-            torch.set_num_threads(before)
-        totals.target_steps = (totals.target_steps or 0) + sum(r.target_steps for r in results)
-        for r in results:
-            totals.new_tokens += len(r.token_ids)
-            totals.first_tokens += 1
-            totals.drafted += r.drafted_tokens
-            totals.outputs.append(r.token_ids)
-
-    return run
-
-
-def _hf(fn) -> Runner:
-    def run(prompts, params, totals):
-        out = fn(prompts, params)
-        totals.seconds += out.seconds
-        totals.new_tokens += out.new_tokens
-        totals.outputs.extend(out.token_ids)
-
-    return run
-
-
-@dataclass(frozen=True, slots=True)
-class Hardware:
-    """The cores a mode's target and its drafter ran on: its speedup is honest only against AR on the
-    target's cores alone and against AR on every core the mode used."""
-
-    target_cores: int
-    cores: int  # every core the mode's processes could use, drafter included
-    layout: str
-
-
-def mode_hardware(mode: str, threads: int) -> Hardware:
-    name = mode.partition(":")[0]
-    machine = len(os.sched_getaffinity(0))
-    if name.startswith("ar@"):
-        n = int(name[3:])
-        return Hardware(n, n, f"in process, {n} threads")
-    if name in ("ssd", "ssd-pull"):
-        return Hardware(len(SSD_TARGET_CPUS), len(SSD_TARGET_CPUS) + len(SSD_ENDPOINT_CPUS), SSD_LAYOUT)
-    if name in REMOTE_MODES or name in ROUTED_METHODS:
-        return Hardware(threads, machine, f"target and endpoint processes, {threads} threads each, on all "
-                                          f"{machine} cores")
-    return Hardware(threads, threads, f"in process, {threads} threads shared by target and drafter")
-
-
-def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, routed=None) -> dict[str, Runner]:
-    runners: dict[str, Runner] = {}
-    needs_draft = any(m.split(":")[0] in ("sd", "sd-tree", "hf-assisted") for m in cfg.modes)
-    draft = None
-    if needs_draft:
-        if cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
-            raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint; none at {cfg.draft_dir}")
-        draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
-    if cfg.datastore and not cfg.datastore.exists():
-        raise FileNotFoundError(f"no n-gram datastore at {cfg.datastore}: build one with `specpool build-datastore`"
-                                " or pass --datastore '' to use the per-request index alone")
-    datastore = SuffixArrayDatastore.load(cfg.datastore) if cfg.datastore else None
-    head = None
-    if any(m.split(":")[0] in ("head", "head-tree", "head-suffix") for m in cfg.modes):
-        if cfg.head_dir is None or not (cfg.head_dir / "model.safetensors").exists():
-            raise FileNotFoundError(f"modes head/head-tree need a head checkpoint (`specpool train-draft --kind "
-                                    f"head`); none at {cfg.head_dir}")
-        head = Llama.from_draft_checkpoint(cfg.head_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
-    max_len = 4096
-
-    target_costs = None
-    for mode in cfg.modes:
-        name, _, k = mode.partition(":")
-        if name in ("sd", "ngram", "head", "sd-tree", "head-tree", "head-suffix") and not k and target_costs is None:
-            target_costs = cached_step_costs(model, cfg.model_path.name)
-        if name == "ar":
-            runners[mode] = _ours(model, cfg.max_tokens)
-        elif name == "ar-fp32":  # the reference format beside the default one (its own numerics: no match)
-            runners[mode] = _ours(Llama.from_gguf(cfg.model_path, dtype="fp32", device=str(model.device))[0],
-                                  cfg.max_tokens)
-        elif name.startswith("ar@"):
-            runners[mode] = _ours(model, cfg.max_tokens, threads=int(name[3:]))
-        elif name == "sd":
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(draft, str(cfg.draft_dir)), max_draft=8
-            )
-            runners[mode] = _ours(
-                model, cfg.max_tokens, lambda b: ModelDrafter(draft, b, max_len), int(k or 0), policy
-            )
-        elif name == "head":
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(head, str(cfg.head_dir)), max_draft=8
-            )
-            runners[mode] = _ours(model, cfg.max_tokens, lambda b: HeadDrafter(head, b, max_len), int(k or 0), policy)
-        elif name in ("sd-tree", "head-tree", "head-suffix"):  # k: every tree's node budget (none: the policy's)
-            make = ModelDrafter if name == "sd-tree" else HeadDrafter
-            source, source_dir = (draft, cfg.draft_dir) if name == "sd-tree" else (head, cfg.head_dir)
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(source, str(source_dir)), max_draft=16, tree=TREE_SHAPE)
-            factory = lambda b, make=make, source=source: make(source, b, max_len, tree=TREE_SHAPE)
-            if name == "head-suffix":  # one store for the whole workload, as a server's tenant has
-                store, share = SuffixStore(max_tokens=200_000), ModelShare()
-                factory = lambda b, model_drafter=factory, store=store, share=share: HybridTreeDrafter(
-                    model_drafter(b), store, share=share)
-                policy = policy and HybridDraftLength(policy, share)
-            runners[mode] = _ours(model, cfg.max_tokens, factory, int(k or 0), policy)
-        elif name == "ngram":
-            policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
-            runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
-        elif name in REMOTE_MODES:
-            runners[mode] = remote.runner(name, cfg.max_tokens, int(k or 0))
-        elif name in ROUTED_METHODS:
-            runners[mode] = routed.runner(name, cfg.max_tokens)
-        elif name.startswith("hf-"):
-            runners[mode] = _hf_runner(name, cfg, batch_size)
-        elif name in ("llamacpp-ar", "llamacpp-lookup"):
-            runners[mode] = _llamacpp_runner(cfg, batch_size, int(k or 10) if name == "llamacpp-lookup" else 0)
-        else:
-            raise ValueError(f"unknown mode {mode!r}")
-    # AR on the cores of every mode that used fewer, or more, than the bench's own threads.
-    threads = torch.get_num_threads()
-    for mode in list(runners):
-        hw = mode_hardware(mode, threads)
-        for n in {hw.target_cores, hw.cores} - {threads}:
-            runners.setdefault(f"ar@{n}", _ours(model, cfg.max_tokens, threads=n))
-    return runners
-
-
-_PEERS: dict[str, object] = {}
-
-
-def _hf_runner(name: str, cfg: BenchConfig, batch_size: int) -> Runner | None:
-    from specpool.bench import peers
-
-    if "target" not in _PEERS:
-        _PEERS["target"] = peers.load_hf_target(cfg.model_path)
-    hf = _PEERS["target"]
-    if name == "hf-ar":
-        return _hf(lambda p, sp: peers.hf_generate(
-            hf, p, cfg.max_tokens, batch_size=batch_size, temperature=sp.temperature, seed=sp.seed))
-    if batch_size != 1:
-        return None  # transformers runs prompt lookup and assisted generation at batch 1 only
-    if name == "hf-prompt-lookup":
-        return _hf(lambda p, sp: peers.hf_prompt_lookup(
-            hf, p, cfg.max_tokens, num_tokens=10, temperature=sp.temperature, seed=sp.seed))
-    if name == "hf-assisted":
-        if "draft" not in _PEERS:
-            _PEERS["draft"] = peers.load_hf_draft(cfg.draft_dir, cfg.model_path)
-        draft = _PEERS["draft"]
-        return _hf(lambda p, sp: peers.hf_assisted(
-            hf, draft, p, cfg.max_tokens, temperature=sp.temperature, seed=sp.seed))
-    raise ValueError(f"unknown mode {name!r}")
-
-
-def _llamacpp_runner(cfg: BenchConfig, batch_size: int, lookup: int) -> Runner:
-    """llama.cpp decoding each chunk's prompts as one batch of sequences on the bench's threads."""
-    from specpool.bench.llamacpp_peer import LlamaCpp
-
-    if _PEERS.get("llamacpp_batch") != batch_size:  # one context per batch size: its sequence count
-        if "llamacpp" in _PEERS:
-            _PEERS["llamacpp"].close()
-        _PEERS["llamacpp"] = LlamaCpp(cfg.model_path, torch.get_num_threads(), sequences=batch_size)
-        _PEERS["llamacpp_batch"] = batch_size
-    llm = _PEERS["llamacpp"]
-    return _hf(lambda p, sp: llm.generate(p, cfg.max_tokens, sp.temperature, sp.seed, lookup=lookup))
 
 
 def first_divergence_gap(model: Llama, prompt: list[int], ref: list[int], out: list[int]) -> float:
@@ -412,7 +184,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 if mode.startswith("llamacpp-"):  # its own logits, and its kernels' looser agreement
                     from specpool.bench.llamacpp_peer import NEAR_TIE as LLAMACPP_NEAR_TIE
 
-                    gap, tie = _PEERS["llamacpp"].divergence_gap, LLAMACPP_NEAR_TIE
+                    gap, tie = PEERS["llamacpp"].divergence_gap, LLAMACPP_NEAR_TIE
                 for p, r, o in zip(prompts, ref.outputs, t.outputs):
                     if r != o:
                         if gap(p, r, o) < tie:

@@ -132,7 +132,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specpool.bench.runner import BenchConfig, print_table, run_bench, write_report
+    from specpool.bench.modes import BenchConfig
+    from specpool.bench.runner import print_table, run_bench, write_report
     from specpool.engine.runtime.gguf_loader import default_model_path
 
     _set_threads(args.threads)

@@ -1,3 +1,4 @@
+# Over 400 lines: one drafter's state machine (hand out, observe a hit or a miss, pre-speculate, glue) over one sequence record.
 """SSD (speculative speculative decoding) with Saguaro sampling: drafting off the critical path.
 
 While the target verifies a round of drafts d1..dK, the drafter prepares the next round for the

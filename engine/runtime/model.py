@@ -1,3 +1,4 @@
+# Over 400 lines: one forward (prefill, decode, verify, token trees) over one cache layout, and the model it runs.
 """Llama forward over the slot-indexed KV cache.
 
 One `forward` serves prefill, 1-token decode and (K+1)-token verify steps for ragged batches:

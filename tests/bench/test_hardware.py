@@ -3,7 +3,7 @@ AR on the same cores."""
 
 import os
 
-from specpool.bench.runner import mode_hardware
+from specpool.bench.modes import mode_hardware
 
 
 def test_in_process_modes_share_the_bench_threads():

@@ -1,3 +1,4 @@
+# Over 400 lines: the chart rendered by one helm binary, each rendering checked against the same schemas and rules.
 """The chart as helm renders it (helm/specpool, with each value set in helm/specpool/ci/): `helm lint
 --strict` passes, every rendered object validates against Kubernetes' schemas (kubernetes-validate,
 offline), every pod meets the Pod Security Standard "restricted", values.schema.json is what

@@ -1,3 +1,4 @@
+# Over 400 lines: the OpenAI front end to end, each test on the same module pool (router, targets) and SDK client.
 """The router's OpenAI-compatible HTTP front (router/openai_http.py), driven by the official `openai` SDK.
 
 Redis, one tiny serve-target (random weights with the real model's tokenizer and chat template: text

@@ -1,3 +1,4 @@
+# Over 400 lines: the registry's promises (records, ACLs, leases) against one real redis-server module fixture.
 """The Redis registry against a real redis-server: heartbeats with TTLs, and draft-slot leases.
 
 - a member appears with its fields, drops out when it stops beating (TTL), and at once when it

@@ -1,5 +1,6 @@
+// Over 400 lines: one extension, compiled once per machine class; its kernels share the block formats and the vector helpers.
 // CPU kernels for decode and verify steps: weight-block matrix products for a few rows, and attention
-// over each query's exact visible keys. Built by `make setup` (engine/kernels.py); without a compiler the
+// over each query's exact visible keys. Built by `make setup` (engine/runtime/kernels.py); without a compiler the
 // engine runs its eager paths instead.
 //
 // Both keep one promise: a row's result depends on that row's inputs only, computed by the same
@@ -75,7 +76,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weights, repacked at load (engine/linear.py, BlockLinear) so that one 32-bit lane holds one output:
+// Weights, repacked at load (engine/runtime/linear.py, BlockLinear) so that one 32-bit lane holds one output:
 // for each block of LANES outputs and each group g, 8 vectors w_j (j = 0..7) of 4 * LANES bytes, whose
 // lane i holds elements 4j..4j+3 of output i's group. 4-bit weights (q in 0..15) are stored two vectors
 // to one, w_2L in the low nibbles and w_2L+1 in the high; 8-bit ones one vector to one: signed with AVX2
