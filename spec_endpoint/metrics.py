@@ -102,7 +102,7 @@ class EndpointMetrics:
         self.dense_bytes = Counter(
             "specpool_spec_dense_bytes", "Bytes of dense q rows sent on tensor channels", registry=r
         )
-        # SSD, per target model (engine.ssd_stats.SsdStats, read after each pre-speculation pass)
+        # SSD, per target model (engine/drafters/ssd_stats.py SsdStats, read after each pre-speculation pass)
         self.ssd_hit_ratio = Gauge("specpool_spec_ssd_cache_hit_ratio", "Outcomes found in the speculation cache",
                                    ["model"], registry=r)
         # The same as counters, which add up across endpoints and windows: rate(hits) / rate(lookups).
@@ -130,7 +130,7 @@ class EndpointMetrics:
                                    "one per model for the tenants that share)", registry=r)
 
     def observe_prespeculation(self, model: str, ssd) -> None:
-        """After a pre-speculation pass of `ssd` (the drafter that pre-speculates: engine.ssd.SsdDrafter)."""
+        """After a pre-speculation pass of `ssd` (the drafter that pre-speculates: engine/drafters/ssd.py SsdDrafter)."""
         stats = ssd.stats
         self.ssd_hit_ratio.labels(model).set(stats.hit_ratio)
         if stats.lookups:
