@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     PLAIN_DECODING,
@@ -134,6 +135,7 @@ class _Sequence:
     max_new_tokens: int
     stop: frozenset[int]
     result: GenerationResult
+    plan: SpeculationPlan | None = None  # how it speculates (None: as the drafter does)
     slot: int = -1
     unseen: int = 0  # tokens the drafter holds but has not run its model over (its catch-up)
 
@@ -160,7 +162,8 @@ class Decoder:
         self.model = model
         self.cache = model.new_cache(max_batch, max_len)
         self.drafter = drafter
-        self._wants_features = "features" in getattr(drafter, "inputs", ())  # a feature-fed head's input
+        self._reads = drafter.inputs if drafter is not None else frozenset()
+        self._wants_features = "features" in self._reads  # a feature-fed head's input
         self.draft_length = draft_length
         self.acceptance = acceptance or AcceptanceEstimate()
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
@@ -186,8 +189,10 @@ class Decoder:
         params: SamplingParams,
         max_new_tokens: int,
         stop_ids: Sequence[int] | None = None,
+        plan: SpeculationPlan | None = None,
     ) -> GenerationResult:
-        """Queue a sequence; it is prefilled by the next step. Its result fills in as steps run."""
+        """Queue a sequence; it is prefilled by the next step. Its result fills in as steps run. `plan`:
+        how it speculates, which the draft length and a drafter that reads plans follow."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         room = self.cache.max_len - self.draft_length.max_draft - 1
@@ -196,7 +201,7 @@ class Decoder:
         if self.free_slots < 1:
             raise RuntimeError(f"batch full: all {self.cache.max_slots} sequences are running")
         stop = frozenset(stop_ids if stop_ids is not None else [self.model.config.eos_id])
-        seq = _Sequence(seq_id, list(prompt), params, max_new_tokens, stop, GenerationResult(list(prompt)))
+        seq = _Sequence(seq_id, list(prompt), params, max_new_tokens, stop, GenerationResult(list(prompt)), plan)
         self.waiting.append(seq)
         self._group_sizes[params] += 1
         return seq.result
@@ -304,6 +309,9 @@ class Decoder:
             self.running.append(seq)
             if self.drafter is not None:
                 inputs = self._inputs(hidden, r, list(range(len(seq.prompt))))
+                # The sequence's own plan and sampler, to a drafter that declares it reads them.
+                own = {"plan": seq.plan, "params": seq.params}
+                inputs |= {name: value for name, value in own.items() if name in self._reads}
                 self.drafter.start(seq.seq_id, seq.prompt + seq.result.token_ids, **inputs)
                 seq.unseen = len(seq.prompt) + 1
         return moved
@@ -315,7 +323,7 @@ class Decoder:
             lengths = [0] * len(batch)
         else:
             lengths = self.draft_length.lengths(
-                [Running(s.seq_id, s.unseen, r) for s, r in zip(batch, remaining)], self.acceptance)
+                [Running(s.seq_id, s.unseen, r, s.plan) for s, r in zip(batch, remaining)], self.acceptance)
         # Never draft past the length limit: the bonus token always fills the last place.
         return {s.seq_id: min(n, r - 1) for s, n, r in zip(batch, lengths, remaining)}
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.device import cpu_class, kernel_isa
 from specpool.engine.runtime.model import Llama
 
@@ -264,6 +265,7 @@ class Running:
     seq_id: str
     unseen: int  # tokens its drafter holds but has not run its model over (its catch-up)
     remaining: int  # tokens it may still emit
+    plan: SpeculationPlan | None = None  # how it speculates (None: as the decoder's drafter does)
 
 
 class DraftLength(Protocol):

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from specpool.common.speculation import Method
+from specpool.engine.plan import LOCAL_NGRAM
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
     DraftLength,
@@ -55,10 +56,10 @@ class TargetDraftLength:
         return self._draft_model
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
-        choices = [self.client.choice(r.seq_id) for r in batch]
-        self._chosen = self._policy({c.method for c in choices if c.remote})
+        plans = [r.plan or LOCAL_NGRAM for r in batch]
+        self._chosen = self._policy({p.method for p in plans if p.remote})
         lengths = self._chosen.lengths(batch, acceptance)
-        return [0 if c.method is Method.NONE else min(n, c.max_draft_tokens or n) for c, n in zip(choices, lengths)]
+        return [0 if p.method is Method.NONE else min(n, p.max_draft_tokens or n) for p, n in zip(plans, lengths)]
 
     def observe(self, seconds: float) -> None:
         self._chosen.observe(seconds)

@@ -82,7 +82,7 @@ class TargetMetrics:
             "specpool_target_predicted_speedup", "The speculation policy's predicted speedup over plain decoding "
             "at the next batch size, by drafter (what each heartbeat tells the routers)", [*names, "method"],
             registry=r)
-        # By the method the request asked for (SpeculationChoice.label: a few values) and the position of a
+        # By the method the request asked for (SpeculationPlan.label: a few values) and the position of a
         # draft in its round (1: the first after the last emitted token; a tree's nodes at depth + 1).
         self.drafts_offered = Counter("specpool_target_drafts_offered", "Draft tokens verified, by position",
                                       [*names, "method", "position"], registry=r)

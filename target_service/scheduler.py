@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from specpool.common import outcomes
 from specpool.engine.decoding import Decoder, GenerationResult
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.observer import SequenceCounts, TargetObserver
@@ -32,7 +32,7 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stop_ids: list[int] | None
-    speculation: SpeculationChoice
+    speculation: SpeculationPlan
     n: int = 1
     resumed: list[int] = field(default_factory=list)  # completion tokens a failed replica already streamed (n 1)
     events: queue.Queue = field(default_factory=queue.Queue)  # ("delta", index, tokens) / ("done", None, None)
@@ -167,9 +167,8 @@ class Scheduler:
             request.counts = [SequenceCounts() for _ in range(request.n)]
             for i in range(request.n):
                 seq_id = request.seq_id(i)
-                self.client.configure(seq_id, request.speculation, request.params)
                 request.results.append(self.decoder.add(seq_id, request.prompt_ids + request.resumed, request.params,
-                                                        request.max_tokens, request.stop_ids))
+                                                        request.max_tokens, request.stop_ids, request.speculation))
                 self._by_seq[seq_id] = (request, i)
                 self.observer.follow(seq_id, request.counts[i])
             self._running[request.key] = request

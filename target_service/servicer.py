@@ -28,10 +28,10 @@ from specpool.common.speculation import (
 )
 from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import GenerationResult
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.tokenizer import Tokenizer
 from specpool.engine.verification.sampling import continued_seed
-from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.observer import SequenceCounts
 from specpool.target_service.scheduler import Request, Scheduler, request_key
@@ -162,7 +162,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             params = replace(params, top_k=0)
         if resumed and params.seed is not None:
             params = replace(params, seed=continued_seed(params.seed, len(resumed)))
-        speculation = SpeculationChoice.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
+        speculation = SpeculationPlan.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
                                            r.speculation.tree)
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,

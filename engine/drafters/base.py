@@ -67,9 +67,10 @@ class Drafter(Protocol):
     The members below `release` are optional: a drafter that subclasses Drafter gets their defaults,
     and a pooled endpoint reads them instead of asking which kind of drafter it holds."""
 
-    # Inputs beyond token ids this drafter wants from the target ("features": the target's last hidden
-    # states, for a feature-fed head). The caller passes each one declared here to `start` and
-    # `observe` as a keyword argument of that name, and sends none that is not declared.
+    # Inputs beyond token ids this drafter wants from the target: "features" (the target's last hidden
+    # states, for a feature-fed head), passed to `start` and `observe`; "plan" and "params" (the
+    # sequence's SpeculationPlan and sampler, for a drafter that serves several methods), passed to
+    # `start`. Each as a keyword argument of that name; none that is not declared.
     inputs: frozenset[str] = frozenset()
 
     def start(self, seq_id: str, context: Sequence[int]) -> None: ...

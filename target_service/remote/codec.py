@@ -10,10 +10,10 @@ import torch
 
 from specpool.common.speculation import drafter_to_pb, sampling_to_pb
 from specpool.engine.drafters.base import Drafts
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification import token_tree
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.choice import SpeculationChoice
 from specpool_client.v1 import speculation_pb2 as pb
 
 # A row's draft distribution: dense [K, V], sparse (ids [K, k], probs [K, k]), or None (a point mass).
@@ -33,11 +33,11 @@ def tensor_channel_request(tenant: str) -> pb.OpenTensorChannelRequest:
     return pb.OpenTensorChannelRequest(tenant=tenant)
 
 
-def session_spec(seq_id: str, context: list[int], choice: SpeculationChoice, params: SamplingParams,
+def session_spec(seq_id: str, context: list[int], plan: SpeculationPlan, params: SamplingParams,
                  push: bool) -> pb.SessionSpec:
     # No seed: the endpoint draws its drafts from its own stream; verification stays lossless.
-    return pb.SessionSpec(request_id=seq_id, context=context, drafter=drafter_to_pb(choice.method), push=push,
-                          sampling=sampling_to_pb(replace(params, seed=None)), tree=choice.tree)
+    return pb.SessionSpec(request_id=seq_id, context=context, drafter=drafter_to_pb(plan.method), push=push,
+                          sampling=sampling_to_pb(replace(params, seed=None)), tree=plan.tree)
 
 
 def open_sessions_request(tenant: str, target_model: str, lease_s: float,

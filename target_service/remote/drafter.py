@@ -31,9 +31,9 @@ from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepted_prefix
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.choice import LOCAL_NGRAM, SpeculationChoice
 from specpool.target_service.remote.codec import (
     Row,
     assemble,
@@ -121,7 +121,9 @@ class RemoteDrafter(Drafter):
     """The Drafter (engine/drafters/base.py) that drafts on a remote endpoint: `start_groups` sends a step's
     round, `finish_groups` collects it."""
 
-    inputs = frozenset({"features"})  # the decoder's hidden states, for sessions whose drafter reads them
+    # The decoder's hidden states, for sessions whose drafter reads them; each sequence's plan and sampler,
+    # which its session opens with.
+    inputs = frozenset({"features", "plan", "params"})
 
     def __init__(
         self,
@@ -154,7 +156,6 @@ class RemoteDrafter(Drafter):
         # What the draft-length policy charges remote rounds: their time beyond drafting, and SSD's hits.
         self.wire_s = RunningMean(0.0)
         self.ssd_hit_ratio = RunningMean(0.5)
-        self._configured: dict[str, tuple[SpeculationChoice, SamplingParams]] = {}
         self._conn: Connection | None = None
         self._round_id = 0
         self._stop = threading.Event()
@@ -214,26 +215,20 @@ class RemoteDrafter(Drafter):
     def _plain_running(self) -> bool:
         """Whether a sequence that asked for no speculation is running: then no step drafts locally for a
         sequence the endpoint failed."""
-        return any(seq.choice.method is Method.NONE for seq in self.sessions.seqs.values())
+        return any(seq.plan.method is Method.NONE for seq in self.sessions.seqs.values())
 
     def _fall_back(self, reason: Fallback, seq_ids: list[str]) -> None:
         self.observer.fell_back(reason, seq_ids)
 
     # -- Drafter protocol ---------------------------------------------------------------------
 
-    def configure(self, seq_id: str, choice: SpeculationChoice, params: SamplingParams) -> None:
-        """Before start: how the sequence speculates, and its sampler."""
-        self._configured[seq_id] = (choice, params)
-
-    def choice(self, seq_id: str) -> SpeculationChoice:
-        """A started sequence's choice."""
-        return self.sessions[seq_id].choice
-
-    def start(self, seq_id: str, context: Sequence[int], features: torch.Tensor | None = None) -> None:
-        """features [len(context) - 1, d]: the target's at every context position but the last."""
-        choice, params = self._configured.pop(seq_id, (LOCAL_NGRAM, SamplingParams()))
-        session = Session(list(context), params, choice)
-        if choice.remote and choice.method in FEATURE_METHODS:
+    def start(self, seq_id: str, context: Sequence[int], features: torch.Tensor | None = None,
+              plan: SpeculationPlan | None = None, params: SamplingParams | None = None) -> None:
+        """features [len(context) - 1, d]: the target's at every context position but the last. plan: how
+        the sequence speculates (None: the target's own n-gram index); params: its sampler."""
+        plan = plan or LOCAL_NGRAM
+        session = Session(list(context), params or SamplingParams(), plan)
+        if plan.remote and plan.method in FEATURE_METHODS:
             session.features = []
             session.keep_features(features)
         self.sessions.add(seq_id, session)
@@ -282,9 +277,9 @@ class RemoteDrafter(Drafter):
                     continue
                 if seq_id in remote:
                     rows.append(remote[seq_id])
-                elif n <= 0 or (seq.choice.remote and plain_decodes):
+                elif n <= 0 or (seq.plan.remote and plain_decodes):
                     rows.append(([], None, None))
-                elif seq.choice.tree:
+                elif seq.plan.tree:
                     tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)
                     rows.append((tokens, None, parents))
                 else:
@@ -299,7 +294,7 @@ class RemoteDrafter(Drafter):
         """One RoundsRequest for every remote-drafted sequence of this step, sent; None when nothing
         waits for a reply (no remote sequence, a fallback, or every draft resolved from SSD tables)."""
         wanted = [(s, n) for r in requests for s, n in zip(r.seq_ids, r.num_tokens)
-                  if self.sessions[s].choice.remote]
+                  if self.sessions[s].plan.remote]
         if not wanted:
             return None
         wanted_ids = [s for s, _ in wanted]
@@ -334,7 +329,7 @@ class RemoteDrafter(Drafter):
         sequences = []
         for s, n in ready:
             seq = self.sessions[s]
-            ssd = seq.choice.method is Method.SSD and not probing
+            ssd = seq.plan.method is Method.SSD and not probing
             found = self._resolve_from_table(conn, s, seq, n) if ssd else None
             rows = seq.take_unsent()
             num_features = 0 if rows is None else rows.shape[0]
@@ -379,7 +374,7 @@ class RemoteDrafter(Drafter):
     def _can_draft(conn: Connection, seq: Session) -> bool:
         """Its session is open, and a dense q (the endpoint's choice, spec_endpoint.sessions) or features its
         drafter reads have a channel. Trees carry no q."""
-        dense = not seq.choice.tree and q_travels_dense(seq.params, seq.choice.method)
+        dense = not seq.plan.tree and q_travels_dense(seq.params, seq.plan.method)
         return seq.opened and (conn.dense_ready or not (dense or seq.reads_features))
 
     def _receive(self, pending: DraftRound) -> dict[str, Row]:
@@ -427,7 +422,7 @@ class RemoteDrafter(Drafter):
                 q = sparse_q_from_pb(d.sparse, len(d.tokens))
             q_sent = d.dense_on_channel or d.HasField("sparse")
             # A tree session's drafts are a tree, even a one-node one; a chain session's never are.
-            parents = list(d.parents) if seq.choice.tree else None
+            parents = list(d.parents) if seq.plan.tree else None
             if d.parents and parents is None:
                 problem = "a token tree for a chain session"
             else:
@@ -437,7 +432,7 @@ class RemoteDrafter(Drafter):
                 self._fall_back(Fallback.BAD_REPLY, [d.request_id])
                 continue
             drafts[d.request_id] = (list(d.tokens), q, parents)
-            if seq.choice.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
+            if seq.plan.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
                 seq.cache_hits += d.from_cache
                 self.ssd_hit_ratio.add(float(d.from_cache))
         return drafts

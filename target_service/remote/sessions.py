@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.remote.codec import close_sessions_request, open_sessions_request, session_spec
 from specpool_client.v1 import speculation_pb2 as pb
 
@@ -30,7 +30,7 @@ class Session:
 
     context: list[int]  # prompt and every emitted token: what a re-opened session starts from
     params: SamplingParams
-    choice: SpeculationChoice
+    plan: SpeculationPlan
     opened: bool = False  # a session for it is open on the current endpoint connection
     opening: bool = False  # an OpenSessions call for it is in flight
     opened_at: int = 0  # len(context) when that call was sent
@@ -143,7 +143,7 @@ class Sessions:
             for s in closed:
                 seq = self.seqs[s]
                 seq.opening, seq.opened_at = True, len(seq.context)
-                specs.append(session_spec(s, seq.context, seq.choice, seq.params, self.push))
+                specs.append(session_spec(s, seq.context, seq.plan, seq.params, self.push))
             future = conn.stub.OpenSessions.future(
                 open_sessions_request(self.tenant, self.target_model, self.lease_s, specs), timeout=timeout_s,
             )

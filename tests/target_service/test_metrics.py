@@ -13,10 +13,10 @@ from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, make_generator
-from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.fallback import Fallback
 from specpool.target_service.scheduler import Request
@@ -38,7 +38,7 @@ def by_position(metrics: TargetMetrics, name: str, method: str) -> dict[int, flo
 
 
 def request(results, method: Method = Method.DRAFT_MODEL, n: int = 1, prompt=(3, 4, 5)) -> Request:
-    req = Request("r", list(prompt), SamplingParams(), 16, None, SpeculationChoice(method, remote=True), n=n)
+    req = Request("r", list(prompt), SamplingParams(), 16, None, SpeculationPlan(method, remote=True), n=n)
     req.results = list(results)
     return req
 

@@ -14,9 +14,9 @@ import torch
 from specpool.common.speculation import Method, sparse_q_from_pb
 from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.plan import SpeculationPlan
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.choice import SpeculationChoice
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.remote.codec import (
     assemble,
@@ -34,7 +34,7 @@ from specpool_client.v1 import speculation_pb2_grpc, target_pb2
 VOCAB = 64
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
 NEW = 20
-REMOTE = SpeculationChoice(Method.DRAFT_MODEL, remote=True)
+REMOTE = SpeculationPlan(Method.DRAFT_MODEL, remote=True)
 
 
 class Recorder:
@@ -132,15 +132,14 @@ def client_for(address: str | None, observer: Recorder) -> RemoteDrafter:
     return client
 
 
-def decode(model, client: RemoteDrafter, choice: SpeculationChoice | list[SpeculationChoice],
+def decode(model, client: RemoteDrafter, choice: SpeculationPlan | list[SpeculationPlan],
            draft_tokens: int = 3):
     """choice: every sequence's, or each one's."""
     choices = choice if isinstance(choice, list) else [choice] * len(PROMPTS)
     decoder = Decoder(model, len(PROMPTS), 128, client, TargetDraftLength(client, None, fixed=draft_tokens))
     results = []
     for i, prompt in enumerate(PROMPTS):
-        client.configure(str(i), choices[i], SamplingParams())
-        results.append(decoder.add(str(i), prompt, SamplingParams(), NEW, stop_ids=[]))
+        results.append(decoder.add(str(i), prompt, SamplingParams(), NEW, stop_ids=[], plan=choices[i]))
     while decoder.has_work:
         decoder.step()
     return {str(i): p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, results))}, results
@@ -150,21 +149,21 @@ def decode(model, client: RemoteDrafter, choice: SpeculationChoice | list[Specul
 
 
 def test_a_choice_is_labelled_as_the_metrics_always_were():
-    assert SpeculationChoice.of(None, has_endpoint=True) == REMOTE
-    assert SpeculationChoice.of(None, has_endpoint=True).label == "draft_model"
-    assert SpeculationChoice.of(Method.SSD, has_endpoint=True).label == "ssd"
-    assert SpeculationChoice.of(Method.NGRAM, has_endpoint=True).label == "ngram"
-    assert SpeculationChoice.of(Method.SSD, has_endpoint=False) == SpeculationChoice(Method.NGRAM, remote=False)
-    assert SpeculationChoice.of(Method.SSD, has_endpoint=False).label == "ngram_local"
-    assert SpeculationChoice.of(Method.NONE, has_endpoint=True).label == "none"
+    assert SpeculationPlan.of(None, has_endpoint=True) == REMOTE
+    assert SpeculationPlan.of(None, has_endpoint=True).label == "draft_model"
+    assert SpeculationPlan.of(Method.SSD, has_endpoint=True).label == "ssd"
+    assert SpeculationPlan.of(Method.NGRAM, has_endpoint=True).label == "ngram"
+    assert SpeculationPlan.of(Method.SSD, has_endpoint=False) == SpeculationPlan(Method.NGRAM, remote=False)
+    assert SpeculationPlan.of(Method.SSD, has_endpoint=False).label == "ngram_local"
+    assert SpeculationPlan.of(Method.NONE, has_endpoint=True).label == "none"
 
 
 def test_a_session_spec_names_its_drafter_and_sends_no_seed():
-    spec = session_spec("s", [1, 2], SpeculationChoice(Method.SSD, True),
+    spec = session_spec("s", [1, 2], SpeculationPlan(Method.SSD, True),
                         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=42), push=True)
     assert spec.drafter == pb.DRAFTER_KIND_SSD and spec.push and list(spec.context) == [1, 2]
     assert spec.sampling.top_k == 5 and not spec.sampling.HasField("seed") and not spec.tree
-    assert session_spec("t", [1], SpeculationChoice(Method.NGRAM, True, tree=True), SamplingParams(), False).tree
+    assert session_spec("t", [1], SpeculationPlan(Method.NGRAM, True, tree=True), SamplingParams(), False).tree
 
 
 def test_an_ssd_round_resolved_on_the_target_says_how():
@@ -212,13 +211,12 @@ def test_trees_are_checked_and_verified_as_trees_unless_a_q_row_shares_their_gro
 
 
 def test_the_draft_length_applies_each_requests_cap_and_none_drafts_nothing():
+    """Each sequence's plan travels with it (Running.plan): the length reads it there."""
     client = client_for(None, Recorder())
-    for seq_id, choice in [("a", REMOTE), ("b", SpeculationChoice(Method.NGRAM, True, max_draft_tokens=2)),
-                           ("c", SpeculationChoice(Method.NONE, False))]:
-        client.configure(seq_id, choice, SamplingParams())
-        client.start(seq_id, [1, 2, 3])
+    plans = {"a": REMOTE, "b": SpeculationPlan(Method.NGRAM, True, max_draft_tokens=2),
+             "c": SpeculationPlan(Method.NONE, False)}
     length = TargetDraftLength(client, None, fixed=4)
-    batch = [Running(s, 0, 10) for s in "abc"]
+    batch = [Running(s, 0, 10, plan) for s, plan in plans.items()]
     assert length.max_draft == 4
     assert length.lengths(batch, AcceptanceEstimate()) == [4, 2, 0]
 
@@ -231,15 +229,12 @@ def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
     client = client_for(None, Recorder())
     client.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
         batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.01, 0.012, 0.02, 0.03]))])
-    for method in (Method.SSD, Method.DRAFT_MODEL, Method.NGRAM):
-        for i in range(16):
-            client.configure(f"{method}{i}", SpeculationChoice(method, True), SamplingParams())
-            client.start(f"{method}{i}", [1, 2, 3])
     length = TargetDraftLength(client, target)
     acceptance = AcceptanceEstimate(prior_alpha=0.6, prior_weight=1e9)  # fixed at alpha 0.6
 
     def chosen(method: Method, batch: int) -> int:
-        return length.lengths([Running(f"{method}{i}", 0, 100) for i in range(batch)], acceptance)[0]
+        plan = SpeculationPlan(method, True)
+        return length.lengths([Running(f"{method}{i}", 0, 100, plan) for i in range(batch)], acceptance)[0]
 
     client.ssd_hit_ratio.value = 1.0
     assert chosen(Method.SSD, 1) == length.free.choose(1, 0.6) > 0
@@ -273,7 +268,7 @@ def test_beside_a_plain_sequence_the_ones_a_dead_endpoint_fails_decode_plainly(t
     alone (the test above) they draft locally."""
     client = client_for("127.0.0.1:1", Recorder())
     try:
-        tokens, results = decode(tiny_model, client, [REMOTE, REMOTE, SpeculationChoice(Method.NONE, False)])
+        tokens, results = decode(tiny_model, client, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
     finally:
         client.close()
     assert tokens == ar
@@ -299,7 +294,7 @@ def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model,
     try:
         assert client.wait_attached(5.0)
         with ThreadPoolExecutor(1) as pool:
-            decoding = pool.submit(decode, tiny_model, client, [REMOTE, REMOTE, SpeculationChoice(Method.NONE, False)])
+            decoding = pool.submit(decode, tiny_model, client, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
             try:
                 tokens, results = decoding.result(timeout=20)
             finally:
@@ -325,7 +320,7 @@ def test_an_endpoints_drafts_are_verified_and_its_sessions_closed(tiny_model, ar
     server, address = serve(endpoint)
     client = client_for(address, observer)
     try:
-        tokens, results = decode(tiny_model, client, SpeculationChoice(Method.DRAFT_MODEL, True, max_draft_tokens=2))
+        tokens, results = decode(tiny_model, client, SpeculationPlan(Method.DRAFT_MODEL, True, max_draft_tokens=2))
         end = time.monotonic() + 5.0  # CloseSessions is fire and forget
         while len(endpoint.closed) < len(ar) and time.monotonic() < end:
             time.sleep(0.01)
@@ -382,5 +377,5 @@ def test_the_target_api_enum_reaches_the_endpoint_as_its_drafter():
     from specpool.common.speculation import method_from_pb
 
     method = method_from_pb(target_pb2.SPECULATION_METHOD_SSD)
-    spec = session_spec("s", [1], SpeculationChoice.of(method, has_endpoint=True), SamplingParams(), push=False)
+    spec = session_spec("s", [1], SpeculationPlan.of(method, has_endpoint=True), SamplingParams(), push=False)
     assert spec.drafter == pb.DRAFTER_KIND_SSD

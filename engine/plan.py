@@ -1,4 +1,10 @@
-"""What a request asked of speculation, once validated: the drafter, where it drafts, and its cap."""
+"""A sequence's speculation plan: how it speculates, carried with it into the decoder.
+
+The target's servicer makes one per request from what it asked (its method, where it drafts, its cap,
+chains or trees); the decoder keeps it in the sequence's record and hands it on: to the draft-length
+policy every round (`Running.plan`) and, at start, to a drafter that declares it reads it (the remote
+drafter opens its session from it). No one parks it elsewhere and reads it back by the sequence's id.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,22 @@ from specpool.common.speculation import Method
 
 
 @dataclass(frozen=True, slots=True)
-class SpeculationChoice:
+class SpeculationPlan:
     method: Method
     remote: bool  # drafted on the speculation endpoint; False: on this target (its n-gram index)
     max_draft_tokens: int = 0  # the request's own cap on drafts per round (0: none)
     tree: bool = False  # token trees of a round's draft budget in nodes, not chains
 
     @staticmethod
-    def of(method: Method | None, has_endpoint: bool, max_draft_tokens: int = 0, tree: bool = False) -> SpeculationChoice:
+    def of(method: Method | None, has_endpoint: bool, max_draft_tokens: int = 0, tree: bool = False) -> SpeculationPlan:
         """A request's method (None: the server's default, the draft model). Without an endpoint every
         speculating method drafts with the target's own n-gram index."""
         method = Method.DRAFT_MODEL if method is None else method
         if method is Method.NONE:
-            return SpeculationChoice(Method.NONE, False, max_draft_tokens)
+            return SpeculationPlan(Method.NONE, False, max_draft_tokens)
         if not has_endpoint:
-            return SpeculationChoice(Method.NGRAM, False, max_draft_tokens, tree)
-        return SpeculationChoice(method, True, max_draft_tokens, tree)
+            return SpeculationPlan(Method.NGRAM, False, max_draft_tokens, tree)
+        return SpeculationPlan(method, True, max_draft_tokens, tree)
 
     @property
     def label(self) -> str:
@@ -31,4 +37,4 @@ class SpeculationChoice:
         return "ngram_local" if self.method is Method.NGRAM and not self.remote else self.method.value
 
 
-LOCAL_NGRAM = SpeculationChoice(Method.NGRAM, remote=False)
+LOCAL_NGRAM = SpeculationPlan(Method.NGRAM, remote=False)
