@@ -100,11 +100,6 @@ class FeatureFeed(TokenFeed):
 
     inputs = frozenset({"features"})
 
-    def __init__(self, model: Llama):
-        if not model.config.feature_fed:
-            raise ValueError("a feature feed needs a feature-fed model (a draft head checkpoint)")
-        super().__init__(model)
-
     def check(self, n: int, features: torch.Tensor | None, what: str) -> None:
         if features is None or len(features) != n:
             raise ValueError(f"a head needs the target's features at the {n} {what}, "

@@ -22,6 +22,12 @@ def sample_top_k(q: torch.Tensor, k: int, generator: torch.Generator | None):
     return picked, top.indices, weights
 
 
+def after_last(hidden: torch.Tensor, fed: Sequence[list[int]]) -> torch.Tensor:
+    """hidden [B, T, d] of a forward that fed each row fed[b] -> [B, d]: the feature predicted after each
+    row's last fed token."""
+    return hidden[torch.arange(len(fed)), torch.tensor([len(f) - 1 for f in fed])]
+
+
 # pick(step, active rows, their logits [A, V]) -> the tokens [A] those rows draft at that step
 Pick = Callable[[int, list[int], torch.Tensor], torch.Tensor]
 
@@ -38,9 +44,9 @@ def draft_steps(feed: TokenFeed, cache: KVCache, slots: Sequence[int], tokens: S
     feed_tokens, feed_features = list(tokens), list(features)
     for j in range(max(num_tokens, default=0)):
         active = [b for b, n in enumerate(num_tokens) if n > j]
-        logits, hidden = feed.forward(cache, [slots[b] for b in active], [feed_tokens[b] for b in active],
-                                      [feed_features[b] for b in active])
-        last = hidden[torch.arange(len(active)), torch.tensor([len(feed_tokens[b]) - 1 for b in active])]
+        fed = [feed_tokens[b] for b in active]
+        logits, hidden = feed.forward(cache, [slots[b] for b in active], fed, [feed_features[b] for b in active])
+        last = after_last(hidden, fed)
         for a, b in enumerate(active):
             predicted[b].append(last[a])
             feed_features[b] = last[a][None]

@@ -9,7 +9,7 @@ import torch
 
 from specpool.engine.drafters.base import Drafter, Drafts
 from specpool.engine.drafters.feeds import DraftState, feed_for
-from specpool.engine.drafters.loop import DraftPicker, draft_steps
+from specpool.engine.drafters.loop import DraftPicker, after_last, draft_steps
 from specpool.engine.drafters.trees import Candidates, TreeShape, grow_trees, tree_logprobs
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
@@ -99,9 +99,8 @@ class ModelDrafter(Drafter):
 
         feeds, features = zip(*(self.feed.take(self.cache, s) for s in act))
         logits, hidden = self.feed.forward(self.cache, [s.slot for s in act], feeds, features)
-        last = hidden[torch.arange(len(act)), torch.tensor([len(f) - 1 for f in feeds])]
-        for a in range(len(act)):
-            predicted[a][-1] = last[a]
+        for a, feature in enumerate(after_last(hidden, feeds)):
+            predicted[a][-1] = feature
         trees = grow_trees(tree_logprobs(logits, params), [budgets[b] for b in active], shape, expand, cands)
         for a, b in enumerate(active):
             tokens[b], parents[b] = trees[a]
