@@ -25,6 +25,14 @@ ROWS = 64  # random logit vectors per case
 MARGIN = 0.02
 
 
+@pytest.fixture(autouse=True, params=[sampling.TOP_P_CANDIDATES, 4], ids=["top-p-candidates", "top-p-4-candidates"])
+def top_p_candidates(request, monkeypatch):
+    """Every check twice: with top-p's candidates covering this vocabulary, and with 4 of its 16 tokens,
+    so a cut within the candidates and one beyond them (the full sort) both meet the reference."""
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", request.param)
+    return request.param
+
+
 def random_logits(seed: int, rows: int = ROWS) -> torch.Tensor:
     """[rows, V] logits in random order, neighbours 0.05 to 0.3 apart: every token holds enough mass
     (>= 5e-4 at T 1) for a cut placed beside it to sit clear of float32 rounding."""
@@ -142,3 +150,28 @@ def test_every_exact_distribution_is_checked_against_the_reference(monkeypatch):
         logits, dataclasses.replace(params, top_k=params.top_k + 1)))
     with pytest.raises(AssertionError, match="keeps tokens the reference cuts"):
         exact_probs(random_logits(0), SamplingParams(temperature=1.0, top_k=3))
+
+
+def test_sample_draws_each_token_at_its_probability_and_never_one_of_probability_zero():
+    """One uniform a row against the cumulative distribution: frequencies within 5 standard errors of
+    the (renormalised) probabilities over 40k draws, and a token of probability 0 never drawn, also
+    beside ties and at either end of the vocabulary."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [3.0, 1.0, 0.0, 1.0, 0.0, 0.0]])  # unnormalised: 0.6, 0.2, 0.2
+    gen = torch.Generator().manual_seed(0)
+    n = 40_000
+    draws = sampling.sample(probs.repeat(n, 1), gen).view(n, len(probs))
+    for row, p in enumerate(probs / probs.sum(-1, keepdim=True)):
+        freq = torch.bincount(draws[:, row], minlength=len(p)).double() / n
+        assert (freq[p == 0] == 0).all(), f"row {row} drew a token of probability 0"
+        tolerance = 5 * (p.double() * (1 - p.double()) / n).sqrt() + 1e-12
+        assert ((freq - p.double()).abs() <= tolerance).all(), (row, freq.tolist(), p.tolist())
+
+
+@pytest.mark.parametrize("row", [[0.5, float("nan"), 0.5], [0.5, -0.1, 0.6], [0.0, 0.0, 0.0], [float("inf"), 0.0, 1.0]])
+def test_sample_refuses_a_row_that_is_no_distribution(row):
+    """A broken drafter's q reaches `sample` through the residual: it must raise (the decoder ends that
+    group), never pick a token from it."""
+    with pytest.raises(RuntimeError, match="finite, non-negative"):
+        sampling.sample(torch.tensor([[0.2, 0.3, 0.5], row]))
