@@ -83,14 +83,18 @@ def trained_tiny_head(target: Llama, steps: int = 100) -> Llama:
 
 
 def train_tiny_head(target: Llama, weights: dict[str, torch.Tensor], steps: int = 100) -> HeadLM:
-    """A head for a tiny target (its weights), trained on the target's own samples and features."""
+    """A head for a tiny target (its weights), trained on the target's own samples and on its greedy path
+    from every token, with their features: a random tiny target's greedy paths fall into a few repeated
+    tokens, which the greedy tests draft, so the head learns each of them whatever the sampler drew."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.config.vocab_size, (4,), generator=gen).tolist() for _ in range(48)]
     samples = generate(target, prompts, SamplingParams(temperature=1.0, seed=1), 28, stop_ids=[])
-    sequences = [p + r.token_ids for p, r in zip(prompts, samples)]
+    starts = [[t] for t in range(target.config.vocab_size)]
+    greedy = generate(target, starts, SamplingParams(), 31, stop_ids=[])
+    sequences = [p + r.token_ids for p, r in zip(prompts + starts, samples + greedy)]
     cache = target.new_cache(len(sequences), 32)
     _, features = target.forward(cache, [cache.allocate() for _ in sequences], sequences, features=True)
-    corpus = FeatureCorpus(sequences, [4] * len(sequences), list(features))
+    corpus = FeatureCorpus(sequences, [len(p) for p in prompts + starts], list(features))
     head = HeadLM.from_target(target.config, weights, torch.arange(target.config.vocab_size))
     windows = FeatureWindows(corpus, window=32, seed=0)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
