@@ -72,25 +72,29 @@ def _slot(model: Llama):
 
 
 @functools.cache
-def trained_tiny_head(target: Llama, steps: int = 100) -> Llama:
+def trained_tiny_head(target: Llama, steps: int = 100, greedy_paths: bool = True) -> Llama:
     """A head trained on a tiny target's own samples and features (training/head.py, in seconds): its
-    drafts agree with the target often enough to reach deep tree paths, as a real head's do."""
+    drafts agree with the target often enough to reach deep tree paths, as a real head's do. Without
+    `greedy_paths` it learns the sampled distribution alone, spread enough for sampled trees' second
+    siblings to be accepted; with them it also drafts every greedy path (the greedy tests)."""
     weights = random_weights(target.config, seed=11)
     assert torch.equal(weights["embed"], target.embed), "the tiny target must be random_init(seed=11)"
     with tempfile.TemporaryDirectory() as out:
-        export(train_tiny_head(target, weights, steps), Path(out), "tiny.gguf", dtype=torch.float32)
+        export(train_tiny_head(target, weights, steps, greedy_paths), Path(out), "tiny.gguf", dtype=torch.float32)
         return Llama.from_draft_checkpoint(out, weights["embed"], dtype="fp32", device="cpu")
 
 
-def train_tiny_head(target: Llama, weights: dict[str, torch.Tensor], steps: int = 100) -> HeadLM:
-    """A head for a tiny target (its weights), trained on the target's own samples and on its greedy path
-    from every token, with their features: a random tiny target's greedy paths fall into a few repeated
-    tokens, which the greedy tests draft, so the head learns each of them whatever the sampler drew."""
+def train_tiny_head(target: Llama, weights: dict[str, torch.Tensor], steps: int = 100,
+                    greedy_paths: bool = True) -> HeadLM:
+    """A head for a tiny target (its weights), trained on the target's own samples and (with
+    `greedy_paths`) on its greedy path from every token, with their features: a random tiny target's
+    greedy paths fall into a few repeated tokens, which the greedy tests draft, so the head learns each
+    of them whatever the sampler drew."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, target.config.vocab_size, (4,), generator=gen).tolist() for _ in range(48)]
     samples = generate(target, prompts, SamplingParams(temperature=1.0, seed=1), 28, stop_ids=[])
-    starts = [[t] for t in range(target.config.vocab_size)]
-    greedy = generate(target, starts, SamplingParams(), 31, stop_ids=[])
+    starts = [[t] for t in range(target.config.vocab_size)] if greedy_paths else []
+    greedy = generate(target, starts, SamplingParams(), 31, stop_ids=[]) if starts else []
     sequences = [p + r.token_ids for p, r in zip(prompts + starts, samples + greedy)]
     cache = target.new_cache(len(sequences), 32)
     _, features = target.forward(cache, [cache.allocate() for _ in sequences], sequences, features=True)

@@ -143,7 +143,7 @@ PATHS = {  # name: (sampling, drafter, the twin that breaks this path)
     "draft-model tree": (SamplingParams(temperature=3.0, seed=6),
                          lambda: ModelDrafter(DRAFT, N, 16, tree=SHAPE), ("leaky-siblings", 0.05)),
     "head tree": (SamplingParams(temperature=2.0, top_p=0.95, seed=7),
-                  lambda: HeadDrafter(trained_tiny_head(TARGET), N, 16, tree=SHAPE), ("leaky-siblings", 0.02)),
+                  lambda: HeadDrafter(trained_tiny_head(TARGET, greedy_paths=False), N, 16, tree=SHAPE), ("leaky-siblings", 0.02)),
 }
 
 
