@@ -116,8 +116,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "data_minutes": args.data_minutes,
         "train_minutes": args.train_minutes,
         "draft_vocab": args.draft_vocab,
-        "dtype": args.dtype,
-    }
+    } | ({"dtype": args.dtype} if args.dtype else {})
     if args.kind == "head":
         from specpool.training.train_head import TrainHeadConfig, run
 
@@ -251,16 +250,18 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t.add_argument("--work-dir", default=None, help="data and training state, for resuming (default: "
                                                     ".cache/train-draft or .cache/train-head)")
     t.add_argument("--data-minutes", type=float, default=14.0,
-                   help="budget for the target's answers and the pass over them (teacher top-k or features)")
+                   help="budget for the target's answers (a head's features come with them; a model's teacher "
+                        "top-k takes a pass of its own)")
     t.add_argument("--train-minutes", type=float, default=30.0, help="training budget (total, across resumes)")
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the draft predicts: the corpus's most frequent, mapped back to full ids")
     t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    t.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
-                   help="the target's weights in the data pass, and mixed precision in training (bf16: where "
-                        "the CPU computes it natively, else fp32)")
+    t.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16", "q4"],
+                   help="the target's weights in the data pass (default: bf16 for a model, where the CPU "
+                        "computes it natively, else fp32; auto for a head, whose features must carry the "
+                        "serving format's numerics)")
     t.set_defaults(func=cmd_train_draft)
 
     for name, (module_name, help_text) in TOOLS.items():

@@ -180,11 +180,14 @@ def train(
     lr: float = 1e-3,
     checkpoint_every_s: float = 120.0,
     desc: str = "distil (s)",
+    evaluate: Callable[[], object] | None = None,
 ) -> dict:
-    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget."""
+    """Train for a wall-clock budget (resumable); the LR follows warm-up then cosine over that budget.
+    With `evaluate`, each checkpoint appends (training tokens, its result) to state["evaluations"]:
+    the learning curve."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    state = {"elapsed": 0.0, "step": 0, "tokens": 0, "history": []}
+    state = {"elapsed": 0.0, "step": 0, "tokens": 0, "history": [], "evaluations": []}
     if ckpt_path.exists():
         saved = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(saved["model"])
@@ -193,6 +196,10 @@ def train(
         print(f"resumed from {ckpt_path}: step {state['step']}, {state['elapsed']:.0f}s trained")
 
     def save():
+        if evaluate is not None:
+            model.eval()
+            state.setdefault("evaluations", []).append((state["tokens"], evaluate()))
+            model.train()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt_path)
 
     bar = tqdm(total=int(seconds), initial=int(state["elapsed"]), desc=desc, unit="s")

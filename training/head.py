@@ -153,23 +153,25 @@ class FeatureWindows:
 def head_losses(model: HeadLM, tokens, feats, nxt, mask, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Soft cross-entropy to the target's distribution at each unrolled step (weights 0.8^j, EAGLE-3's);
     -> (loss, top-1 agreement per step). Step j scores the positions with an anchor (p >= j)."""
-    teacher = model.teacher_logits(nxt).softmax(-1)  # [B, P, Vd]
+    teacher = model.teacher_logits(nxt).float().softmax(-1)  # [B, P, Vd]
     top = teacher.argmax(-1)
     loss, agree, weight = 0.0, [], 0.0
     for j, predicted in enumerate(model.unrolled(tokens, feats, steps)):
         m = mask.clone()
         m[:, :j] = False
-        logits = model.logits(predicted)
+        logits = model.logits(predicted).float()
         loss = loss + 0.8**j * -(teacher * logits.log_softmax(-1)).sum(-1)[m].mean()
         weight += 0.8**j
         agree.append((logits.argmax(-1) == top)[m].float().mean())
     return loss / weight, agree
 
 
-def head_step(model: HeadLM, windows: FeatureWindows, batch_size: int, steps: int) -> StepLoss:
+def head_step(model: HeadLM, windows: FeatureWindows, batch_size: int, steps: int,
+              bf16_autocast: bool = False) -> StepLoss:
     def step():
         tokens, feats, nxt, mask = windows.sample(batch_size)
-        loss, agree = head_losses(model, tokens, feats, nxt, mask, steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            loss, agree = head_losses(model, tokens, feats, nxt, mask, steps)
         return loss, agree[0], int(mask.sum())
 
     return step

@@ -1,12 +1,13 @@
 """`specpool train-draft --kind head`: the feature-fed draft head, resumable at every stage.
 
-Stages write into --work-dir: answers.pt (the target's answers), features.pt (its features at every
-position) and head_train.pt (head, optimiser and clock). Re-running with the same --work-dir resumes
+Stages write into --work-dir: prompts.pt (code and chat prompts), features/shard-*.pt (the target's
+answers with its features at every position) and head_train.pt (head, optimiser and clock). Re-running with the same --work-dir resumes
 where it stopped; a larger --train-minutes continues training the same head.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,38 +15,53 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specpool.bench.workloads import CHAT
 from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.runtime.device import native_bf16
 from specpool.engine.runtime.gguf_loader import load_gguf
 from specpool.engine.runtime.model import Llama
 from specpool.training.distill import reduced_vocab, train
-from specpool.training.draft_data import build_prompts, generate_answers, stdlib_functions
+from specpool.training.draft_data import (
+    build_prompts,
+    chat_prompts,
+    generated_instructions,
+    installed_functions,
+    module_prose,
+    python_roots,
+    stdlib_functions,
+)
 from specpool.training.head import FeatureWindows, HeadLM, export, head_step
-from specpool.training.head_data import FeatureCorpus, target_features
+from specpool.training.head_data import FeatureCorpus, record_features
 from specpool.training.train_draft import HELD_OUT, acceptance_rows, measure_acceptance, save_report
+
+
+def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated: int = 3000) -> list[list[int]]:
+    """Code prompts (documented functions of the stdlib and the installed packages) and chat prompts
+    (requests the target writes itself, templates, tasks over module docs), alternating while both
+    last; built once and kept in work_dir."""
+    path = work_dir / "prompts.pt"
+    if path.exists():
+        return torch.load(path)
+    code = build_prompts(stdlib_functions() + installed_functions(), tokenizer, seed)
+    prose = [t for root in python_roots() for t in module_prose(root)]
+    held_out = {m["content"] for item in map(json.loads, CHAT.read_text().splitlines()) for m in item["messages"]}
+    asks = generated_instructions(target, tokenizer, generated, seed)
+    chat = chat_prompts(tokenizer, seed, prose, held_out, asks)
+    # Alternate, so that any prefix of the list (a time budget's worth) holds as much chat as code.
+    prompts = [p for pair in zip(code, chat) for p in pair] + code[len(chat):] + chat[len(code):]
+    torch.save(prompts, path)
+    print(f"{len(prompts)} prompts: {len(code)} code, {len(chat)} chat")
+    return prompts
 
 
 def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float, gen_batch: int,
                    max_new_tokens: int, seed: int) -> tuple[FeatureCorpus, list[list[int]]]:
-    """-> (the features of the target's answers to the training prompts, the held-out prompts)."""
-    prompts = build_prompts(stdlib_functions(), tokenizer, seed)
+    """-> (the target's answers to the training prompts with its features, the held-out prompts)."""
+    prompts = head_prompts(target, tokenizer, work_dir, seed)
     held_out, train_prompts = prompts[:HELD_OUT], prompts[HELD_OUT:]
-    features_path = work_dir / "features.pt"
-    if features_path.exists():
-        corpus = FeatureCorpus.load(features_path)
-        print(f"features: {len(corpus.sequences)} sequences, {corpus.num_tokens} tokens (from {features_path})")
-        return corpus, held_out
-    answers_path = work_dir / "answers.pt"
-    if answers_path.exists():
-        answers = torch.load(answers_path)
-    else:
-        # ~80% of the data budget answers prompts; the feature pass over those answers takes the rest.
-        seqs, plens = generate_answers(target, train_prompts, data_minutes * 60 * 0.8, gen_batch, max_new_tokens, seed)
-        answers = {"sequences": seqs, "prompt_lens": plens}
-        torch.save(answers, answers_path)
-    print(f"answers: {len(answers['sequences'])} sequences, {sum(map(len, answers['sequences']))} tokens")
-    corpus = FeatureCorpus(answers["sequences"], answers["prompt_lens"],
-                           target_features(target, answers["sequences"]))
-    corpus.save(features_path)
+    corpus = record_features(target, train_prompts, work_dir / "features", data_minutes * 60, gen_batch,
+                             max_new_tokens, seed)
+    print(f"features: {len(corpus.sequences)} sequences, {corpus.num_tokens} tokens")
     return corpus, held_out
 
 
@@ -58,14 +74,14 @@ class TrainHeadConfig:
     data_minutes: float = 50.0
     train_minutes: float = 30.0
     draft_vocab: int = 8192
-    max_new_tokens: int = 160
+    max_new_tokens: int = 192
     gen_batch: int = 32
     train_batch: int = 8
     window: int = 256
     unrolled_steps: int = 3  # drafting steps simulated in training (EAGLE-3's training-time test)
     lr: float = 1e-3
     seed: int = 0
-    dtype: str = "bf16"  # the target's in the data pass (bf16 where native)
+    dtype: str = "auto"  # the target's in the data pass: the serving default, whose features the head reads
 
 
 @torch.no_grad()
@@ -99,15 +115,21 @@ def run(cfg: TrainHeadConfig) -> dict:
     output_ids = reduced_vocab(corpus.sequences, cfg.draft_vocab, always=control)
     head = HeadLM.from_target(full.config, full.weights, output_ids)
     eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
-    step = head_step(head, FeatureWindows(train_corpus, cfg.window, cfg.seed), cfg.train_batch, cfg.unrolled_steps)
-    state = train(head, step, cfg.train_minutes * 60, cfg.work_dir / "head_train.pt", lr=cfg.lr, desc="head (s)")
+    bf16 = native_bf16("cpu")  # mixed precision only where the CPU computes bf16 natively
+    step = head_step(head, FeatureWindows(train_corpus, cfg.window, cfg.seed), cfg.train_batch, cfg.unrolled_steps,
+                     bf16_autocast=bf16)
+
+    def agreement(corpus: FeatureCorpus) -> list[float]:
+        return heldout_agreement(head, corpus, full.weights["embed"], full.weights["norm"], cfg.window,
+                                 cfg.unrolled_steps)
+
+    curve_corpus, _ = eval_corpus.split(64)  # the learning curve's checkpoints: a quick subset
+    state = train(head, step, cfg.train_minutes * 60, cfg.work_dir / "head_train.pt", lr=cfg.lr, desc="head (s)",
+                  evaluate=lambda: agreement(curve_corpus))
     export(head, cfg.out, cfg.target.name)
 
-    agreement = heldout_agreement(head, eval_corpus, full.weights["embed"], full.weights["norm"], cfg.window,
-                                  cfg.unrolled_steps)
-    target32, _ = Llama.from_gguf(cfg.target, dtype="fp32", device="cpu")
     runtime = Llama.from_draft_checkpoint(cfg.out, full.weights["embed"], dtype="fp32", device="cpu")
-    acceptance = [measure_acceptance(target32, HeadDrafter(runtime, 16, 1024), held_out[:16], k, 96) for k in (2, 4, 6)]
+    acceptance = [measure_acceptance(target, HeadDrafter(runtime, 16, 1024), held_out[:16], k, 96) for k in (2, 4, 6)]
     report = {
         "target": cfg.target.name,
         "kind": "head",
@@ -118,7 +140,9 @@ def run(cfg: TrainHeadConfig) -> dict:
         "train_steps": state["step"],
         "train_tokens": state["tokens"],
         "train_seconds": round(state["elapsed"]),
-        "heldout_top1_agreement_by_step": agreement,
+        "heldout_top1_agreement_by_step": agreement(eval_corpus),
+        "learning_curve": state.get("evaluations", []),  # (training tokens, agreement by step) at checkpoints
+        "bf16_autocast": bf16,
         "heldout_acceptance_greedy": acceptance,
         "history": state["history"],
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
