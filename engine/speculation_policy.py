@@ -352,17 +352,28 @@ class SpeculationPolicy:
         sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
         starting pays only if the faster steps win that time back over the `remaining` tokens.
         """
-        plain_rate = 1.0 / (self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False))
-        best_len, best_rate = self.fastest(batch_size, acceptance, fill)
-        best_rate /= self.slowdown.ratio(speculative=True)
-        if best_rate <= plain_rate * self.min_gain:
+        plain_rate = self.plain_rate(batch_size)
+        best_len, gain = self.speedup(batch_size, acceptance, fill)
+        if gain <= self.min_gain:
             return 0
+        best_rate = gain * plain_rate
         if self.draft_costs is not None and catch_up > 1:
             # Steady state already charges a one-token feed per draft step; the extra is the rest.
             extra = self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
             if remaining / best_rate + extra >= remaining / plain_rate:
                 return 0
         return best_len
+
+    def plain_rate(self, batch_size: int) -> float:
+        """Tokens/s per sequence of plain decoding at this batch size, as real plain rounds run."""
+        return 1.0 / (self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False))
+
+    def speedup(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
+        """(the fastest draft length, its predicted speedup over plain decoding at this batch size): the
+        cost table, the drafter's fill and the slowdown real rounds measured. The one estimate: the
+        policy chooses by it, and the target's heartbeat tells it to routers, which plan by it."""
+        best_len, best_rate = self.fastest(batch_size, acceptance, fill)
+        return best_len, best_rate / self.slowdown.ratio(speculative=True) / self.plain_rate(batch_size)
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
         """DraftLength: one length for the whole batch, chosen from its mean catch-up and remaining tokens."""

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 
 from specpool.common.speculation import Method
 from specpool.engine.decoding import Decoder
-from specpool.engine.speculation_policy import Expected, SpeculationPolicy
+from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.scheduler import Scheduler
 
 
-def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: Expected | float) -> float:
-    """Best speculative rate over plain decoding at this batch size: max over s >= 1 of
-    E(s) / T(b, s), divided by 1 / T(b, 0). Below 1, speculating would slow the batch down;
-    1.0 when there is no policy to ask."""
+def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: AcceptanceEstimate) -> float:
+    """The policy's own estimate (SpeculationPolicy.speedup) of its best speculative rate over plain
+    decoding at this batch size, with the acceptance and fill measured and the slowdown real rounds
+    showed. Below 1, speculating would slow the batch down; 1.0 when there is no policy to ask."""
     if policy is None:
         return 1.0
-    return policy.fastest(batch_size, acceptance)[1] * policy.step_time(batch_size, 0)
+    return policy.speedup(batch_size, acceptance.expected_tokens, acceptance.fill)[1]
 
 
 @dataclass
@@ -41,7 +41,7 @@ class HeartbeatFields:
 
     def fields(self) -> dict:
         running, queued = self.scheduler.load()
-        expected = self.decoder.acceptance.expected_tokens
+        acceptance = self.decoder.acceptance
         batch = running + 1  # what admitting one more request would run at
         draft_policy, free_policy = self.draft_policy_fn(), self.free_policy
         has_endpoint = bool(self.client and self.client.address)
@@ -51,8 +51,8 @@ class HeartbeatFields:
         methods = [Method.NGRAM]
         if has_endpoint and self.client.healthy:
             methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
-        speedups = {Method.DRAFT_MODEL: round(predicted_speedup(draft_policy, batch, expected), 4),
-                    Method.NGRAM: round(predicted_speedup(free_policy, batch, expected), 4)}
+        speedups = {Method.DRAFT_MODEL: round(predicted_speedup(draft_policy, batch, acceptance), 4),
+                    Method.NGRAM: round(predicted_speedup(free_policy, batch, acceptance), 4)}
         for method, speedup in speedups.items():
             self.metrics.predicted(method.value, speedup)
         return {

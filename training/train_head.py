@@ -35,7 +35,7 @@ from specpool.training.head_data import FeatureCorpus, record_features
 from specpool.training.train_draft import HELD_OUT, acceptance_rows, measure_acceptance, save_report
 
 
-def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated: int = 3000) -> list[list[int]]:
+def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated: int = 1200) -> list[list[int]]:
     """Code prompts (documented functions of the stdlib and the installed packages) and chat prompts
     (requests the target writes itself, templates, tasks over module docs), alternating while both
     last; built once and kept in work_dir."""

@@ -330,11 +330,24 @@ def costs(per_token: float) -> StepCosts:
 
 def test_predicted_speedup_follows_the_policy():
     cheap = SpeculationPolicy(costs(0.0001), max_draft=8)
-    assert predicted_speedup(cheap, 1, 0.8) > 2.0, "memory-bound: drafts are nearly free"
+    high, low = AcceptanceEstimate(prior_alpha=0.8), AcceptanceEstimate(prior_alpha=0.3)
+    assert predicted_speedup(cheap, 1, high) > 2.0, "memory-bound: drafts are nearly free"
     expensive = SpeculationPolicy(costs(0.01), max_draft=8)
-    assert predicted_speedup(expensive, 16, 0.3) < 1.0, "compute-bound: every draft costs a full token"
-    assert predicted_speedup(cheap, 16, 0.8) < predicted_speedup(cheap, 1, 0.8)
-    assert predicted_speedup(None, 4, 0.5) == 1.0
+    assert predicted_speedup(expensive, 16, low) < 1.0, "compute-bound: every draft costs a full token"
+    assert predicted_speedup(cheap, 16, high) < predicted_speedup(cheap, 1, high)
+    assert predicted_speedup(None, 4, low) == 1.0
+
+
+def test_routers_are_told_the_estimate_the_policy_chooses_by():
+    """The heartbeat's figure is the policy's own: once real speculative rounds measure slower than the
+    table predicts, the policy stops buying drafts and routers are told it would lose."""
+    policy = SpeculationPolicy(costs(0.0001), max_draft=8, min_gain=1.0)
+    acceptance = AcceptanceEstimate(prior_alpha=0.8)
+    assert predicted_speedup(policy, 1, acceptance) > 2.0 and policy.choose(1, acceptance.expected_tokens) > 0
+    for _ in range(50):  # every speculative round takes 6x what the table says
+        policy.slowdown.expect(True, 0.01)
+        policy.slowdown.observe(0.06)
+    assert predicted_speedup(policy, 1, acceptance) < 1.0 and policy.choose(1, acceptance.expected_tokens) == 0
 
 
 def test_endpoint_heartbeat_fields_flatten_its_capacity_report():
@@ -365,7 +378,7 @@ def test_target_heartbeat_fields_read_the_live_process():
     )
     fields = live.fields()
     assert fields["running"] == 15 and fields["queued"] == 2 and fields["mean_accept_len"] == 2.5
-    assert fields["predicted_speedup_draft"] == round(predicted_speedup(draft, 16, 0.3), 4) < 1.0
+    assert fields["predicted_speedup_draft"] == round(predicted_speedup(draft, 16, AcceptanceEstimate(prior_alpha=0.3)), 4) < 1.0
     assert fields["predicted_speedup_ngram"] > 1.0
     assert fields["spec_endpoint"] == "h:9" and fields["methods"] == ["ssd", "draft_model", "ngram"]
     # Remote rounds pay the measured wire time: one as long as a step leaves no method worth planning.
