@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.common.speculation import Method
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
-from specpool.engine.plan import SpeculationPlan
+from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     PLAIN_DECODING,
@@ -41,6 +42,10 @@ from specpool.engine.verification.sampling import (
     sample_from_logits,
 )
 
+# A plan is judged on this many of its rounds (after its first, which opens sessions and fills caches):
+# slower than plain decoding over them, it falls to the next plan down (SpeculationPlan.fallback).
+PACED_ROUNDS = 4
+
 # What sampling or verifying one group can raise (torch's errors are RuntimeErrors; a bad draft token
 # an IndexError): it ends that group's sequences, not the batch.
 SAMPLING_ERRORS = (RuntimeError, ValueError, IndexError)
@@ -61,6 +66,7 @@ class GenerationResult:
     offered_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     branch_rounds: int = 0  # token trees: rounds whose accepted path left the first-child chain
+    plan_drops: int = 0  # times its plan fell to the next one down, measured slower than plain decoding
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -138,6 +144,7 @@ class _Sequence:
     plan: SpeculationPlan | None = None  # how it speculates (None: as the drafter does)
     slot: int = -1
     unseen: int = 0  # tokens the drafter holds but has not run its model over (its catch-up)
+    paced: list[tuple[int, float]] = field(default_factory=list)  # its plan's rounds: (tokens, seconds)
 
 
 class Decoder:
@@ -324,8 +331,10 @@ class Decoder:
         else:
             lengths = self.draft_length.lengths(
                 [Running(s.seq_id, s.unseen, r, s.plan) for s, r in zip(batch, remaining)], self.acceptance)
-        # Never draft past the length limit: the bonus token always fills the last place.
-        return {s.seq_id: min(n, r - 1) for s, n, r in zip(batch, lengths, remaining)}
+        # Never draft past the length limit: the bonus token always fills the last place. A sequence
+        # planned (or dropped) to no speculation is offered nothing, whatever the drafter could do.
+        return {s.seq_id: 0 if s.plan is not None and s.plan.method is Method.NONE else min(n, r - 1)
+                for s, n, r in zip(batch, lengths, remaining)}
 
     def _round(self) -> list[tuple[str, list[int]]]:
         """Asks for drafts, then verifies them for every running sequence in one forward. While a remote
@@ -344,6 +353,27 @@ class Decoder:
             return self._verify(side)
         self._asked = None
         return self._verify(self.running, asked)
+
+    def _pace(self, drafted: list[_Sequence], taken: dict[str, list[int]], round_s: float) -> None:
+        """Times the plans of the sequences offered drafts this round; one whose last PACED_ROUNDS made
+        fewer tokens a second than plain decoding would falls to the next plan down."""
+        plain_s = self.draft_length.plain_round_s(len(self.running))
+        if plain_s is None:
+            return
+        for seq in drafted:
+            if seq.result.finish_reason:
+                continue
+            seq.paced.append((len(taken.get(seq.seq_id, [])), round_s))
+            if len(seq.paced) <= PACED_ROUNDS:
+                continue
+            del seq.paced[1:-PACED_ROUNDS]  # the first round stays out of the judgement
+            tokens, seconds = (sum(x) for x in zip(*seq.paced[1:]))
+            if tokens / seconds < 1.0 / plain_s:
+                seq.plan = seq.plan.fallback() if seq.plan is not None else NO_SPECULATION
+                seq.paced.clear()
+                seq.result.plan_drops += 1
+                if "plan" in self._reads:
+                    self.drafter.replan(seq.seq_id, seq.plan)
 
     def _ask_drafts(self) -> _Asked:
         start = time.perf_counter()
@@ -421,6 +451,8 @@ class Decoder:
         self.last_verify_s = end - start
         if asked is not None:  # a round the draft length was chosen for: what it took, drafting included
             self.draft_length.observe(asked.drafting_s + self.last_verify_s)
+            self._pace([s for s in batch if s.seq_id in ours and asked.offered[s.seq_id] > 0],
+                        dict(moved), asked.drafting_s + self.last_verify_s)
         for seq in batch:
             # Drafting counts for the sequences it drafted for: the time they waited for their drafts.
             seq.result.decode_s += end - start + (asked.drafting_s if seq.seq_id in ours else 0.0)

@@ -31,6 +31,15 @@ class SpeculationPlan:
             return SpeculationPlan(Method.NGRAM, False, max_draft_tokens, tree)
         return SpeculationPlan(method, True, max_draft_tokens, tree)
 
+    def fallback(self) -> SpeculationPlan:
+        """The next plan down, for a sequence whose rounds measured slower than plain decoding: from the
+        endpoint to the target's own n-gram index (which costs the pool nothing), from that to none.
+        Not from one remote method to another: a session re-opened under the same id would race its
+        own close on the endpoint."""
+        if self.method is Method.NONE or (self.method is Method.NGRAM and not self.remote):
+            return NO_SPECULATION
+        return SpeculationPlan(Method.NGRAM, False, self.max_draft_tokens, self.tree)
+
     @property
     def label(self) -> str:
         """Its name in metrics and SpeculationStats: the method, or ngram_local for the target's own."""
@@ -38,3 +47,4 @@ class SpeculationPlan:
 
 
 LOCAL_NGRAM = SpeculationPlan(Method.NGRAM, remote=False)
+NO_SPECULATION = SpeculationPlan(Method.NONE, remote=False)

@@ -281,6 +281,11 @@ class DraftLength(Protocol):
         """The measured seconds of the round it last chose lengths for, drafting included."""
         ...
 
+    def plain_round_s(self, batch_size: int) -> float | None:
+        """The seconds a plain round of this batch size takes, as real ones run (None: not known, and
+        no sequence's plan is dropped for measuring slower than it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FixedDraftLength:
@@ -293,6 +298,9 @@ class FixedDraftLength:
 
     def observe(self, seconds: float) -> None:
         pass
+
+    def plain_round_s(self, batch_size: int) -> float | None:
+        return None  # a length forced on the decoder is kept, whatever it costs
 
 
 PLAIN_DECODING = FixedDraftLength(0)
@@ -364,9 +372,13 @@ class SpeculationPolicy:
                 return 0
         return best_len
 
+    def plain_round_s(self, batch_size: int) -> float:
+        """DraftLength: the table's plain step, times what real plain rounds measured beyond it."""
+        return self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False)
+
     def plain_rate(self, batch_size: int) -> float:
         """Tokens/s per sequence of plain decoding at this batch size, as real plain rounds run."""
-        return 1.0 / (self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False))
+        return 1.0 / self.plain_round_s(batch_size)
 
     def speedup(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
         """(the fastest draft length, its predicted speedup over plain decoding at this batch size): the

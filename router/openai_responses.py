@@ -140,6 +140,7 @@ def speculation_json(stats: pb.SpeculationStats) -> dict:
         "hit_ratio": stats.cache_hits / stats.cache_lookups if stats.cache_lookups else None,
         "fallback_rounds": stats.fallback_rounds,
         "branch_rounds": stats.branch_rounds,
+        "plan_drops": stats.plan_drops,
         "local": stats.local,
     }
 

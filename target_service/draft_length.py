@@ -64,6 +64,9 @@ class TargetDraftLength:
     def observe(self, seconds: float) -> None:
         self._chosen.observe(seconds)
 
+    def plain_round_s(self, batch_size: int) -> float | None:
+        return self.free.plain_round_s(batch_size) if self.free is not None else None
+
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:
             return self.fixed

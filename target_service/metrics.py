@@ -94,6 +94,9 @@ class TargetMetrics:
                                      "first, by method", [*names, "method"], registry=r)
         self.decode_seconds = Counter("specpool_target_decode_seconds", "Completions' time from their first "
                                       "token to their end, by method", [*names, "method"], registry=r)
+        self.plan_drops = Counter("specpool_target_plan_drops", "Completions' plans that fell to the next one "
+                                  "down, measured slower than plain decoding, by the method planned",
+                                  [*names, "method"], registry=r)
 
     def fallback(self, reason: str, count: int) -> None:
         self.fallback_rounds.labels(**self._labels, reason=reason).inc(count)
@@ -120,6 +123,8 @@ class TargetMetrics:
         for r in request.results:
             if r.target_steps:
                 self.accept_length.observe(r.mean_accept_len)
+            if r.plan_drops:
+                self.plan_drops.labels(**self._labels, method=method).inc(r.plan_drops)
             self._count_positions(method, r.offered_at, r.accepted_at)
         if request.first_token_at is not None and tokens > request.n:
             decode_s = request.finished_at - request.first_token_at

@@ -230,7 +230,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
                     mean_accept_len=res.mean_accept_len, fallback_rounds=req.counts[i].fallback_rounds,
                     cache_hits=req.counts[i].cache_hits, cache_lookups=req.counts[i].cache_lookups,
-                    branch_rounds=res.branch_rounds,
+                    branch_rounds=res.branch_rounds, plan_drops=res.plan_drops,
                 ),
             ))
         first = (req.first_token_at - req.submitted_at) if req.first_token_at else 0.0

@@ -18,6 +18,7 @@ from specpool.engine.verification.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specpool.engine.drafters.ssd import Fork
+    from specpool.engine.plan import SpeculationPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,10 @@ class Drafter(Protocol):
     # It works while the target verifies (SSD pre-speculates the likely outcomes): the caller calls
     # `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead.
     prespeculates: bool = False
+
+    def replan(self, seq_id: str, plan: SpeculationPlan) -> None:
+        """The sequence speculates by `plan` from its next round (the decoder dropped its plan, measured
+        slower than plain decoding). Told only to a drafter that reads plans."""
 
     def outcome_arrived(self, seq_id: str, at: float) -> None:
         """When the outcome that `observe` gets next arrived (time.monotonic()), for a drafter that times

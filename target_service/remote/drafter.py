@@ -242,6 +242,16 @@ class RemoteDrafter(Drafter):
         seq.keep_features(features)
         self.local.observe(seq_id, tokens)
 
+    def replan(self, seq_id: str, plan: SpeculationPlan) -> None:
+        """Off the endpoint (SpeculationPlan.fallback never moves onto it): its session there closes with
+        the next flush, and the target's n-gram index, which has seen every token, drafts from now on."""
+        seq = self.sessions.get(seq_id)
+        if seq is None:
+            return
+        if seq.plan.remote and not plan.remote:
+            self.sessions.close(seq_id)
+        seq.plan = plan
+
     def release(self, seq_id: str) -> None:
         seq = self.sessions.remove(seq_id)
         self.local.release(seq_id)

@@ -123,6 +123,14 @@ class Sessions:
             self._to_close.append(seq_id)
         return seq
 
+    def close(self, seq_id: str) -> None:
+        """Keeps the sequence, drafted on the target from now on; its endpoint session closes with the
+        next flush (one whose open is still in flight, once that lands)."""
+        seq = self.seqs[seq_id]
+        if seq.opened:
+            self._to_close.append(seq_id)
+        seq.opened, seq.features, seq.unsent, seq.reads_features = False, None, [], False
+
     def flush_closes(self, conn: Connection | None) -> None:
         """One CloseSessions for every sequence that left (fire and forget: leases back it up)."""
         ids, self._to_close = self._to_close, []
@@ -174,6 +182,10 @@ class Sessions:
             for opened in reply.sessions:
                 seq = self.seqs.get(opened.request_id)
                 if seq is None:
+                    continue
+                if not seq.plan.remote:  # moved off the endpoint while this open was in flight
+                    if opened.ok:
+                        self._to_close.append(opened.request_id)
                     continue
                 seq.opened = opened.ok
                 if opened.ok:

@@ -95,6 +95,39 @@ def test_greedy_speculation_equals_ar(tiny_model):
     assert all(r.mean_accept_len > 4 for r in self_spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class PacedLength(FixedDraftLength):
+    """A fixed draft length that knows what a plain round takes."""
+
+    plain_s: float = 1.0
+
+    def plain_round_s(self, batch_size: int) -> float:
+        return self.plain_s
+
+
+@pytest.mark.parametrize("plain_s", [1e-9, 3600.0], ids=["plain is faster", "plain is slower"])
+def test_a_plan_measured_slower_than_plain_decoding_falls_to_none_within_a_few_rounds(tiny_model, plain_s):
+    """Drafts of a random draft model are rarely accepted: against plain rounds said to take 1 ns every
+    sequence's plan falls to none after its first round and PACED_ROUNDS more, and it drafts no more;
+    against plain rounds of an hour none falls. Output equals AR either way."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (4, 9, 2, 13)]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=24, stop_ids=[])
+    draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=7)
+    decoder = Decoder(tiny_model, 4, 64, ModelDrafter(draft, 4, 64), PacedLength(3, plain_s=plain_s))
+    results = [decoder.add(str(i), p, SamplingParams(), 24, stop_ids=[]) for i, p in enumerate(prompts)]
+    while decoder.has_work:
+        decoder.step()
+    assert [r.token_ids for r in results] == [r.token_ids for r in ar]
+    judged = decoding.PACED_ROUNDS + 1
+    for r in results:
+        assert all(drafted == 3 for drafted, _ in r.rounds[:judged])
+        if plain_s < 1:
+            assert r.plan_drops == 1 and all(drafted == 0 for drafted, _ in r.rounds[judged:]), r.rounds
+        else:
+            assert r.plan_drops == 0 and all(drafted > 0 for drafted, _ in r.rounds[:-1]), r.rounds
+
+
 def test_a_re_emitted_rejected_draft_is_fed_again(tiny_model):
     """A residual that falls back to p can emit the very draft it rejected: the drafter must still
     have that token to feed, though its cache already holds it as a draft."""

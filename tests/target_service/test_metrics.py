@@ -117,3 +117,12 @@ def test_every_fallback_reason_exists_before_the_first_fallback():
                                                  {**LABELS, "reason": reason.value}) == 0.0
     metrics.predicted("draft_model", 1.7)
     assert sample(metrics, "specpool_target_predicted_speedup", method="draft_model") == 1.7
+
+
+def test_plan_drops_are_counted_by_the_method_planned():
+    from specpool.engine.decoding import GenerationResult
+
+    metrics = TargetMetrics("m", "alpha")
+    metrics.observe_request(request([GenerationResult([1], token_ids=[2, 3], plan_drops=2),
+                                     GenerationResult([1], token_ids=[2])], Method.SSD))
+    assert sample(metrics, "specpool_target_plan_drops_total", method="ssd") == 2

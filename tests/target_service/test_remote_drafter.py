@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specpool.common.speculation import Method, sparse_q_from_pb
-from specpool.engine.decoding import Decoder, generate
+from specpool.engine.decoding import PACED_ROUNDS, Decoder, generate
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
@@ -30,6 +30,7 @@ from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.fallback import Fallback
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2
+from tests.engine.test_decoding import PacedLength
 
 VOCAB = 64
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4]]
@@ -333,6 +334,44 @@ def test_an_endpoints_drafts_are_verified_and_its_sessions_closed(tiny_model, ar
     assert max(endpoint.asked) == 2  # the request's cap, applied by the draft length
     assert {s.drafter for s in endpoint.specs} == {pb.DRAFTER_KIND_DRAFT_MODEL}
     assert sorted(endpoint.closed) == sorted(ar)
+
+
+def test_a_plan_slower_than_plain_decoding_leaves_the_endpoint_then_speculation(tiny_model, ar):
+    """Plain rounds said to take 1 ns, drafts always wrong: each sequence's endpoint plan falls to the
+    target's n-gram index after its first round and PACED_ROUNDS more (its endpoint session closed then,
+    not at its end), and that plan to none at most as many rounds later. Output equals AR."""
+    asked: dict[str, int] = {}
+
+    def counted(seq_id, tokens):
+        asked[seq_id] = asked.get(seq_id, 0) + 1
+        return pb.SequenceDrafts(request_id=seq_id, tokens=[(t + 1) % VOCAB for t in tokens])
+
+    endpoint = Endpoint(ar, drafts=counted)
+    server, address = serve(endpoint)
+    client = client_for(address, Recorder())
+    decoder = Decoder(tiny_model, len(PROMPTS), 128, client, PacedLength(3, plain_s=1e-9))
+    try:
+        # Long enough for both plans to be judged (the n-gram index drafts the tiny target's loops well).
+        results = [decoder.add(str(i), p, SamplingParams(), 3 * NEW, stop_ids=[], plan=REMOTE)
+                   for i, p in enumerate(PROMPTS)]
+        judged = PACED_ROUNDS + 1
+        while decoder.has_work and any(r.target_steps < judged + 1 for r in results):
+            decoder.step()
+        end = time.monotonic() + 5.0  # CloseSessions is fire and forget
+        while len(endpoint.closed) < len(PROMPTS) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert sorted(endpoint.closed) == sorted(ar), "closed on leaving the endpoint, while still running"
+        while decoder.has_work:
+            decoder.step()
+    finally:
+        client.close()
+        server.stop(0)
+    longer = generate(tiny_model, PROMPTS, SamplingParams(), 3 * NEW, stop_ids=[])
+    assert [r.token_ids for r in results] == [r.token_ids for r in longer]
+    assert asked == {str(i): judged for i in range(len(PROMPTS))}, "the endpoint drafted only the judged rounds"
+    for r in results:
+        assert r.plan_drops == 2 and all(drafted == 0 for drafted, _ in r.rounds[2 * judged:]), r.rounds
+        assert all(drafted > 0 for drafted, _ in r.rounds[:judged]), "drafted on the endpoint first"
 
 
 def test_unusable_replies_fall_back_for_that_round_only(tiny_model, ar):

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/target.proto\x12\x0bspecpool.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x42\x07\n\x05_seed\"o\n\x15SpeculationPreference\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04tree\x18\x03 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specpool.v1.ChatMessage\"\x8c\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x15.specpool.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x05 \x01(\x0b\x32\x19.specpool.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x37\n\x0bspeculation\x18\x08 \x01(\x0b\x32\".specpool.v1.SpeculationPreference\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\t\n\x01n\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x18\n\x10resume_token_ids\x18\r \x03(\x05\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x8c\x02\n\x10SpeculationStats\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x14\n\x0ctarget_steps\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fmean_accept_len\x18\x05 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x06 \x01(\x05\x12\x12\n\ncache_hits\x18\x07 \x01(\x05\x12\x15\n\rcache_lookups\x18\x08 \x01(\x05\x12\x15\n\rbranch_rounds\x18\t \x01(\x05\x12\r\n\x05local\x18\n \x01(\x08\"\xa2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specpool.v1.SpeculationStats\"\x87\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.specpool.v1.TokenDeltaH\x00\x12,\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1b.specpool.v1.GenerateResultH\x00\x42\x07\n\x05\x65vent\"<\n\nTokenDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\xb6\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.specpool.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specpool.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xc5\x01\n\x0fGetInfoResponse\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x06 \x01(\x05\x12\x15\n\rspec_endpoint\x18\x07 \x01(\t\x12\x1e\n\x16spec_endpoint_attached\x18\x08 \x01(\x08*\xcf\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03\x12\x1a\n\x16SPECULATION_METHOD_SSD\x10\x04\x12\x1b\n\x17SPECULATION_METHOD_HEAD\x10\x05*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xe3\x01\n\rTargetService\x12I\n\x08Generate\x12\x1c.specpool.v1.GenerateRequest\x1a\x1d.specpool.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.specpool.v1.CancelRequest\x1a\x1b.specpool.v1.CancelResponse\x12\x44\n\x07GetInfo\x12\x1b.specpool.v1.GetInfoRequest\x1a\x1c.specpool.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specpool/v1/target.proto\x12\x0bspecpool.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x42\x07\n\x05_seed\"o\n\x15SpeculationPreference\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04tree\x18\x03 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specpool.v1.ChatMessage\"\x8c\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\nprompt_ids\x18\x04 \x01(\x0b\x32\x15.specpool.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x05 \x01(\x0b\x32\x19.specpool.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.specpool.v1.SamplingParams\x12\x37\n\x0bspeculation\x18\x08 \x01(\x0b\x32\".specpool.v1.SpeculationPreference\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\t\n\x01n\x18\n \x01(\x05\x12\x12\n\nsession_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x18\n\x10resume_token_ids\x18\r \x03(\x05\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa0\x02\n\x10SpeculationStats\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x14\n\x0ctarget_steps\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fmean_accept_len\x18\x05 \x01(\x01\x12\x17\n\x0f\x66\x61llback_rounds\x18\x06 \x01(\x05\x12\x12\n\ncache_hits\x18\x07 \x01(\x05\x12\x15\n\rcache_lookups\x18\x08 \x01(\x05\x12\x15\n\rbranch_rounds\x18\t \x01(\x05\x12\r\n\x05local\x18\n \x01(\x08\x12\x12\n\nplan_drops\x18\x0b \x01(\x05\"\xa2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specpool.v1.FinishReason\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specpool.v1.SpeculationStats\"\x87\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.specpool.v1.TokenDeltaH\x00\x12,\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1b.specpool.v1.GenerateResultH\x00\x42\x07\n\x05\x65vent\"<\n\nTokenDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\"\xb6\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x17.specpool.v1.Completion\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specpool.v1.Usage\x12\x1d\n\x15time_to_first_token_s\x18\x05 \x01(\x01\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xc5\x01\n\x0fGetInfoResponse\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x06 \x01(\x05\x12\x15\n\rspec_endpoint\x18\x07 \x01(\t\x12\x1e\n\x16spec_endpoint_attached\x18\x08 \x01(\x08*\xcf\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03\x12\x1a\n\x16SPECULATION_METHOD_SSD\x10\x04\x12\x1b\n\x17SPECULATION_METHOD_HEAD\x10\x05*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xe3\x01\n\rTargetService\x12I\n\x08Generate\x12\x1c.specpool.v1.GenerateRequest\x1a\x1d.specpool.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.specpool.v1.CancelRequest\x1a\x1b.specpool.v1.CancelResponse\x12\x44\n\x07GetInfo\x12\x1b.specpool.v1.GetInfoRequest\x1a\x1c.specpool.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpool.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMETHOD']._serialized_start=1969
-  _globals['_SPECULATIONMETHOD']._serialized_end=2176
-  _globals['_FINISHREASON']._serialized_start=2178
-  _globals['_FINISHREASON']._serialized_end=2302
+  _globals['_SPECULATIONMETHOD']._serialized_start=1989
+  _globals['_SPECULATIONMETHOD']._serialized_end=2196
+  _globals['_FINISHREASON']._serialized_start=2198
+  _globals['_FINISHREASON']._serialized_end=2322
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=151
   _globals['_SPECULATIONPREFERENCE']._serialized_start=153
@@ -50,23 +50,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=796
   _globals['_USAGE']._serialized_end=853
   _globals['_SPECULATIONSTATS']._serialized_start=856
-  _globals['_SPECULATIONSTATS']._serialized_end=1124
-  _globals['_COMPLETION']._serialized_start=1127
-  _globals['_COMPLETION']._serialized_end=1289
-  _globals['_GENERATERESPONSE']._serialized_start=1292
-  _globals['_GENERATERESPONSE']._serialized_end=1427
-  _globals['_TOKENDELTA']._serialized_start=1429
-  _globals['_TOKENDELTA']._serialized_end=1489
-  _globals['_GENERATERESULT']._serialized_start=1492
-  _globals['_GENERATERESULT']._serialized_end=1674
-  _globals['_CANCELREQUEST']._serialized_start=1676
-  _globals['_CANCELREQUEST']._serialized_end=1711
-  _globals['_CANCELRESPONSE']._serialized_start=1713
-  _globals['_CANCELRESPONSE']._serialized_end=1748
-  _globals['_GETINFOREQUEST']._serialized_start=1750
-  _globals['_GETINFOREQUEST']._serialized_end=1766
-  _globals['_GETINFORESPONSE']._serialized_start=1769
-  _globals['_GETINFORESPONSE']._serialized_end=1966
-  _globals['_TARGETSERVICE']._serialized_start=2305
-  _globals['_TARGETSERVICE']._serialized_end=2532
+  _globals['_SPECULATIONSTATS']._serialized_end=1144
+  _globals['_COMPLETION']._serialized_start=1147
+  _globals['_COMPLETION']._serialized_end=1309
+  _globals['_GENERATERESPONSE']._serialized_start=1312
+  _globals['_GENERATERESPONSE']._serialized_end=1447
+  _globals['_TOKENDELTA']._serialized_start=1449
+  _globals['_TOKENDELTA']._serialized_end=1509
+  _globals['_GENERATERESULT']._serialized_start=1512
+  _globals['_GENERATERESULT']._serialized_end=1694
+  _globals['_CANCELREQUEST']._serialized_start=1696
+  _globals['_CANCELREQUEST']._serialized_end=1731
+  _globals['_CANCELRESPONSE']._serialized_start=1733
+  _globals['_CANCELRESPONSE']._serialized_end=1768
+  _globals['_GETINFOREQUEST']._serialized_start=1770
+  _globals['_GETINFOREQUEST']._serialized_end=1786
+  _globals['_GETINFORESPONSE']._serialized_start=1789
+  _globals['_GETINFORESPONSE']._serialized_end=1986
+  _globals['_TARGETSERVICE']._serialized_start=2325
+  _globals['_TARGETSERVICE']._serialized_end=2552
 # @@protoc_insertion_point(module_scope)

@@ -116,7 +116,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("method", "target_steps", "drafted_tokens", "accepted_tokens", "mean_accept_len", "fallback_rounds", "cache_hits", "cache_lookups", "branch_rounds", "local")
+    __slots__ = ("method", "target_steps", "drafted_tokens", "accepted_tokens", "mean_accept_len", "fallback_rounds", "cache_hits", "cache_lookups", "branch_rounds", "local", "plan_drops")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class SpeculationStats(_message.Message):
     CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DROPS_FIELD_NUMBER: _ClassVar[int]
     method: SpeculationMethod
     target_steps: int
     drafted_tokens: int
@@ -137,7 +138,8 @@ class SpeculationStats(_message.Message):
     cache_lookups: int
     branch_rounds: int
     local: bool
-    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., target_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accept_len: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., branch_rounds: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
+    plan_drops: int
+    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., target_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_accept_len: _Optional[float] = ..., fallback_rounds: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., branch_rounds: _Optional[int] = ..., local: _Optional[bool] = ..., plan_drops: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("index", "token_ids", "text", "finish_reason", "speculation")
