@@ -29,6 +29,7 @@ class FeatureCorpus:
     sequences: list[list[int]]  # prompt + answer token ids
     prompt_lens: list[int]
     features: list[torch.Tensor]  # per sequence [T, d] fp16: the target's hidden state at each position
+    seconds: float = 0.0  # the data pass's time, every run's (record_features)
 
     def save(self, path: Path) -> None:
         torch.save(self.__dict__, path)
@@ -41,6 +42,10 @@ class FeatureCorpus:
         """-> (the first n sequences, the rest)."""
         fields = (self.sequences, self.prompt_lens, self.features)
         return FeatureCorpus(*(f[:n] for f in fields)), FeatureCorpus(*(f[n:] for f in fields))
+
+    @property
+    def tokens_per_hour(self) -> float:
+        return self.num_tokens / self.seconds * 3600 if self.seconds else 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -153,4 +158,5 @@ def load_shards(shard_dir: Path) -> FeatureCorpus:
         corpus.sequences += shard["sequences"]
         corpus.prompt_lens += shard["prompt_lens"]
         corpus.features += shard["features"]
+        corpus.seconds += shard["seconds"]
     return corpus

@@ -1,8 +1,9 @@
 """`specpool train-draft --kind head`: the feature-fed draft head, resumable at every stage.
 
 Stages write into --work-dir: prompts.pt (code and chat prompts), features/shard-*.pt (the target's
-answers with its features at every position) and head_train.pt (head, optimiser and clock). Re-running with the same --work-dir resumes
-where it stopped; a larger --train-minutes continues training the same head.
+answers with its features at every position) and head_train.pt (head, optimiser and clock).
+Re-running with the same --work-dir resumes where it stopped; a larger --data-minutes or
+--train-minutes continues the same data pass or the same head.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specpool.bench.workloads import CHAT
+from specpool.common.machine import machine_info
 from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.runtime.device import native_bf16
 from specpool.engine.runtime.gguf_loader import load_gguf
@@ -61,7 +63,8 @@ def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float
     held_out, train_prompts = prompts[:HELD_OUT], prompts[HELD_OUT:]
     corpus = record_features(target, train_prompts, work_dir / "features", data_minutes * 60, gen_batch,
                              max_new_tokens, seed)
-    print(f"features: {len(corpus.sequences)} sequences, {corpus.num_tokens} tokens")
+    print(f"features: {len(corpus.sequences)} sequences, {corpus.num_tokens} tokens, "
+          f"{corpus.tokens_per_hour / 1e6:.2f}M tokens an hour")
     return corpus, held_out
 
 
@@ -136,6 +139,9 @@ def run(cfg: TrainHeadConfig) -> dict:
         "draft_vocab": len(output_ids),
         "corpus_sequences": len(corpus.sequences),
         "corpus_tokens": corpus.num_tokens,
+        "data_seconds": round(corpus.seconds),
+        "data_tokens_per_hour": round(corpus.tokens_per_hour),
+        "machine": machine_info(),
         "heldout_sequences": len(eval_corpus.sequences),
         "train_steps": state["step"],
         "train_tokens": state["tokens"],
@@ -155,6 +161,11 @@ def write_card(report: dict, path: Path) -> None:
     rows = acceptance_rows(report)
     agree = ", ".join(f"step {j + 1}: {a:.1%}" for j, a in enumerate(report["heldout_top1_agreement_by_step"]))
     c = report["config"]
+    curve = "; ".join(f"{tokens}: " + ", ".join(f"{a:.1%}" for a in by_step)
+                      for tokens, by_step in report.get("learning_curve", []))
+    m = report.get("machine", {})
+    machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('cpu_capability', '?')}, " + (
+        "native bf16" if m.get("native_bf16") else "no native bf16")
     path.write_text(f"""# Feature-fed draft head for {report['target']}
 
 An EAGLE-style head trained by `specpool train-draft --kind head` (training/head.py): one Llama
@@ -165,17 +176,24 @@ draft it reads its own predicted features. It shares the target's tokenizer and 
 (read from the target GGUF at load time).
 
 - **Init**: the target's last layer, final norm and head rows; the fusing layer at random.
-- **Data**: the target's own answers (greedy and sampled at T=0.8, top-p 0.95) to prompts built
-  from Python standard-library functions (train-draft's text; no benchmark workload), and the
-  target's features at every position: {report['corpus_sequences']} sequences, {report['corpus_tokens']} tokens.
+- **Data**: the target's own answers (greedy, and sampled at T=0.8, top-p 0.95), decoded 32 at a
+  time in its default format ({c['dtype']}), to code prompts (documented functions of the stdlib and
+  the installed packages) alternating with chat prompts (requests the target wrote itself, templates
+  over everyday subjects, tasks over module docs; no benchmark workload), and the target's features
+  at every position, taken from those same forwards: {report['corpus_sequences']} sequences,
+  {report['corpus_tokens']} tokens in {report.get('data_seconds', 0)} s ({report.get('data_tokens_per_hour', 0) / 1e6:.2f}M tokens an hour).
 - **Training**: soft cross-entropy to the target's distribution (recomputed from its stored
   features, over the reduced vocabulary) at each of {c['unrolled_steps']} unrolled drafting steps, weighted
   0.8^step; AdamW lr {c['lr']}, batch {c['train_batch']} x {c['window']}, {report['train_steps']} steps,
-  {report['train_tokens']} tokens, {report['train_seconds']} s on a 2-core CPU.
+  {report['train_tokens']} tokens, {report['train_seconds']} s on a 2-core CPU{' (bf16 autocast)' if report.get('bf16_autocast') else ''}.
 - **Held-out** ({report['heldout_sequences']} sequences, 5%): top-1 agreement with the target's
   full-vocabulary argmax, {agree}.
+- **Learning curve** (held-out subset, at each checkpoint: training tokens, then agreement at
+  steps 1-{c['unrolled_steps']}): {curve}.
+- **Machine**: {machine}.
 
-Greedy speculative decoding (chains) on 16 held-out stdlib prompts, 96 new tokens (fp32 target):
+Greedy speculative decoding (chains) on 16 held-out prompts (code and chat), 96 new tokens, the
+target in its default format:
 
 | K | tokens per target step (bonus incl.) | accepted / drafted | output equals AR |
 |---|---|---|---|
