@@ -106,3 +106,6 @@ class HybridDraftLength:
 
     def observe(self, seconds: float) -> None:
         self.policy.observe(seconds)
+
+    def plain_round_s(self, batch_size: int) -> float:
+        return self.policy.plain_round_s(batch_size)

@@ -107,6 +107,20 @@ def test_the_hybrids_policy_charges_the_model_only_for_the_rows_it_drafts():
     assert drafter.store_rounds == 1 and share.value == 0.9
 
 
+def test_the_hybrids_policy_runs_the_decoder_and_equals_ar(tiny_model):
+    """Through the decoder, as the bench's head-suffix mode runs it: the hybrid's length is a whole
+    DraftLength (each round it is also asked what a plain round takes, to pace the plan)."""
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=20, stop_ids=[])
+    target = StepCosts((1, 2), (0, 4, 8), ((0.03, 0.031, 0.032), (0.03, 0.031, 0.032)))
+    share = ModelShare()
+    policy = HybridDraftLength(SpeculationPolicy(target, max_draft=8, min_gain=1.0), share)
+    drafter = HybridTreeDrafter(ModelDrafter(tiny_model, 2, 64, tree=TreeShape(2, 2, 4)), SuffixStore(100), share=share)
+    spec = generate(tiny_model, prompts, SamplingParams(), 20, drafter, policy=policy, stop_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert all(r.drafted_tokens > 0 for r in spec)
+
+
 def test_the_target_drafting_for_itself_accepts_its_greedy_path(tiny_model):
     prompts = [[5, 9, 14, 3], [7, 7, 2]]
     ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=20, stop_ids=[])
