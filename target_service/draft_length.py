@@ -59,7 +59,8 @@ class TargetDraftLength:
         plans = [r.plan or LOCAL_NGRAM for r in batch]
         self._chosen = self._policy({p.method for p in plans if p.remote})
         lengths = self._chosen.lengths(batch, acceptance)
-        return [0 if p.method is Method.NONE else min(n, p.max_draft_tokens or n) for p, n in zip(plans, lengths)]
+        # (A plan of no speculation is offered nothing by the decoder itself: engine/decoding.py `_offers`.)
+        return [min(n, p.max_draft_tokens or n) for p, n in zip(plans, lengths)]
 
     def observe(self, seconds: float) -> None:
         self._chosen.observe(seconds)

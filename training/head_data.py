@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specpool.engine.decoding import Decoder
+from specpool.engine.decoding import Decoder, GenerationResult
 from specpool.engine.drafters.base import Drafter, Drafts
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
@@ -102,11 +102,11 @@ def record_features(target: Llama, prompts: Sequence[list[int]], shard_dir: Path
     recorder = FeatureRecorder()
     max_len = max(len(prompts[i]) for i in todo) + max_new_tokens + 1 if todo else 1
     decoder = Decoder(target, batch_size, max_len, recorder)
-    running: dict[str, tuple[int, object]] = {}
+    running: dict[str, tuple[int, GenerationResult]] = {}
     shard = {"prompt_ids": [], "sequences": [], "prompt_lens": [], "features": [], "seconds": 0.0}
     deadline = time.monotonic() + seconds
     bar = tqdm(total=len(prompts), initial=len(done), desc="answers with features", unit="seq")
-    tokens = 0
+    tokens = shard_held = 0
     start = last_write = time.monotonic()
     while todo or running:
         while todo and decoder.free_slots > 0 and time.monotonic() < deadline:
@@ -126,11 +126,13 @@ def record_features(target: Llama, prompts: Sequence[list[int]], shard_dir: Path
             shard["prompt_lens"].append(len(prompts[i]))
             shard["features"].append(features)
             tokens += len(features)
+            shard_held += len(features)
             bar.update(1)
             bar.set_postfix(tokens_per_hour=f"{tokens / (time.monotonic() - start) * 3600 / 1e6:.2f}M")
-            if sum(map(len, shard["features"])) >= shard_tokens:
+            if shard_held >= shard_tokens:
                 shard["seconds"], last_write = time.monotonic() - last_write, time.monotonic()
                 _write_shard(shard_dir, shard)
+                shard_held = 0
     if shard["prompt_ids"]:
         shard["seconds"] = time.monotonic() - last_write
         _write_shard(shard_dir, shard)

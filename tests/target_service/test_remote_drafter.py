@@ -211,15 +211,15 @@ def test_trees_are_checked_and_verified_as_trees_unless_a_q_row_shares_their_gro
 # -- draft length: the policy owns the caps ----------------------------------------------------
 
 
-def test_the_draft_length_applies_each_requests_cap_and_none_drafts_nothing():
-    """Each sequence's plan travels with it (Running.plan): the length reads it there."""
+def test_the_draft_length_applies_each_requests_cap():
+    """Each sequence's plan travels with it (Running.plan): the length reads it there. (A plan of no
+    speculation drafts nothing whatever the length says: the decoder's rule, tests/engine/test_decoding.py.)"""
     client = client_for(None, Recorder())
-    plans = {"a": REMOTE, "b": SpeculationPlan(Method.NGRAM, True, max_draft_tokens=2),
-             "c": SpeculationPlan(Method.NONE, False)}
+    plans = {"a": REMOTE, "b": SpeculationPlan(Method.NGRAM, True, max_draft_tokens=2)}
     length = TargetDraftLength(client, None, fixed=4)
     batch = [Running(s, 0, 10, plan) for s, plan in plans.items()]
     assert length.max_draft == 4
-    assert length.lengths(batch, AcceptanceEstimate()) == [4, 2, 0]
+    assert length.lengths(batch, AcceptanceEstimate()) == [4, 2]
 
 
 def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
