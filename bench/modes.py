@@ -54,7 +54,7 @@ class BenchConfig:
     datastore: Path | None
     head_dir: Path | None = None  # the feature-fed head (modes head, head-tree, head-suffix)
     dtype: str = "auto"  # the target's
-    draft_dtype: str = "bf16"  # the draft model's (bf16 where native: its speed matters, its q is sent exactly)
+    draft_dtype: str = "auto"  # the draft model's and the head's (engine/runtime/device.py draft_format)
     seed: int = 0
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
     threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers

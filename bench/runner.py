@@ -29,7 +29,7 @@ from tqdm import tqdm
 from specpool.bench.modes import PEERS, BenchConfig, ModeTotals, build_runners, mode_hardware
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
 from specpool.common.machine import machine_info
-from specpool.engine.runtime.device import resolve_dtype
+from specpool.engine.runtime.device import draft_format, resolve_dtype
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import SpeculationPolicy
 from specpool.engine.verification.sampling import SamplingParams
@@ -76,7 +76,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         "model": cfg.model_path.name,
         "dtype": str(model.dtype).removeprefix("torch."),
         "weight_format": model.format.name,  # q4: the GGUF's 4-bit blocks (engine/runtime/linear.py)
-        "draft_dtype": str(resolve_dtype(cfg.draft_dtype, model.device)).removeprefix("torch."),
+        "draft_format": _draft_format(cfg.draft_dtype, model.device),
         "policy_min_gain": SpeculationPolicy.min_gain,
         "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,
         "workload": cfg.workload,
@@ -88,6 +88,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         "target": target_profile(model, start_s, rows),
         "results": rows,
     }
+
+
+def _draft_format(name: str, device: torch.device) -> str:
+    """What the drafts ran: q8_0 blocks, or their dense dtype."""
+    dtype, blocks = draft_format(name, device)
+    return blocks.name.lower() if blocks else str(resolve_dtype(dtype, device)).removeprefix("torch.")
 
 
 def target_profile(model: Llama, start_s: float, rows: list[dict]) -> dict:

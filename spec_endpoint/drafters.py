@@ -101,7 +101,7 @@ class LoadOptions:
     device: torch.device
     step_cost_dir: Path | None = None
     ssd: dict | None = None  # SsdDrafter options
-    dtype: str = "bf16"
+    dtype: str = "auto"  # engine/runtime/device.py draft_format
     tree_shape: TreeShape = TREE_SHAPE
     suffix_tokens: int = 50_000  # per tenant's suffix store (0: none)
     suffix_stores: int = 16  # stores per model: the least recently used tenant's is dropped beyond

@@ -201,8 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tenants named in metric labels: the first this many to open a session; later "
                              "ones are counted under tenant=\"_other\"")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"],
-                        help="draft models' weights (bf16: where the device computes it natively, else fp32)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="draft models' weights (auto: Q8_0 blocks through the engine's CPU kernels where "
+                             "they build, else bf16 where the device computes it natively, else fp32)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     parser.add_argument("--channel-host", default="127.0.0.1",
                         help="address targets reach this endpoint's tensor-channel store on (its store "

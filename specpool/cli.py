@@ -229,8 +229,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                         "Ray on 127.0.0.1 for the run)")
     b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
     b.add_argument("--head", default="models/smollm2-135m-head", help="feature-fed head checkpoint directory")
-    b.add_argument("--draft-dtype", default="bf16", choices=["auto", "fp32", "bf16"],
-                   help="the draft model's weights (bf16: where the device computes it natively, else fp32)")
+    b.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the draft model's and the head's weights (auto: Q8_0 blocks through the engine's CPU "
+                        "kernels where they build, else bf16 where native, else fp32)")
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")
     b.add_argument("--json", default=None, help="write the report here")

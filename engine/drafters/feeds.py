@@ -62,9 +62,10 @@ class TokenFeed:
 
     def forward(self, cache: KVCache, slots: list[int], tokens: Sequence[list[int]],
                 features: Sequence[torch.Tensor | None], all_logits: bool = False,
-                parents: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                parents: list[list[int]] | None = None, own_vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward -> (logits, hidden [B, T, d]: the feature the model predicts after each position)."""
-        return self.model.forward(cache, slots, list(tokens), all_logits=all_logits, features=True, parents=parents)
+        return self.model.forward(cache, slots, list(tokens), all_logits=all_logits, features=True, parents=parents,
+                                  own_vocab=own_vocab)
 
     def observe(self, cache: KVCache, seq: DraftState, tokens: Sequence[int], features: torch.Tensor | None) -> None:
         """The tokens the target emitted after this round's drafts: keep the accepted drafts' K/V, pend
@@ -123,13 +124,13 @@ class FeatureFeed(TokenFeed):
     def row_features(self, true: torch.Tensor | None, predicted: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return torch.cat([true.to(self.model.dtype), *[p[None] for p in predicted]])
 
-    def forward(self, cache, slots, tokens, features, all_logits=False, parents=None):
+    def forward(self, cache, slots, tokens, features, all_logits=False, parents=None, own_vocab=False):
         fed = torch.zeros(len(slots), max(map(len, tokens)), self.model.config.d_model, dtype=self.model.dtype,
                           device=self.model.device)
         for b, f in enumerate(features):
             fed[b, : len(f)] = f
         return self.model.forward(cache, slots, list(tokens), all_logits=all_logits, features=True,
-                                  fed_features=fed, parents=parents)
+                                  fed_features=fed, parents=parents, own_vocab=own_vocab)
 
     def observe(self, cache, seq, tokens, features):
         """features [len(tokens), d]: the target's at the position before each token. Drafts were fed

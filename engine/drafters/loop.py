@@ -33,11 +33,13 @@ Pick = Callable[[int, list[int], torch.Tensor], torch.Tensor]
 
 
 def draft_steps(feed: TokenFeed, cache: KVCache, slots: Sequence[int], tokens: Sequence[list[int]],
-                features: Sequence[torch.Tensor | None], num_tokens: Sequence[int], pick: Pick):
+                features: Sequence[torch.Tensor | None], num_tokens: Sequence[int], pick: Pick,
+                own_vocab: bool = False):
     """The drafting loop of every model drafter: row b feeds tokens[b] (with features[b], for a feed that
     reads them), then each token it drafts (with the feature predicted at the step before), for
     num_tokens[b] steps; one forward a step for every row still drafting. The last draft of a row is
-    never fed: its cache holds the feed and its first n - 1 drafts.
+    never fed: its cache holds the feed and its first n - 1 drafts. `own_vocab`: `pick` gets the logits
+    of the model's own output rows (Llama.forward) and picks rows, mapped here to tokens.
     -> (drafts per row, the feature predicted after each of its steps)."""
     drafts: list[list[int]] = [[] for _ in slots]
     predicted: list[list[torch.Tensor]] = [[] for _ in slots]
@@ -45,12 +47,14 @@ def draft_steps(feed: TokenFeed, cache: KVCache, slots: Sequence[int], tokens: S
     for j in range(max(num_tokens, default=0)):
         active = [b for b, n in enumerate(num_tokens) if n > j]
         fed = [feed_tokens[b] for b in active]
-        logits, hidden = feed.forward(cache, [slots[b] for b in active], fed, [feed_features[b] for b in active])
+        logits, hidden = feed.forward(cache, [slots[b] for b in active], fed, [feed_features[b] for b in active],
+                                      own_vocab=own_vocab)
         last = after_last(hidden, fed)
         for a, b in enumerate(active):
             predicted[b].append(last[a])
             feed_features[b] = last[a][None]
-        for b, t in zip(active, pick(j, active, logits).tolist()):
+        picked = pick(j, active, logits)
+        for b, t in zip(active, (feed.model.token_ids(picked) if own_vocab else picked).tolist()):
             drafts[b].append(t)
             feed_tokens[b] = [t]
     return drafts, predicted
@@ -65,6 +69,7 @@ class DraftPicker:
                  generator: torch.Generator | None, sparse: bool):
         self.params, self.generator = params, generator
         self.sampled = not params.greedy
+        self.own_vocab = not self.sampled  # a greedy pick needs no q over the whole vocabulary
         self.sparse = self.sampled and sparse and params.top_k > 0
         self.probs = torch.zeros(batch, k, vocab_size) if self.sampled and not self.sparse else None
         self.topk_ids = torch.zeros(batch, k, params.top_k, dtype=torch.long) if self.sparse else None

@@ -68,7 +68,7 @@ class ModelDrafter(Drafter):
         # A row with nothing to draft keeps its pending tokens for the next round.
         taken = [self.feed.take(self.cache, s) if n > 0 else ([], None) for s, n in zip(seqs, num_tokens)]
         drafts, _ = draft_steps(self.feed, self.cache, [s.slot for s in seqs], [t for t, _ in taken],
-                                [f for _, f in taken], num_tokens, picker.pick)
+                                [f for _, f in taken], num_tokens, picker.pick, own_vocab=picker.own_vocab)
         for seq, n, drafted in zip(seqs, num_tokens, drafts):
             if n > 0:
                 seq.fed, seq.drafts = n - 1, tuple(drafted)
@@ -92,16 +92,19 @@ class ModelDrafter(Drafter):
             feeds = [[cands[a].tokens[n] for n in pick] for a, pick in zip(rows, picks)]
             fed_parents = [cands[a].feed(pick) for a, pick in zip(rows, picks)]
             logits, hidden = self.feed.forward(self.cache, [act[a].slot for a in rows], feeds, features,
-                                               all_logits=True, parents=fed_parents)
+                                               all_logits=True, parents=fed_parents, own_vocab=True)
             for i, (a, pick) in enumerate(zip(rows, picks)):
                 predicted[a].update((n, hidden[i, j]) for j, n in enumerate(pick))
             return tree_logprobs(logits, params)
 
         feeds, features = zip(*(self.feed.take(self.cache, s) for s in act))
-        logits, hidden = self.feed.forward(self.cache, [s.slot for s in act], feeds, features)
+        # Trees score the model's own rows (a head's reduced vocabulary): every sampler transform gives the
+        # tokens outside them no probability anyway.
+        logits, hidden = self.feed.forward(self.cache, [s.slot for s in act], feeds, features, own_vocab=True)
         for a, feature in enumerate(after_last(hidden, feeds)):
             predicted[a][-1] = feature
-        trees = grow_trees(tree_logprobs(logits, params), [budgets[b] for b in active], shape, expand, cands)
+        trees = grow_trees(tree_logprobs(logits, params), [budgets[b] for b in active], shape, expand, cands,
+                           self.model.output_ids)
         for a, b in enumerate(active):
             tokens[b], parents[b] = trees[a]
             # The tree's K/V all go at the next observe (no accepted node is kept: it is fed again).

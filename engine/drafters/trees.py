@@ -82,12 +82,17 @@ Expand = Callable[[list[int], list[list[int]]], torch.Tensor]
 
 
 def grow_trees(first: torch.Tensor, budgets: Sequence[int], shape: TreeShape, expand: Expand,
-               rows: list[Candidates]) -> list[tuple[list[int], list[int]]]:
+               rows: list[Candidates], token_ids: torch.Tensor | None = None) -> list[tuple[list[int], list[int]]]:
     """first [B, V]: the draft's log-probabilities for each row's next token -> (tokens, parents) of
-    each row's tree of at most budgets[b] nodes."""
+    each row's tree of at most budgets[b] nodes. token_ids: the token of each column of `first` and of
+    `expand`'s results (a reduced vocabulary's), None: the column's index."""
+
+    def tokens(indices: torch.Tensor) -> list:
+        return (indices if token_ids is None else token_ids[indices]).tolist()
+
     branch = min(shape.branch, first.shape[-1])
     top = torch.topk(first, branch)  # one call for every row: per-row calls dominate at large batches
-    for cand, n, lps, toks in zip(rows, budgets, top.values.tolist(), top.indices.tolist()):
+    for cand, n, lps, toks in zip(rows, budgets, top.values.tolist(), tokens(top.indices)):
         if n > 0:
             cand.add_children(-1, lps[: min(branch, n)], toks[: min(branch, n)])
     for depth in range(1, min(shape.max_depth, max(budgets, default=0))):
@@ -103,7 +108,7 @@ def grow_trees(first: torch.Tensor, budgets: Sequence[int], shape: TreeShape, ex
         if not active:
             break
         top = torch.topk(expand(active, picks), branch)  # [A, T, branch]
-        values, indices = top.values.tolist(), top.indices.tolist()
+        values, indices = top.values.tolist(), tokens(top.indices)
         for a, (b, level) in enumerate(zip(active, picks)):
             n = min(branch, budgets[b])
             for j, node in enumerate(level):

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from specpool.engine.runtime.config import ModelConfig
 
@@ -79,6 +79,12 @@ class QuantizedBlocks:
             q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, cols)
             return d, q
         raise ValueError(f"no block reader for {self.kind.name}")
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, kind: GGMLQuantizationType) -> QuantizedBlocks:
+        """A dense [out, in] matrix (in a multiple of 32) in a block format, as gguf's own quantization
+        computes it."""
+        return QuantizedBlocks(kind, tuple(weight.shape), quantize(weight.float().numpy(), kind))
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [out, in], as gguf's own dequantization computes it."""

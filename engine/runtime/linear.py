@@ -137,7 +137,8 @@ class BlockLinear:
     depends on that row alone, by the same instructions whatever the row count, so a verify step's rows
     equal a decode step's bit for bit; and the kernel unpacks each weight block once for up to 16 rows (8
     with AVX2), so a verify step's extra rows cost their dot products, not another pass over the weights.
-    Prefill steps run `prefill`, the dense twin.
+    Outputs come in lanes of 8 or 16: a matrix with a ragged last lane (a draft head's reduced vocabulary)
+    is padded with zero weights, whose outputs are cut off. Prefill steps run `prefill`, the dense twin.
     """
 
     FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
@@ -146,12 +147,12 @@ class BlockLinear:
         self.prefill = prefill
         self.bits = self.FORMATS[blocks.kind]
         self.out_features, self.in_features = blocks.shape
-        fields = blocks.fields()
-        d, q = fields[0], fields[-1]
-        m = fields[1] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d if self.bits == 4 else None
         # The kernel's layout (engine/runtime/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
         lanes, offset_8bit = torch.ops.specpool.block_layout()
-        blocks_out, groups = self.out_features // lanes, self.in_features // QuantizedBlocks.BLOCK
+        self.pad = -self.out_features % lanes
+        d, *rest, q = (F.pad(f, (0, 0, 0, self.pad)) for f in blocks.fields())  # zero rows: weights 0
+        m = rest[0] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d if self.bits == 4 else None
+        blocks_out, groups = (self.out_features + self.pad) // lanes, self.in_features // QuantizedBlocks.BLOCK
         if self.bits == 4:  # [blocks, groups, 4 vectors, lanes, 4 elements]: w_2L low nibbles, w_2L+1 high
             t = q.view(blocks_out, lanes, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
             self.qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes).contiguous()
@@ -173,8 +174,7 @@ class BlockLinear:
 
     @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:
-        lanes = torch.ops.specpool.block_layout()[0]
-        return blocks.kind in cls.FORMATS and blocks.shape[0] % lanes == 0 and blocks.shape[1] % QuantizedBlocks.BLOCK == 0
+        return blocks.kind in cls.FORMATS and blocks.shape[1] % QuantizedBlocks.BLOCK == 0
 
     @property
     def nbytes(self) -> int:
@@ -186,5 +186,8 @@ class BlockLinear:
         """x [..., in] in any float dtype -> [..., out] fp32, with what the kernel fuses around the product:
         `norm` [in], RMS-normalized x (x / sqrt(mean(x^2) + eps) * norm); `silu_mul`, x [..., 2 in] taken
         as (gate, up) and multiplied as silu(gate) * up; `residual` [..., out] added to the output."""
-        return torch.ops.specpool.block_linear(x.float(), self.qs, self.d, self.m, self.bits, norm, eps, silu_mul,
-                                               residual)
+        if self.pad and residual is not None:
+            residual = F.pad(residual, (0, self.pad))
+        y = torch.ops.specpool.block_linear(x.float(), self.qs, self.d, self.m, self.bits, norm, eps, silu_mul,
+                                            residual)
+        return y[..., : self.out_features] if self.pad else y

@@ -87,8 +87,24 @@ def test_block_linear_rows_do_not_depend_on_their_neighbours():
     assert torch.equal(head(x), torch.cat([head(x[i : i + 1]) for i in range(19)]))
 
 
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_a_ragged_last_lane_gives_the_bits_of_those_rows_in_a_wider_matrix(kind):
+    """Outputs come in lanes of 8 or 16; a matrix with fewer in its last lane (a draft head's reduced
+    vocabulary, 5486 rows) is padded with zero weights: its outputs are those rows' of a matrix that needs
+    no padding, bit for bit, with a residual too."""
+    blocks = _blocks(kind, 32, 576)
+    ragged_blocks = QuantizedBlocks(kind, (21, 576), blocks.data[:21])
+    assert BlockLinear.supports(ragged_blocks)
+    ragged, wide = BlockLinear(ragged_blocks, prefill=None), BlockLinear(blocks, prefill=None)
+    x, norm, residual = torch.randn(5, 576), torch.rand(576) + 0.5, torch.randn(5, 32)
+    assert ragged(x).shape == (5, 21)
+    assert torch.equal(ragged(x), wide(x)[:, :21])
+    assert torch.equal(ragged(x, norm, 1e-5), wide(x, norm, 1e-5)[:, :21])
+    assert torch.equal(ragged(x, residual=residual[:, :21]), wide(x, residual=residual)[:, :21])
+
+
 def test_block_linear_refuses_bad_shapes():
-    assert not BlockLinear.supports(_blocks(Q4_1, 12, 64))  # outputs come in lanes of 8
+    assert not BlockLinear.supports(QuantizedBlocks(GGMLQuantizationType.Q6_K, (16, 256), np.zeros((16, 210))))
     lin = BlockLinear(_blocks(Q4_1, 16, 64), prefill=None)
     with pytest.raises(RuntimeError, match="64"):
         lin(torch.randn(2, 96))
@@ -165,8 +181,11 @@ logging.basicConfig(level=logging.WARNING)
 from specpool.engine.runtime import kernels
 from specpool.engine.runtime.device import kernel_isa
 from specpool.engine.runtime.device import resolve_format
+from specpool.engine.runtime.device import draft_format, native_bf16
 fmt = resolve_format("q4", "cpu")
-print(json.dumps({"available": kernels.available(), "own_kernels": fmt.own_kernels, "int4": fmt.int4}))
+drafts = draft_format("auto", "cpu") == ("bf16" if native_bf16("cpu") else "fp32", None)
+print(json.dumps({"available": kernels.available(), "own_kernels": fmt.own_kernels, "int4": fmt.int4,
+                  "dense_drafts": drafts}))
 """
 
 
@@ -174,7 +193,8 @@ def test_without_a_compiler_the_eager_paths_run_after_one_log_line(tmp_path):
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "SPECPOOL_KERNEL_CACHE": str(tmp_path / "k")}
     out = subprocess.run([sys.executable, "-c", NO_COMPILER], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"available": False, "own_kernels": False, "int4": True}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"available": False, "own_kernels": False, "int4": True,
+                                                             "dense_drafts": True}
     warnings = [line for line in out.stderr.splitlines() if "could not be built" in line]
     assert len(warnings) == 1, out.stderr
 
