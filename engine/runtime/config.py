@@ -1,8 +1,25 @@
-"""Model shape, read from a GGUF header or written by hand for tiny test models."""
+"""Model shape, read from a GGUF header or a Hugging Face config.json, or written by hand for tiny test models.
+
+One description covers the families the engine runs (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3): they
+differ only by the fields after `feature_fed` (RoPE scaling, a sliding window, q/k/v biases, per-head
+q/k norms, a head width of their own).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling ("rope_type": "llama3"): wavelengths longer than
+    original_context / low_freq_factor are stretched by `factor`, shorter than original_context /
+    high_freq_factor kept, and those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,14 +39,38 @@ class ModelConfig:
     # A draft head (EAGLE style): each position's input fuses the token's embedding with a feature
     # (the target's last hidden state, or the head's own prediction of it) instead of the embedding alone.
     feature_fed: bool = False
+    # The width of a q/k/v head; None: d_model / n_heads (Qwen3 sets its own). Resolved at construction,
+    # so `dataclasses.replace` of d_model or n_heads must pass head_dim too.
+    head_dim: int | None = None
+    rope_scaling: RopeScaling | None = None  # a dict (from JSON) is read as RopeScaling
+    # A query sees only the last `sliding_window` positions, itself included (Mistral); None: all of them.
+    sliding_window: int | None = None
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2): weights layers.i.bq, bk, bv
+    qk_norm: bool = False  # an RMS norm over each q and k head before RoPE (Qwen3): layers.i.q_norm, k_norm
+    # Tokens that end a sequence besides eos_id (Llama 3's <|eot_id|>, <|eom_id|>).
+    extra_eos_ids: tuple[int, ...] = ()
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "extra_eos_ids", tuple(self.extra_eos_ids))
 
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a sequence by default."""
+        return (self.eos_id, *self.extra_eos_ids)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some query can be denied a key by the sliding window (a window of the whole context
+        never is)."""
+        return self.sliding_window is not None and self.sliding_window < self.max_context
 
 
 def tiny_config(vocab_size: int = 64, n_layers: int = 2, d_model: int = 32) -> ModelConfig:

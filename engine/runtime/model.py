@@ -20,15 +20,8 @@ from specpool.engine.runtime.device import default_device, draft_format, resolve
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
+from specpool.engine.runtime.rope import rope_angles
 from specpool.engine.verification.token_tree import attention_layout, is_chain, padded
-
-
-def rope_angles(config: ModelConfig) -> torch.Tensor:
-    """[max_context, head_dim/2] rotation angles, in float64 so long positions stay exact."""
-    half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
-    return torch.outer(torch.arange(config.max_context, dtype=torch.float64), inv_freq)
-
 
 SHORT_STEP = 16  # batched decode/verify steps (at most this many tokens per row) use _short_attention
 
@@ -91,19 +84,23 @@ class Llama:
             self.input_norms = torch.stack([w("embed_norm"), w("feature_norm")])  # [2, d]: one norm call for both
             self.fc = linear("fc")  # [d, 2d]: (normed embedding, normed feature) -> the layers' input
         self.layers = []
+        H, Hkv = config.n_heads, config.n_kv_heads
         for i in range(config.n_layers):
             p = f"layers.{i}."
-            self.layers.append(
-                {
-                    "attn_norm": w(p + "attn_norm"),
-                    # q, k and v in one matmul; gate and up in another: fewer kernel launches per layer.
-                    "wqkv": linear(p + "wq", p + "wk", p + "wv"),  # [(H+2Hkv)*D, d]
-                    "wo": linear(p + "wo"),
-                    "ffn_norm": w(p + "ffn_norm"),
-                    "w_gate_up": linear(p + "w_gate", p + "w_up"),  # [2F, d]
-                    "w_down": linear(p + "w_down"),
-                }
-            )
+            layer = {
+                "attn_norm": w(p + "attn_norm"),
+                # q, k and v in one matmul; gate and up in another: fewer kernel launches per layer.
+                "wqkv": linear(p + "wq", p + "wk", p + "wv"),  # [(H+2Hkv)*D, d]
+                "wo": linear(p + "wo"),
+                "ffn_norm": w(p + "ffn_norm"),
+                "w_gate_up": linear(p + "w_gate", p + "w_up"),  # [2F, d]
+                "w_down": linear(p + "w_down"),
+            }
+            if config.qkv_bias:
+                layer["bqkv"] = torch.cat([w(p + "bq"), w(p + "bk"), w(p + "bv")])  # [(H+2Hkv)*D]
+            if config.qk_norm:  # one weight row per q and k head: one norm call for both
+                layer["qk_norm"] = torch.cat([w(p + "q_norm").expand(H, -1), w(p + "k_norm").expand(Hkv, -1)])
+            self.layers.append(layer)
         # Under q4, attention runs in float64 (the cache stays fp32: each layer widens the keys it reads).
         # Its sums then round to the same fp32 whatever their order, so a query's output is the same bits
         # in a decode step, a verify step, a tree or a batch, as every other op of the q4 forward already
@@ -116,7 +113,9 @@ class Llama:
         # With the engine's own kernels and every layer matrix on the file's blocks, decode and verify steps
         # run five fused ops a layer (`_fused_layers`), attention in fp32 over each query's exact visible
         # keys: equal bits by construction, at fp32's cost.
-        self.fused = self.format.own_kernels and all(
+        # The fused attention knows no window start, bias or q/k norm: such a model runs the layers below.
+        generic = config.windowed or config.qkv_bias or config.qk_norm
+        self.fused = self.format.own_kernels and not generic and all(
             isinstance(layer[k], BlockLinear) for layer in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
         self.attention_dtype = torch.float64 if self.format.int4 and not self.fused else dtype
         # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
@@ -257,19 +256,29 @@ class Llama:
             in_tree = anc.gather(-1, rel.clamp(0, n - 1).expand(B, T, kv_len))
             visible = (rel < 0) | ((rel < n) & in_tree)  # [B, T, L]
             pos = base + depth.gather(1, node)  # the positions RoPE sees
+            # A key's position: its cache index before the tree, its node's depth past the prefix in it.
+            # A key's position (what a sliding window reads): its cache index before the tree, past the
+            # prefix by its node's depth inside it.
+            key_node = rel.clamp(0, n - 1)[:, 0]  # [B, L]
+            key_pos = torch.where(rel < 0, torch.arange(kv_len), (base + depth.gather(1, key_node))[:, None])  # [B, 1, L]
         ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
         # Float64 attention makes decode and verify agree bit for bit (see __init__); a prefill need not.
         attention_dtype = self.dtype if prefill else self.attention_dtype
 
         # Rows may start at different positions: an additive mask says which cached keys each query
         # sees. A lone prefill from position 0 is plain causal attention and needs none.
-        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP and not tree
+        # A sliding window hides the oldest keys once a step reaches past it: every query then needs a mask.
+        windowed = cfg.windowed and kv_len > cfg.sliding_window
+        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP and not tree and not windowed
         fused = self.fused and not prefill
         mask = None
-        if not fused and (tree or not causal_prefill and not (T == 1 and len(set(starts)) == 1)):
+        if not fused and (tree or windowed or not causal_prefill and not (T == 1 and len(set(starts)) == 1)):
             if not tree:
-                visible = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+                key_pos = torch.arange(kv_len, device=dev)[None, None, :]
+                visible = key_pos <= pos[:, :, None]  # [B, T, L]
             visible = visible.to(dev)
+            if windowed:
+                visible &= key_pos.to(dev) > pos[:, :, None] - cfg.sliding_window
             mask = torch.zeros(visible.shape, dtype=attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
             mask = mask[:, None]  # [B, 1, T, L]
         # The fused layers' attention takes, per query, where its K/V go and the keys it sees: its slot, a
@@ -316,13 +325,19 @@ class Llama:
         if prefill:
             matrices = [{k: getattr(m, "prefill", m) for k, m in layer.items()} for layer in self.layers]
         for li, layer in enumerate(matrices):
-            qkv = layer["wqkv"](x, layer["attn_norm"], cfg.norm_eps).view(B, T, H + 2 * Hkv, D)
+            qkv = layer["wqkv"](x, layer["attn_norm"], cfg.norm_eps)
+            if "bqkv" in layer:
+                qkv = qkv + layer["bqkv"]
+            qkv = qkv.view(B, T, H + 2 * Hkv, D)
+            qk = qkv[:, :, : H + Hkv]
+            if "qk_norm" in layer:
+                qk = F.rms_norm(qk, (D,), eps=cfg.norm_eps) * layer["qk_norm"]
             # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
             if self.rope_cis is not None:
-                qk = torch.view_as_complex(qkv[:, :, : H + Hkv].float().unflatten(-1, (D // 2, 2)))
+                qk = torch.view_as_complex(qk.float().unflatten(-1, (D // 2, 2)))
                 qk = torch.view_as_real(qk * cis).flatten(-2)
             else:
-                qk = qkv[:, :, : H + Hkv].unflatten(-1, (D // 2, 2))
+                qk = qk.unflatten(-1, (D // 2, 2))
                 x0, x1 = qk[..., 0], qk[..., 1]
                 qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
             q, k, v = qk[:, :, :H].to(attention_dtype), qk[:, :, H:], qkv[:, :, H + Hkv :]
@@ -413,4 +428,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             p + "w_up": randn(config.ffn_dim, d),
             p + "w_down": randn(d, config.ffn_dim),
         }
+        if config.qkv_bias:
+            weights |= {p + "bq": randn(config.n_heads * hd), p + "bk": randn(config.n_kv_heads * hd),
+                        p + "bv": randn(config.n_kv_heads * hd)}
+        if config.qk_norm:
+            weights |= {p + "q_norm": 1 + randn(hd, scale=0.1), p + "k_norm": 1 + randn(hd, scale=0.1)}
     return weights
