@@ -1,10 +1,15 @@
-"""Byte-level BPE tokenizer and chat template, both read from the GGUF itself."""
+"""Tokenizer and chat template, read from the model file: a GGUF's byte-level BPE fields, or a Hugging
+Face directory's tokenizer.json (any model the `tokenizers` library reads) and template."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from datetime import datetime
 
+import jinja2.ext
+from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -25,30 +30,51 @@ class Tokenizer:
         bos_id: int,
         eos_id: int,
     ):
+        """A GGUF's byte-level BPE: its tokens, merges and llama.cpp token types."""
         vocab = {tok: i for i, tok in enumerate(tokens)}
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
-        self._tok = HFTokenizer(bpe)
-        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        self._tok.decoder = decoders.ByteLevel()
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
         # The same BPE without control tokens: what a chat message's content is encoded with.
-        self._text_only = HFTokenizer.from_str(self._tok.to_str())
+        text_only = HFTokenizer.from_str(tok.to_str())
         # Control tokens must be matched whole, or "<|im_start|>" is split into "<", "|", ...
-        self.control_tokens = [tok for tok, ty in zip(tokens, token_types) if ty == CONTROL_TOKEN_TYPE]
-        self._tok.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in self.control_tokens])
-        self.vocab_size = len(tokens)
-        # Byte-level BPE spells a token with one character per byte: no token covers more text than this,
-        # so a text of n bytes has at least n / max_token_bytes tokens.
-        self.max_token_bytes = max(len(tok) for tok in tokens)
+        control = [t for t, ty in zip(tokens, token_types) if ty == CONTROL_TOKEN_TYPE]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        # Byte-level BPE spells a token with one character per byte.
+        self._setup(tok, text_only, control, len(tokens), max(len(t) for t in tokens), chat_template, bos_id, eos_id)
+
+    @classmethod
+    def from_hf(cls, tokenizer_json: str, chat_template: str | None, bos_id: int, eos_id: int) -> Tokenizer:
+        """A Hugging Face tokenizer.json (its text), whose special added tokens are the control tokens."""
+        tok = HFTokenizer.from_str(tokenizer_json)
+        spec = json.loads(tokenizer_json)
+        control = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if not t.get("special")]
+        text_only = HFTokenizer.from_str(json.dumps(spec))
+        size = tok.get_vocab_size(with_added_tokens=True)
+        spelled = tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        self = cls.__new__(cls)
+        self._setup(tok, text_only, control, size, max(len(s.encode()) for s in spelled), chat_template, bos_id,
+                    eos_id)
+        return self
+
+    def _setup(self, tok: HFTokenizer, text_only: HFTokenizer, control_tokens: list[str], vocab_size: int,
+               max_token_bytes: int, chat_template: str | None, bos_id: int, eos_id: int) -> None:
+        self._tok = tok
+        self._text_only = text_only
+        self.control_tokens = control_tokens
+        self.vocab_size = vocab_size
+        # No token covers more text than this, so a text of n bytes has at least n / max_token_bytes tokens.
+        self.max_token_bytes = max_token_bytes
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.chat_template = chat_template
-        # A model file is data: its template renders in a sandbox, so a crafted one cannot reach Python
-        # internals (a plain Environment let one run shell commands: the CVE-2024-34359 pattern).
-        self._template = (
-            ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(chat_template)
-            if chat_template
-            else None
-        )
+        # What templates may name besides the messages, as transformers renders them (Llama 3's starts with
+        # {{ bos_token }}).
+        self._template_vars = {name: tok.id_to_token(i) for name, i in (("bos_token", bos_id), ("eos_token", eos_id))
+                               if 0 <= i < vocab_size}
+        self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
     def from_gguf(cls, gguf_model) -> Tokenizer:
@@ -71,7 +97,8 @@ class Tokenizer:
         """Render messages with the model's own template (which adds its default system prompt)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a raw prompt instead of messages")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._template_vars)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The template's turn markers are control tokens; a message's content is text only, so a user
@@ -89,3 +116,23 @@ class Tokenizer:
             elif part:
                 ids += self.encode(part)
         return ids
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters; templates are written against transformers' plain one.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile(chat_template: str) -> jinja2.Template:
+    """A chat template in the environment transformers renders it in (block trimming, loop controls, its
+    helpers), sandboxed: a model file is data, so a crafted template cannot reach Python internals (a plain
+    Environment let one run shell commands: the CVE-2024-34359 pattern)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(chat_template)
