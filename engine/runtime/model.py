@@ -145,6 +145,19 @@ class Llama:
         return model, (Tokenizer.from_gguf(gguf_model) if gguf_model.tokens else None)
 
     @classmethod
+    def from_path(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
+        """(model, tokenizer) from a GGUF file or a Hugging Face model directory (engine/runtime/hf_loader.py);
+        tokenizer is None where the file has no vocabulary."""
+        if not Path(path).is_dir():
+            return cls.from_gguf(path, dtype, device)
+        from specpool.engine.runtime.hf_config import read_config
+        from specpool.engine.runtime.hf_loader import load_hf, load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(path, read_config(Path(path)))  # before the weights: a bad template fails fast
+        hf = load_hf(path)
+        return cls(hf.config, hf.weights, dtype, torch.device(device) if device else default_device()), tokenizer
+
+    @classmethod
     def from_draft_checkpoint(
         cls, directory: str | Path, embed: torch.Tensor, dtype: str | None = None, device: str | None = None
     ) -> Llama:
