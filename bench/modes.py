@@ -155,7 +155,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
         elif name == "ar-fp32":  # the reference format beside the default one (its own numerics: no match)
-            runners[mode] = _ours(Llama.from_gguf(cfg.model_path, dtype="fp32", device=str(model.device))[0],
+            runners[mode] = _ours(Llama.from_path(cfg.model_path, dtype="fp32", device=str(model.device))[0],
                                   cfg.max_tokens)
         elif name.startswith("ar@"):
             runners[mode] = _ours(model, cfg.max_tokens, threads=int(name[3:]))

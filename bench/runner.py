@@ -50,7 +50,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from specpool.bench.workloads import load_workload
 
     started = time.perf_counter()
-    model, tokenizer = Llama.from_gguf(cfg.model_path, dtype=cfg.dtype)
+    model, tokenizer = Llama.from_path(cfg.model_path, dtype=cfg.dtype)
     start_s = time.perf_counter() - started  # the file read, q4's repacking, the kernels' build or load
     prompts = load_workload(cfg.workload, tokenizer, cfg.limit)
     remote = None

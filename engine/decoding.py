@@ -207,7 +207,7 @@ class Decoder:
             raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the context of {room}")
         if self.free_slots < 1:
             raise RuntimeError(f"batch full: all {self.cache.max_slots} sequences are running")
-        stop = frozenset(stop_ids if stop_ids is not None else [self.model.config.eos_id])
+        stop = frozenset(stop_ids if stop_ids is not None else self.model.config.stop_ids)
         seq = _Sequence(seq_id, list(prompt), params, max_new_tokens, stop, GenerationResult(list(prompt)), plan)
         self.waiting.append(seq)
         self._group_sizes[params] += 1

@@ -24,7 +24,8 @@ from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.drafters.trees import TreeShape
-from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, load_gguf, model_name
+from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
+from specpool.engine.runtime.hf_loader import HFModel, load_model_file
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
 from specpool.engine.verification.sampling import make_generator
@@ -151,7 +152,7 @@ class ModelDrafters:
     @classmethod
     def load(cls, spec: DrafterSpec, options: LoadOptions) -> ModelDrafters:
         max_len, device = options.max_len, options.device
-        target = load_gguf(spec.target_gguf, only={"embed"})
+        target = load_model_file(spec.target_gguf, only={"embed"})  # a GGUF or a HF directory
         vocab = target.config.vocab_size
         datastore = SuffixArrayDatastore.load(spec.datastore) if spec.datastore else None
         models = {kind: _load_draft(spec, kind, path, target, options)
@@ -180,7 +181,8 @@ class ModelDrafters:
         return drafters
 
 
-def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel, options: LoadOptions) -> Llama:
+def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HFModel,
+                options: LoadOptions) -> Llama:
     """A draft model or head checkpoint, with the target's embeddings; its vocabulary must be the target's."""
     model = Llama.from_draft_checkpoint(path, target.weights["embed"], dtype=options.dtype, device=str(options.device))
     if model.config.vocab_size != target.config.vocab_size:

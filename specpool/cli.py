@@ -44,6 +44,10 @@ def version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+# The --model flag's help, for every command that loads a target.
+MODEL_HELP = ("a GGUF file (llama architecture) or a Hugging Face model directory (config.json and safetensors of "
+              "Llama 2/3.x, Mistral, Qwen2/2.5 or Qwen3; its tokenizer.json where present) (default: "
+              "SmolLM2-135M-Instruct)")
 # The --dtype flag's help, for every command that loads a target.
 DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
               "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
@@ -51,7 +55,7 @@ DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-b
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
                    help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -70,7 +74,7 @@ def load_model(args: argparse.Namespace):
     from specpool.engine.runtime.model import Llama
 
     _set_threads(args.threads)
-    return Llama.from_gguf(args.model or default_model_path(), dtype=args.dtype, device=args.device)
+    return Llama.from_path(args.model or default_model_path(), dtype=args.dtype, device=args.device)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specpool.cli import DTYPE_HELP
+from specpool.cli import DTYPE_HELP, MODEL_HELP
 from specpool.common import http_limits, logs, outcomes
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.serving import (
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port (0 picks)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
-    p.add_argument("--model", default=None, help="Llama-architecture GGUF (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
                    help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
 
     def load():
         loading = time.perf_counter()
-        model, tokenizer = Llama.from_gguf(path, dtype=args.dtype, device=args.device)
+        model, tokenizer = Llama.from_path(path, dtype=args.dtype, device=args.device)
         log.info("loaded %s as %s%s in %.1f s", name, model.format.name, " (fused kernels)" if model.fused else "",
                  time.perf_counter() - loading)
         costs = None

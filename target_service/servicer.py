@@ -50,7 +50,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
-        self.eos_id = model.config.eos_id
+        self.stop_ids = list(model.config.stop_ids)  # eos, and Llama 3's end-of-turn tokens
         self.name = name
         self.tenant = tenant
         self.max_context = max_context
@@ -110,7 +110,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _submit(self, request: pb.GenerateRequest, context) -> Request:
         req = self._validate(request, context)
         req.owner = self._owner(context)
-        stops = req.stop_ids if req.stop_ids is not None else [self.eos_id]
+        stops = req.stop_ids if req.stop_ids is not None else self.stop_ids
         if req.resumed and req.resumed[-1] in stops:
             # The failed replica emitted a stop token but not its final message: nothing is left to do.
             req.results = [GenerationResult(req.prompt_ids + req.resumed, finish_reason="stop")]

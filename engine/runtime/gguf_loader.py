@@ -31,8 +31,12 @@ def default_model_path() -> Path:
 
 
 def model_name(path: str | Path) -> str:
-    """The name services use for a target model on the wire: its GGUF file name without .gguf."""
-    return Path(path).name.removesuffix(".gguf")
+    """The name services use for a target model on the wire: its GGUF file name without .gguf, or a Hugging
+    Face directory's name (the repository's, for a snapshot in the hub cache: models--Org--Name/snapshots/<hash>)."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name.removesuffix(".gguf")
 
 
 # Block formats kept as raw blocks too (GGUFModel.blocks; the int4 format reads the 4-bit ones,
