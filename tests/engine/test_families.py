@@ -1,0 +1,382 @@
+"""The model families operators run, from Hugging Face directories (issue 37): for each family a tiny random
+model built by transformers from that family's config class, saved with save_pretrained, loaded by the
+engine and checked against transformers itself: logits, greedy ids, and speculation equal to AR."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from specpool.engine.decoding import generate
+from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.hf_config import ModelFileError
+from specpool.engine.runtime.model import Llama
+from specpool.engine.verification.sampling import SamplingParams
+
+SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+         "bos_token_id": 1, "eos_token_id": 2}
+# Each family with the feature that sets it apart, sized so that it matters within a test's 100 positions.
+FAMILIES = {
+    # Llama 3.1: llama3 RoPE scaling (waves longer than 32 / 1 positions slowed 8x, 32 / 4 to 32 blended).
+    "llama3": (transformers.LlamaConfig, {"rope_scaling": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "llama-tied": (transformers.LlamaConfig, {"tie_word_embeddings": True}),  # Llama 3.2 1B/3B tie theirs
+    "mistral": (transformers.MistralConfig, {"sliding_window": 12}),  # a query sees its last 12 positions
+    "qwen2": (transformers.Qwen2Config, {"rope_theta": 1000000.0}),  # q/k/v biases
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),  # q/k norms; 4 heads x 32 != 64
+}
+MODEL_CLASSES = {transformers.LlamaConfig: transformers.LlamaForCausalLM,
+                 transformers.MistralConfig: transformers.MistralForCausalLM,
+                 transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+                 transformers.Qwen3Config: transformers.Qwen3ForCausalLM}
+PROMPTS = [[1, 17, 200, 35, 99, 4, 150, 61, 77, 8, 230, 12, 45, 190, 3, 66, 123, 9, 250, 31],
+           [1, 88, 5, 140, 27, 211]]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and beside a busy process OpenMP's spinning workers
+    made these tests 60x slower (0.5 -> 34 s a speculation test on 2 shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hf_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A tiny random model of the family, weights scaled up so its logits are far from ties (transformers'
+    own init, std 0.02, makes every logit nearly equal)."""
+    config_class, features = FAMILIES[family]
+    config = config_class(**(SHAPE | features | overrides))
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[config_class](config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.2))
+    model.generation_config.eos_token_id = None  # ids past eos compare too
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, the transformers model, its saved directory, the engine's fp32 model of that directory)."""
+    reference = hf_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(directory)
+    model, tokenizer = Llama.from_path(directory, dtype="fp32", device="cpu")
+    assert tokenizer is None  # no tokenizer.json: fed ids
+    return request.param, reference, directory, model
+
+
+def _all_logits(model: Llama, tokens: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, len(tokens))
+    return model.forward(cache, [cache.allocate()], [tokens], all_logits=True)[0]  # [T, V]
+
+
+def _hf_greedy(reference, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, num_beams=1)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_family_feature_is_on(family):
+    name, _, _, model = family
+    cfg = model.config
+    assert {"llama3": cfg.rope_scaling is not None, "llama-tied": cfg.tie_embeddings,
+            "mistral": cfg.windowed and cfg.sliding_window == 12, "qwen2": cfg.qkv_bias,
+            "qwen3": cfg.qk_norm and cfg.head_dim == 32}[name]
+    assert not model.fused
+
+
+def test_logits_match_transformers(family):
+    _, reference, _, model = family
+    tokens = PROMPTS[0] * 5  # 100 positions: past the window, the original context, many RoPE periods
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0]
+    diff = (_all_logits(model, tokens) - ref).abs().max().item()
+    assert diff < 1e-4, f"max |logit diff| {diff:.2e}"
+
+
+def test_greedy_ids_equal_transformers_generate(family):
+    _, reference, _, model = family
+    batched = generate(model, PROMPTS, SamplingParams(), NEW_TOKENS, stop_ids=[])  # a ragged batch of two
+    for prompt, result in zip(PROMPTS, batched):
+        assert result.token_ids == _hf_greedy(reference, prompt)
+
+
+def test_speculation_with_a_draft_of_the_family_equals_ar(family, tmp_path):
+    """The draft: the target's first layer alone (a model of the family that often agrees with it)."""
+    name, reference, _, model = family
+    draft_hf = hf_model(name, num_hidden_layers=1)
+    draft_hf.load_state_dict(reference.state_dict(), strict=False)
+    draft_hf.save_pretrained(tmp_path)
+    draft, _ = Llama.from_path(tmp_path, dtype="fp32", device="cpu")
+    params = SamplingParams()
+    ar = generate(model, PROMPTS, params, NEW_TOKENS, stop_ids=[])
+    spec = generate(model, PROMPTS, params, NEW_TOKENS, ModelDrafter(draft, 2, 256), num_draft_tokens=4, stop_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert all(r.drafted_tokens > 0 for r in spec)
+    assert sum(r.accepted_tokens for r in spec) > 0
+    # Token trees: each node sees its ancestors only, at its depth's position (and, in Mistral, its window).
+    tree = ModelDrafter(draft, 2, 256, tree=TreeShape(branch=2, beam=2, max_depth=4))
+    trees = generate(model, PROMPTS, params, NEW_TOKENS, tree, num_draft_tokens=6, stop_ids=[])
+    assert [r.token_ids for r in trees] == [r.token_ids for r in ar]
+    assert all(r.drafted_tokens > 0 for r in trees)
+
+
+def test_sharded_checkpoints_and_transformers_4_configs_load_alike(tmp_path):
+    """An index over several shards; a config.json as transformers 4 wrote it (rope_theta and rope_scaling
+    with "type", not rope_parameters), as most checkpoints on the Hub are."""
+    reference = hf_model("llama3")
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    raw = json.loads((tmp_path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = {"type": rope.pop("rope_type")} | rope
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model, _ = Llama.from_path(tmp_path, dtype="fp32", device="cpu")
+    assert model.config.rope_scaling is not None and model.config.rope_base == 500000.0
+    tokens = PROMPTS[0] * 3
+    with torch.no_grad():
+        ref = reference(torch.tensor([tokens])).logits[0]
+    assert (_all_logits(model, tokens) - ref).abs().max().item() < 1e-4
+
+
+def test_a_window_as_long_as_the_context_keeps_no_mask(tmp_path):
+    """Mistral v0.2+ checkpoints set no window; one that covers the whole context is the same model."""
+    hf_model("mistral", sliding_window=256).save_pretrained(tmp_path)
+    model, _ = Llama.from_path(tmp_path, dtype="fp32", device="cpu")
+    assert not model.config.windowed
+
+
+def test_every_end_token_the_model_declares_stops_a_sequence(tmp_path):
+    """Llama 3.1 lists three end tokens (<|end_of_text|>, <|eom_id|>, <|eot_id|>): a chat ends at the third."""
+    free = hf_model("llama3")
+    stop = _hf_greedy(free, PROMPTS[1])[5]
+    reference = hf_model("llama3", eos_token_id=[2, stop])
+    reference.save_pretrained(tmp_path)
+    model, _ = Llama.from_path(tmp_path, dtype="fp32", device="cpu")
+    assert model.config.stop_ids == (2, stop)
+    [result] = generate(model, [PROMPTS[1]], SamplingParams(), NEW_TOKENS)
+    assert result.finish_reason == "stop" and result.token_ids[-1] == stop
+    assert len(result.token_ids) <= 6
+
+
+def test_a_drafter_reads_the_targets_embeddings_from_a_directory(family):
+    """serve-spec's `--drafter NAME=DIR`: a draft reads the target's input embeddings, only those."""
+    from specpool.engine.runtime.gguf_loader import model_name
+    from specpool.engine.runtime.hf_loader import load_model_file
+
+    _, reference, directory, model = family
+    target = load_model_file(directory, only={"embed"})
+    assert set(target.weights) == {"embed"} and target.config == model.config
+    assert torch.equal(target.weights["embed"], reference.model.embed_tokens.weight.detach())
+    assert model_name(directory) == directory.name
+    assert model_name("/cache/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/7ae557604adf") == "Qwen2.5-0.5B-Instruct"
+
+
+# -- a tokenizer, a chat template, the command line ----------------------------------------------------------
+
+CHATML = ("{{ bos_token }}{% for m in messages %}\n"
+          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}\n"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
+
+
+def save_byte_tokenizer(directory, chat_template: str = CHATML) -> None:
+    """A byte-level tokenizer (the 256 bytes, no merges, four special tokens) with a chat template, as
+    transformers saves one: tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": chat_template, "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A Qwen2-family model whose vocabulary is save_byte_tokenizer's (260 tokens, 4 spare rows)."""
+    directory = tmp_path_factory.mktemp("chat")
+    reference = hf_model("qwen2", vocab_size=264, bos_token_id=256, eos_token_id=257)
+    reference.save_pretrained(directory)
+    save_byte_tokenizer(directory)
+    return reference, directory
+
+
+def test_the_tokenizer_and_template_equal_transformers(chat_model):
+    _, directory = chat_model
+    _, tokenizer = Llama.from_path(directory, dtype="fp32", device="cpu")
+    ref = transformers.AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_start|> é 🙂"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n")  # bos_token, trimmed blocks
+    assert tokenizer.encode(text) == ref.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode_chat(messages)
+    assert ids.count(258) == 3  # the turns' markers; the one a user typed is text
+    assert tokenizer.decode(ids, skip_special=False) == text
+
+
+def test_cli_generate_runs_a_hf_directory(chat_model):
+    reference, directory = chat_model
+    out = subprocess.run(
+        [sys.executable, "-m", "specpool.cli", "generate", "--model", str(directory), "--chat", "--prompt", "Hello",
+         "--max-tokens", "16", "--temperature", "0", "--json", "--dtype", "fp32", "--threads", "1"],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    prompt = result["prompt_token_ids"]
+    assert prompt[:2] == [256, 258]  # <|bos|><|im_start|>
+    with torch.no_grad():
+        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=257)
+    assert result["token_ids"] == ref[0, len(prompt):].tolist()
+
+
+def test_serve_target_serves_a_hf_directory(chat_model):
+    """Under the directory's name, with its template and its end token."""
+    from specpool.cluster.processes import start_server
+    from specpool_client import generate_request, generate_result
+    from specpool_client.v1 import target_pb2_grpc
+    from tests.pki import channel
+
+    reference, directory = chat_model
+    _, tokenizer = Llama.from_path(directory, dtype="fp32", device="cpu")
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+    with torch.no_grad():
+        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=257)
+    target = start_server("target", ["serve-target", "--model", str(directory), "--port", "0", "--metrics-port", "0",
+                                     "--threads", "1", "--datastore", "", "--draft-tokens", "2"])
+    try:
+        with channel(target.address, "target") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            result = generate_result(stub, generate_request(messages=[("user", "Hello")], max_tokens=12,
+                                                            model=directory.name), timeout=60)
+    finally:
+        target.stop()
+    assert "Traceback" not in target.logs()
+    assert result.model == directory.name
+    assert list(result.completions[0].token_ids) == ref[0, len(prompt):].tolist()
+
+
+def test_the_default_models_tokenizer_json_reads_as_its_gguf(tmp_path):
+    """The SmolLM2 vocabulary as transformers saves it (tokenizer.json, chat_template.jinja) tokenizes and
+    renders as the GGUF's own fields do."""
+    from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
+    from specpool.engine.runtime.hf_loader import load_hf_tokenizer
+    from specpool.engine.runtime.tokenizer import Tokenizer
+
+    path = default_model_path()
+    transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+    gguf = load_gguf(path, only=set())
+    ours, reference = load_hf_tokenizer(tmp_path, gguf.config), Tokenizer.from_gguf(gguf)
+    messages = [{"role": "user", "content": "Write <|im_start|>a function: é 中文 🙂\n\tdef f(x):\n    return x**2"}]
+    assert ours.apply_chat_template(messages) == reference.apply_chat_template(messages)
+    assert ours.encode_chat(messages) == reference.encode_chat(messages)
+    assert (ours.vocab_size, ours.max_token_bytes, ours.control_tokens) == (
+        reference.vocab_size, reference.max_token_bytes, reference.control_tokens)
+
+
+# -- bad model files: each fails at load, naming the file and the field --------------------------------------
+
+
+def _load_error(directory) -> ModelFileError:
+    with pytest.raises(ModelFileError) as err:
+        Llama.from_path(directory, dtype="fp32", device="cpu")
+    assert str(err.value.path) in str(err.value) and err.value.field in str(err.value)
+    return err.value
+
+
+@pytest.fixture
+def saved(tmp_path):
+    hf_model("qwen2").save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_a_truncated_shard(saved):
+    shard = saved / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    err = _load_error(saved)
+    assert (err.path, err.field) == (shard, "safetensors header")
+
+
+def test_a_missing_tensor(saved):
+    shard = saved / "model.safetensors"
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    err = _load_error(saved)
+    assert (err.path, err.field) == (shard, "model.layers.1.mlp.up_proj.weight")
+
+
+def test_a_missing_shard(tmp_path):
+    hf_model("qwen2").save_pretrained(tmp_path, max_shard_size="100KB")
+    shard = max(tmp_path.glob("model-*.safetensors"))
+    shard.unlink()
+    err = _load_error(tmp_path)
+    assert err.path == shard
+
+
+def test_a_tensor_of_the_wrong_shape(saved):
+    shard = saved / "model.safetensors"
+    tensors = load_file(shard)
+    tensors["model.layers.0.self_attn.k_proj.bias"] = torch.zeros(16)  # 2 kv heads x 16 = 32
+    save_file(tensors, shard, metadata={"format": "pt"})
+    err = _load_error(saved)
+    assert (err.path, err.field) == (shard, "model.layers.0.self_attn.k_proj.bias")
+    assert "(16,)" in str(err) and "(32,)" in str(err)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("architectures", ["GPT2LMHeadModel"]),
+    ("hidden_act", "gelu"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    ("layer_types", ["full_attention", "sliding_attention"]),  # (Qwen's window on some layers only)
+    ("num_hidden_layers", 3),  # the config of another checkpoint: a tensor is missing
+])
+def test_a_config_the_engine_cannot_run(saved, key, value):
+    raw = json.loads((saved / "config.json").read_text())
+    raw[key] = value
+    raw["sliding_window"] = 8
+    (saved / "config.json").write_text(json.dumps(raw))
+    err = _load_error(saved)
+    if key == "num_hidden_layers":
+        assert (err.path.name, err.field) == ("model.safetensors", "model.layers.2.input_layernorm.weight")
+    else:
+        assert (err.path, err.field.split(".")[0]) == (saved / "config.json", key)
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ m['content'] }}",  # unclosed: does not compile
+    "{{ raise_exception('Conversation roles must alternate system/user/assistant') }}",
+    "{{ messages[0]['content'].upper().nope() }}",  # calls what is undefined
+    "{{ cycler.__init__.__globals__.os.popen('true').read() }}",  # the sandbox refuses it
+])
+def test_a_chat_template_that_fails_to_render(saved, template):
+    reference = hf_model("qwen2", vocab_size=264)
+    reference.save_pretrained(saved)
+    save_byte_tokenizer(saved, template)
+    err = _load_error(saved)
+    assert (err.path, err.field) == (saved / "tokenizer_config.json", "chat_template")
