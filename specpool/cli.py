@@ -45,9 +45,8 @@ def version() -> str:
 
 
 # The --model flag's help, for every command that loads a target.
-MODEL_HELP = ("a GGUF file (llama architecture) or a Hugging Face model directory (config.json and safetensors of "
-              "Llama 2/3.x, Mistral, Qwen2/2.5 or Qwen3; its tokenizer.json where present) (default: "
-              "SmolLM2-135M-Instruct)")
+MODEL_HELP = ("a Llama-architecture GGUF, or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
+              "(default: SmolLM2-135M-Instruct)")
 # The --dtype flag's help, for every command that loads a target.
 DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
               "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
