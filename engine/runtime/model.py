@@ -269,11 +269,9 @@ class Llama:
             in_tree = anc.gather(-1, rel.clamp(0, n - 1).expand(B, T, kv_len))
             visible = (rel < 0) | ((rel < n) & in_tree)  # [B, T, L]
             pos = base + depth.gather(1, node)  # the positions RoPE sees
-            # A key's position: its cache index before the tree, its node's depth past the prefix in it.
-            # A key's position (what a sliding window reads): its cache index before the tree, past the
-            # prefix by its node's depth inside it.
-            key_node = rel.clamp(0, n - 1)[:, 0]  # [B, L]
-            key_pos = torch.where(rel < 0, torch.arange(kv_len), (base + depth.gather(1, key_node))[:, None])  # [B, 1, L]
+            if cfg.windowed:  # a key's position: its cache index before the tree, past it by its node's depth
+                key_node = rel.clamp(0, n - 1)[:, 0]  # [B, L]
+                key_pos = torch.where(rel < 0, torch.arange(kv_len), (base + depth.gather(1, key_node))[:, None])
         ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
         # Float64 attention makes decode and verify agree bit for bit (see __init__); a prefill need not.
         attention_dtype = self.dtype if prefill else self.attention_dtype

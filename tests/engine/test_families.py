@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ from safetensors.torch import load_file, save_file
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.hf_config import ModelFileError
 from specpool.engine.runtime.model import Llama
+from specpool.engine.verification import token_tree
 from specpool.engine.verification.sampling import SamplingParams
 
 SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -162,6 +165,24 @@ def test_a_window_as_long_as_the_context_keeps_no_mask(tmp_path):
     hf_model("mistral", sliding_window=256).save_pretrained(tmp_path)
     model, _ = Llama.from_path(tmp_path, dtype="fp32", device="cpu")
     assert not model.config.windowed
+
+
+def test_a_windowed_tree_gives_every_node_its_paths_logits():
+    """A node sits at its depth's position, wherever it was fed: with a window of 2, the deepest node of a wide
+    tree no longer sees its grandparent, fed fifth but at depth 1. With biases and q/k norms too."""
+    from tests.engine.test_token_tree import PROMPT, ROOT, _fed_parents, _path_logits
+
+    tokens, parents = [11, 12, 13, 14, 15, 16], [-1, -1, -1, -1, 3, 4]  # root -> a, b, c, d; d -> e -> f
+    model = Llama.random_init(replace(tiny_config(vocab_size=64), sliding_window=2, qkv_bias=True, qk_norm=True),
+                              seed=3)
+    cache = model.new_cache(2, 64)
+    slots = [cache.allocate(), cache.allocate()]
+    model.forward(cache, slots, [PROMPT, PROMPT[:3]])
+    feeds, fed = [[ROOT, *tokens], [4, 8, 2]], [_fed_parents(parents), token_tree.chain(3)]
+    logits = model.forward(cache, slots, feeds, all_logits=True, parents=fed)
+    for node in range(len(tokens)):
+        path = [tokens[i] for i in token_tree.path_to(parents, node)]
+        torch.testing.assert_close(logits[0, node + 1], _path_logits(model, path), atol=1e-4, rtol=1e-4)
 
 
 def test_every_end_token_the_model_declares_stops_a_sequence(tmp_path):
