@@ -1,11 +1,12 @@
 """Which drafters this endpoint hosts: target model name -> its draft model and n-gram drafter.
 
 Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`
-flags. A draft model or head reads the target's input embeddings from the target GGUF (the checkpoint
-omits them) and gets a fixed number of KV slots; the draft model's measured step costs are published
-to targets, whose speculation policy charges drafting time with them. A head (EAGLE style) reads the
-target's features too, which its sessions send with every round; SSD pre-speculates with the head
-where there is one (its forks grow from the head's predicted features), else with the draft model.
+flags (TARGET_GGUF may be a Hugging Face model directory too). A draft model or head reads the target's
+input embeddings from the target's file (the checkpoint omits them) and gets a fixed number of KV slots;
+the draft model's measured step costs are published to targets, whose speculation policy charges drafting
+time with them. A head (EAGLE style) reads the target's features too, which its sessions send with every
+round; SSD pre-speculates with the head where there is one (its forks grow from the head's predicted
+features), else with the draft model.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DrafterSpec:
     @classmethod
     def parse(cls, text: str) -> DrafterSpec:
         """`NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`; NAME may be left out (`TARGET_GGUF,...`):
-        the name is then the GGUF file name without .gguf, as targets report it."""
+        the name is then the GGUF file name without .gguf (a directory's name), as targets report it."""
         head, *options = text.split(",")
         name, sep, gguf = head.partition("=")
         if not sep:

@@ -148,12 +148,16 @@ class Llama:
     def from_path(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
         """(model, tokenizer) from a GGUF file or a Hugging Face model directory (engine/runtime/hf_loader.py);
         tokenizer is None where the file has no vocabulary."""
-        if not Path(path).is_dir():
+        from specpool.engine.runtime.hf_config import ModelFileError, read_config
+
+        path = Path(path)
+        if path.suffix in (".safetensors", ".json"):
+            raise ModelFileError(path, path.name, "pass the Hugging Face model's directory, not one of its files")
+        if not path.is_dir():
             return cls.from_gguf(path, dtype, device)
-        from specpool.engine.runtime.hf_config import read_config
         from specpool.engine.runtime.hf_loader import load_hf, load_hf_tokenizer
 
-        tokenizer = load_hf_tokenizer(path, read_config(Path(path)))  # before the weights: a bad template fails fast
+        tokenizer = load_hf_tokenizer(path, read_config(path))  # before the weights: a bad template fails fast
         hf = load_hf(path)
         return cls(hf.config, hf.weights, dtype, torch.device(device) if device else default_device()), tokenizer
 

@@ -401,3 +401,9 @@ def test_a_chat_template_that_fails_to_render(saved, template):
     save_byte_tokenizer(saved, template)
     err = _load_error(saved)
     assert (err.path, err.field) == (saved / "tokenizer_config.json", "chat_template")
+
+
+def test_a_file_inside_the_directory(saved):
+    err = _load_error(saved / "model.safetensors")
+    assert (err.path, err.field) == (saved / "model.safetensors", "model.safetensors")
+    assert "directory" in str(err)
