@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
-        prompt_ids = tokenizer.encode(args.prompt)
+        prompt_ids = tokenizer.encode_prompt(args.prompt)
     if not prompt_ids:
         raise SystemExit("--prompt is empty after tokenization")
     [result] = generate(model, [prompt_ids], params, args.max_tokens)

@@ -192,7 +192,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 abort_invalid(context, field, f"{size} bytes of text cannot fit in {self.max_context} tokens "
                               f"(at most {limit} bytes: {self.tokenizer.max_token_bytes} per token)")
             if which == "prompt":
-                ids = self.tokenizer.encode(r.prompt)
+                ids = self.tokenizer.encode_prompt(r.prompt)
             else:
                 messages = [{"role": m.role, "content": m.content} for m in r.messages.messages]
                 try:

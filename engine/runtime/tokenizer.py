@@ -90,6 +90,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt framed as the model expects: a tokenizer.json's post-processor adds Llama's and
+        Mistral's BOS (Qwen's adds nothing), as transformers' `tokenizer(text)` does; a GGUF's BPE has none,
+        so its prompts are `encode(text)`. (A chat template writes its own BOS.)"""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 

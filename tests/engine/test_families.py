@@ -221,15 +221,16 @@ SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
 
 
 def save_byte_tokenizer(directory, chat_template: str = CHATML) -> None:
-    """A byte-level tokenizer (the 256 bytes, no merges, four special tokens) with a chat template, as
-    transformers saves one: tokenizer.json and tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer (the 256 bytes, no merges, four special tokens; a prompt starts with <|bos|>, as
+    Llama's do) with a chat template, as transformers saves one: tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 256)])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": chat_template, "bos_token": "<|bos|>", "eos_token": "<|eos|>",
@@ -257,7 +258,9 @@ def test_the_tokenizer_and_template_equal_transformers(chat_model):
     assert tokenizer.encode(text) == ref.encode(text, add_special_tokens=False)
     ids = tokenizer.encode_chat(messages)
     assert ids.count(258) == 3  # the turns' markers; the one a user typed is text
+    assert ids.count(256) == 1  # the template's BOS, no other
     assert tokenizer.decode(ids, skip_special=False) == text
+    assert tokenizer.encode_prompt("Hi there") == ref("Hi there").input_ids == [256, *tokenizer.encode("Hi there")]
 
 
 def test_cli_generate_runs_a_hf_directory(chat_model):
@@ -277,7 +280,7 @@ def test_cli_generate_runs_a_hf_directory(chat_model):
 
 
 def test_serve_target_serves_a_hf_directory(chat_model):
-    """Under the directory's name, with its template and its end token."""
+    """Under the directory's name, with its template, its end token and its BOS before a raw prompt."""
     from specpool.cluster.processes import start_server
     from specpool_client import generate_request, generate_result
     from specpool_client.v1 import target_pb2_grpc
@@ -286,8 +289,10 @@ def test_serve_target_serves_a_hf_directory(chat_model):
     reference, directory = chat_model
     _, tokenizer = Llama.from_path(directory, dtype="fp32", device="cpu")
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+    raw = tokenizer.encode_prompt("Once upon a time")  # starts with <|bos|>
     with torch.no_grad():
         ref = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=257)
+        ref_raw = reference.generate(torch.tensor([raw]), max_new_tokens=12, do_sample=False, eos_token_id=257)
     target = start_server("target", ["serve-target", "--model", str(directory), "--port", "0", "--metrics-port", "0",
                                      "--threads", "1", "--datastore", "", "--draft-tokens", "2"])
     try:
@@ -295,11 +300,13 @@ def test_serve_target_serves_a_hf_directory(chat_model):
             stub = target_pb2_grpc.TargetServiceStub(ch)
             result = generate_result(stub, generate_request(messages=[("user", "Hello")], max_tokens=12,
                                                             model=directory.name), timeout=60)
+            raw_result = generate_result(stub, generate_request("Once upon a time", max_tokens=12), timeout=60)
     finally:
         target.stop()
     assert "Traceback" not in target.logs()
     assert result.model == directory.name
     assert list(result.completions[0].token_ids) == ref[0, len(prompt):].tolist()
+    assert list(raw_result.completions[0].token_ids) == ref_raw[0, len(raw):].tolist()
 
 
 def test_the_default_models_tokenizer_json_reads_as_its_gguf(tmp_path):
@@ -316,6 +323,8 @@ def test_the_default_models_tokenizer_json_reads_as_its_gguf(tmp_path):
     messages = [{"role": "user", "content": "Write <|im_start|>a function: é 中文 🙂\n\tdef f(x):\n    return x**2"}]
     assert ours.apply_chat_template(messages) == reference.apply_chat_template(messages)
     assert ours.encode_chat(messages) == reference.encode_chat(messages)
+    text = messages[0]["content"]
+    assert ours.encode_prompt(text) == reference.encode_prompt(text) == reference.encode(text)  # no BOS added
     assert (ours.vocab_size, ours.max_token_bytes, ours.control_tokens) == (
         reference.vocab_size, reference.max_token_bytes, reference.control_tokens)
 
