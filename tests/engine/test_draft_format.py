@@ -48,7 +48,7 @@ def test_auto_is_q8_blocks_and_a_dtype_is_dense(target):
     assert draft_format("fp32", "cpu") == ("fp32", None)
     head = Llama.from_draft_checkpoint(HEAD, target.embed, device="cpu")
     assert head.fused and isinstance(head.fc, BlockLinear)
-    assert isinstance(head.lm_head, BlockLinear) and head.lm_head.out_features == len(head.output_ids)  # 5486: ragged
+    assert isinstance(head.lm_head, BlockLinear) and head.lm_head.out_features == len(head.output_ids)
     dense = Llama.from_draft_checkpoint(HEAD, target.embed, dtype="fp32", device="cpu")
     assert not dense.fused and isinstance(dense.lm_head, Linear) and dense.dtype == torch.float32
 

@@ -90,7 +90,7 @@ def test_block_linear_rows_do_not_depend_on_their_neighbours():
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 def test_a_ragged_last_lane_gives_the_bits_of_those_rows_in_a_wider_matrix(kind):
     """Outputs come in lanes of 8 or 16; a matrix with fewer in its last lane (a draft head's reduced
-    vocabulary, 5486 rows) is padded with zero weights: its outputs are those rows' of a matrix that needs
+    vocabulary may have any size) is padded with zero weights: its outputs are those rows' of a matrix that needs
     no padding, bit for bit, with a residual too."""
     blocks = _blocks(kind, 32, 576)
     ragged_blocks = QuantizedBlocks(kind, (21, 576), blocks.data[:21])

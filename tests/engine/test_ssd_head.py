@@ -174,7 +174,7 @@ def _slot(model: Llama):
 # -- lossless sampling with the real target and head -------------------------------------------------
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
-REAL_TEXT = "for i in"  # code, as the head was trained on: its forks hit often
+REAL_TEXT = "import numpy as"  # code, as the head was trained on: its forks hit often (0.44 of rows)
 REAL_PARAMS = SamplingParams(temperature=1.0, top_k=4)  # top-k: p of tokens 2-3 is enumerable (172 cells)
 REAL_N, REAL_CHUNK = 1000, 500  # about a minute a chunk on 2 cores: the twin still lands at 1.5x its threshold
 REAL_K, REAL_NEW = 2, 4  # as in test_ssd: tokens 2-3 mostly come from the second round, drafted from the cache
@@ -243,5 +243,5 @@ def test_the_harness_catches_a_misreported_saguaro_q_with_the_real_head(real_mod
     twin, shares = real_check("SSD real head T=1.0 top-k 4 C=0.1, Saguaro q unrescaled", real_model, real_head,
                               {"saguaro_c": 0.1, "fork_budget": 3}, UnrescaledQ)
     report(twin, twin=True, **shares)
-    assert shares["cache hit"] > 0.3, shares
+    assert shares["cache hit"] > 0.12, shares  # three forks hit less often than six: 0.17 of rows
     assert not twin.passed, f"biased twin slipped through: {twin}"
