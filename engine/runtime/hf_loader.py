@@ -156,7 +156,8 @@ def load_hf_tokenizer(directory: str | Path, config: ModelConfig) -> Tokenizer |
     settings = read_json(settings_path) if settings_path.is_file() else {}
     template, template_path = _chat_template(directory, settings, settings_path)
     try:
-        tokenizer = Tokenizer.from_hf(path.read_text(), template, config.bos_id, config.eos_id)
+        tokenizer = Tokenizer.from_hf(path.read_text(), template, config.bos_id, config.eos_id,
+                                      _special_tokens(settings))
     except TemplateError as e:
         raise ModelFileError(template_path, "chat_template", f"does not compile ({e})") from e
     except Exception as e:  # tokenizers' own errors
@@ -171,6 +172,17 @@ def load_hf_tokenizer(directory: str | Path, config: ModelConfig) -> Tokenizer |
             raise ModelFileError(template_path, "chat_template", f"fails to render a user message "
                                                                  f"({type(e).__name__}: {e})") from e
     return tokenizer
+
+
+def _special_tokens(settings: dict) -> dict[str, str | None]:
+    """tokenizer_config.json's bos_token, eos_token, ... (a string, or an AddedToken's fields), as transformers
+    hands them to a chat template: Qwen's bos_token is null, whatever config.json's bos_token_id says."""
+    tokens = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if key in settings:
+            value = settings[key]
+            tokens[key] = value.get("content") if isinstance(value, dict) else value
+    return tokens
 
 
 def _chat_template(directory: Path, settings: dict, settings_path: Path) -> tuple[str | None, Path]:

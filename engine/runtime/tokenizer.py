@@ -45,8 +45,10 @@ class Tokenizer:
         self._setup(tok, text_only, control, len(tokens), max(len(t) for t in tokens), chat_template, bos_id, eos_id)
 
     @classmethod
-    def from_hf(cls, tokenizer_json: str, chat_template: str | None, bos_id: int, eos_id: int) -> Tokenizer:
-        """A Hugging Face tokenizer.json (its text), whose special added tokens are the control tokens."""
+    def from_hf(cls, tokenizer_json: str, chat_template: str | None, bos_id: int, eos_id: int,
+                special_tokens: dict[str, str | None] | None = None) -> Tokenizer:
+        """A Hugging Face tokenizer.json (its text), whose special added tokens are the control tokens;
+        `special_tokens`: tokenizer_config.json's bos_token, eos_token, ... as its template sees them."""
         tok = HFTokenizer.from_str(tokenizer_json)
         spec = json.loads(tokenizer_json)
         control = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
@@ -57,6 +59,11 @@ class Tokenizer:
         self = cls.__new__(cls)
         self._setup(tok, text_only, control, size, max(len(s.encode()) for s in spelled), chat_template, bos_id,
                     eos_id)
+        for name, token in (special_tokens or {}).items():
+            if token is None:  # unset: undefined in the template (it renders as ""), as in transformers
+                self._template_vars.pop(name, None)
+            else:
+                self._template_vars[name] = token
         return self
 
     def _setup(self, tok: HFTokenizer, text_only: HFTokenizer, control_tokens: list[str], vocab_size: int,
