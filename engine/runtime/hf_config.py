@@ -44,7 +44,9 @@ def read_config(directory: Path) -> ModelConfig:
     """The directory's config.json (and generation_config.json's end tokens) as a ModelConfig."""
     path = directory / "config.json"
     if not path.is_file():
-        raise ModelFileError(path, "config.json", "missing: a Hugging Face model directory needs one")
+        ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+        hint = f" (or pass one of its GGUF files: {', '.join(ggufs)})" if ggufs else ""
+        raise ModelFileError(path, "config.json", f"missing: a Hugging Face model directory needs one{hint}")
     raw = read_json(path)
 
     def get(key: str, kind: type | tuple[type, ...] = int, default=...):

@@ -147,6 +147,17 @@ def test_the_default_models_tokenizer_json_reads_as_its_gguf(tmp_path):
         reference.vocab_size, reference.max_token_bytes, reference.control_tokens)
 
 
+def test_serve_spec_hosts_drafters_for_a_directory(tmp_path):
+    """`--drafter DIR`: named as targets name it, the vocabulary and feature width read from its config."""
+    from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
+
+    hf_model("qwen2").save_pretrained(tmp_path / "Qwen-tiny")
+    spec = DrafterSpec.parse(str(tmp_path / "Qwen-tiny"))
+    drafters = ModelDrafters.load(spec, LoadOptions(max_sessions=2, max_len=128, device=torch.device("cpu")))
+    assert (drafters.name, drafters.vocab_size, drafters.feature_dim) == ("Qwen-tiny", 256, 64)
+    assert [kind.value for kind in drafters.kinds] == ["ngram"]
+
+
 # -- bad model files: each fails at load, naming the file and the field --------------------------------------
 
 
@@ -234,3 +245,10 @@ def test_a_file_inside_the_directory(saved):
     err = _load_error(saved / "model.safetensors")
     assert (err.path, err.field) == (saved / "model.safetensors", "model.safetensors")
     assert "directory" in str(err)
+
+
+def test_a_directory_without_config_json(tmp_path):
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"")
+    err = _load_error(tmp_path)
+    assert (err.path, err.field) == (tmp_path / "config.json", "config.json")
+    assert "model.Q4_0.gguf" in str(err)
