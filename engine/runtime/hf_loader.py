@@ -79,6 +79,9 @@ def _shards(directory: Path) -> tuple[Path, dict[str, Path]]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelFileError(index, "weight_map", "missing or not an object")
+        for name, shard in weight_map.items():  # a model file is data: its index names files beside it, no others
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise ModelFileError(index, f"weight_map.{name}", f"{shard!r} is not a file name in the directory")
         return index, {name: directory / shard for name, shard in weight_map.items()}
     single = directory / "model.safetensors"
     if not single.is_file():

@@ -252,3 +252,13 @@ def test_a_directory_without_config_json(tmp_path):
     err = _load_error(tmp_path)
     assert (err.path, err.field) == (tmp_path / "config.json", "config.json")
     assert "model.Q4_0.gguf" in str(err)
+
+
+def test_an_index_that_names_a_file_outside_the_directory(tmp_path):
+    hf_model("qwen2").save_pretrained(tmp_path, max_shard_size="100KB")
+    index = tmp_path / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(raw))
+    err = _load_error(tmp_path)
+    assert (err.path, err.field) == (index, "weight_map.model.norm.weight")
