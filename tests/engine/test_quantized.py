@@ -111,11 +111,13 @@ def test_q4_format_resolves_per_machine(monkeypatch, caplog):
     assert any("int4 kernel has no fast path" in r.message for r in caplog.records)
 
 
-def test_auto_loads_the_default_model_as_q4_and_a_draft_dense(shipped, q4_model):
+def test_auto_loads_the_default_model_as_q4_and_a_draft_on_q8_blocks(shipped, q4_model):
     auto = Llama(shipped.config, shipped.weights, "auto", "cpu", blocks=shipped.blocks)
     assert auto.format == q4_model.format and auto.fused
     draft = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", auto.embed, dtype="auto", device="cpu")
-    assert draft.format == device.WeightFormat(torch.float32)  # no 4-bit blocks: dense
+    assert draft.fused and draft.format.own_kernels  # its matrices quantized to Q8_0 (tests/engine/test_draft_format.py)
+    dense = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", auto.embed, dtype="fp32", device="cpu")
+    assert dense.format == device.WeightFormat(torch.float32)
 
 
 @pytest.fixture(scope="module")
