@@ -200,3 +200,20 @@ def test_a_truncated_file_is_refused_at_load(tmp_path):
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(ModelFileError, match="bad.gguf: GGUF header: unreadable"):
         load_model_file(path)
+
+
+def test_a_bf16_file_is_read_as_its_values(tmp_path):
+    """BF16 matrices (as the converter's --outtype bf16 writes them): raw 2-byte blocks in the reader."""
+    from gguf.quants import quantize as to_blocks
+
+    reference = hf_model("qwen3")
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+    bf16 = GGMLQuantizationType.BF16
+    path = write_gguf(reference, tmp_path / "model-bf16.gguf",
+                      edit=lambda n, a: (to_blocks(a.astype(np.float32), bf16), bf16) if a.ndim == 2 else a)
+    model, _ = Llama.from_path(path, dtype="fp32", device="cpu")
+    diff = (_all_logits(model, TOKENS) - _reference_logits(reference, TOKENS)).abs().max().item()
+    assert diff < 1e-4, f"max |logit diff| {diff:.2e}"
