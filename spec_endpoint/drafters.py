@@ -1,7 +1,8 @@
 """Which drafters this endpoint hosts: target model name -> its draft model and n-gram drafter.
 
 Built once at start-up from repeated `--drafter NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`
-flags (TARGET_GGUF may be a Hugging Face model directory too). A draft model or head reads the target's
+flags (TARGET_GGUF may be a Hugging Face model directory too; draft= a project draft checkpoint, or any GGUF
+or Hugging Face model sharing the target's tokenizer). A draft model or head reads the target's
 input embeddings from the target's file (the checkpoint omits them) and gets a fixed number of KV slots;
 the draft model's measured step costs are published to targets, whose speculation policy charges drafting
 time with them. A head (EAGLE style) reads the target's features too, which its sessions send with every
@@ -25,7 +26,9 @@ from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.runtime.draft_pair import VocabularyMismatch, load_draft
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
+from specpool.engine.runtime.hf_config import read_json
 from specpool.engine.runtime.hf_loader import HFModel, load_model_file
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import StepCosts, cached_step_costs
@@ -184,7 +187,14 @@ class ModelDrafters:
 
 def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HFModel,
                 options: LoadOptions) -> Llama:
-    """A draft model or head checkpoint, with the target's embeddings; its vocabulary must be the target's."""
+    """A draft model or head checkpoint, with the target's embeddings; its vocabulary must be the target's.
+    A draft model may also be a model file of its own (a GGUF, a Hugging Face directory) sharing the target's
+    tokenizer (engine/runtime/draft_pair.py): a pair whose vocabularies differ is refused here, at start."""
+    if kind == "draft" and _is_model_file(path):
+        try:
+            return load_draft(path, spec.target_gguf, target.config.vocab_size, options.dtype, str(options.device))
+        except VocabularyMismatch as e:
+            raise ValueError(f"--drafter {spec.name}: {e}") from e
     model = Llama.from_draft_checkpoint(path, target.weights["embed"], dtype=options.dtype, device=str(options.device))
     if model.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--drafter {spec.name}: {kind} {path} has vocabulary {model.config.vocab_size}, "
@@ -193,6 +203,15 @@ def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HF
         raise ValueError(f"--drafter {spec.name}: head={path} is not a draft head (train one with "
                          "`specpool train-draft --kind head`); pass a draft model as draft=DIR")
     return model
+
+
+def _is_model_file(path: Path) -> bool:
+    """A GGUF, or a Hugging Face directory (its config.json names an architecture), not one of the project's
+    draft checkpoints (whose config.json holds the engine's own ModelConfig)."""
+    if not path.is_dir():
+        return True
+    config = path / "config.json"
+    return config.is_file() and "architectures" in read_json(config)
 
 
 class HostedDrafters:

@@ -1,0 +1,116 @@
+"""A draft model of its own (a GGUF or a Hugging Face directory: Llama 3.2 1B for 3.1 8B, Qwen2.5 0.5B for
+7B) paired with a target: it must speak the target's tokens.
+
+Sessions feed a draft the target's token ids and verify its proposals as the target's. So a pair is taken
+when the two vocabularies are the same token strings: in the same order (the usual case; the files may still
+pad their embedding tables to different sizes, as Qwen2.5's 0.5B and 7B do), or in another order, a one to
+one map, applied once at load: the draft's input rows move to the target's ids and its output rows score
+the target's ids (`output_ids`), so the running draft is a model over the target's ids. Any other pair is
+refused at start, naming both files and their sizes: its proposals would be other tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.hf_config import ModelFileError
+
+
+class VocabularyMismatch(ValueError):
+    """A draft whose tokens are not the target's."""
+
+
+def token_strings(path: str | Path) -> list[str] | None:
+    """The model file's tokens by id (a GGUF's tokenizer.ggml.tokens, a directory's tokenizer.json with its
+    added tokens); None where the file has no vocabulary."""
+    path = Path(path)
+    if path.is_dir():
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            vocab = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+        except Exception as e:  # tokenizers' own errors
+            raise ModelFileError(file, "tokenizer.json", f"unreadable ({e})") from e
+        tokens = [""] * (max(vocab.values()) + 1 if vocab else 0)
+        for text, i in vocab.items():
+            tokens[i] = text
+        return tokens
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
+    return None if field is None else list(field.contents())
+
+
+def draft_to_target_ids(draft_path: Path, draft_rows: int, target_path: Path, target_rows: int) -> torch.Tensor | None:
+    """The target id of each of the draft's tokens ([draft tokens] long), or None where every draft row is
+    the target's token of the same id. Raises VocabularyMismatch naming both files where the vocabularies
+    are not one to one."""
+    draft, target = token_strings(draft_path), token_strings(target_path)
+
+    def refuse(why: str) -> VocabularyMismatch:
+        sizes = (f"draft {draft_path} ({_count(draft)} tokens, {draft_rows} embedding rows) and target {target_path}"
+                 f" ({_count(target)} tokens, {target_rows} embedding rows)")
+        return VocabularyMismatch(f"{sizes}: {why}; a draft must share the target's tokenizer")
+
+    if draft is None or target is None:  # nothing to compare but sizes (tiny test models are fed ids)
+        if draft_rows != target_rows:
+            raise refuse("the vocabularies differ in size, and one file has no tokens to map by")
+        return None
+    if len(draft) > draft_rows:
+        raise refuse("the draft lists more tokens than its embedding has rows")
+    if draft == target[: len(draft)] and len(draft) == len(target):
+        return None if draft_rows <= target_rows else torch.arange(len(draft))
+    ids = {text: i for i, text in enumerate(target)}
+    foreign = [t for t in draft if t not in ids]
+    if foreign or len(set(draft)) != len(draft) or len(draft) != len(target):
+        examples = ", ".join(repr(t) for t in foreign[:3])
+        raise refuse(f"the vocabularies differ ({len(foreign)} of the draft's tokens are not the target's"
+                     f"{': ' + examples if examples else ''})")
+    return torch.tensor([ids[t] for t in draft])
+
+
+def _count(tokens: list[str] | None) -> str:
+    return "no" if tokens is None else str(len(tokens))
+
+
+def map_to_target(config: ModelConfig, weights: dict[str, torch.Tensor], target_ids: torch.Tensor | None,
+                  target_rows: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The draft over the target's ids: input embedding rows moved to them (rows of ids the draft lacks stay
+    zero: a target never feeds them in practice, padding rows), output rows kept and labelled with the target
+    id each scores. Unchanged where `target_ids` is None and the tables are as long as the target's."""
+    rows = weights["embed"].shape[0]
+    if target_ids is None and rows == target_rows:
+        return config, weights
+    if target_ids is None:  # the same tokens, the draft's table shorter (padding)
+        target_ids = torch.arange(rows)
+    n = len(target_ids)
+    head = weights["embed" if config.tie_embeddings else "lm_head"][:n]
+    embed = weights["embed"].new_zeros(target_rows, weights["embed"].shape[1])
+    embed[target_ids] = weights["embed"][:n]
+    weights = weights | {"embed": embed, "lm_head": head, "output_ids": target_ids}
+    return replace(config, vocab_size=target_rows, tie_embeddings=False, head_dim=config.head_dim), weights
+
+
+def load_draft(path: str | Path, target_path: str | Path, target_rows: int, dtype: str | None = None,
+               device: str | None = None):
+    """A draft model file (GGUF or Hugging Face directory) as a Llama over the target's ids (`target_rows`:
+    the target's embedding rows). Raises VocabularyMismatch for a pair that does not share a tokenizer."""
+    from specpool.engine.runtime.device import default_device
+    from specpool.engine.runtime.hf_loader import load_model_file
+    from specpool.engine.runtime.model import Llama
+
+    path, target_path = Path(path), Path(target_path)
+    loaded = load_model_file(path)
+    target_ids = draft_to_target_ids(path, loaded.config.vocab_size, target_path, target_rows)
+    config, weights = map_to_target(loaded.config, loaded.weights, target_ids, target_rows)
+    blocks = getattr(loaded, "blocks", None)  # a GGUF's; a moved table's rows are no longer the file's
+    if blocks and config is not loaded.config:
+        blocks = {name: b for name, b in blocks.items() if name not in ("embed", "lm_head")}
+    return Llama(config, weights, dtype, torch.device(device) if device else default_device(), blocks=blocks)
