@@ -138,7 +138,8 @@ PROBE = closed({"periodSeconds": integer(1), "timeoutSeconds": integer(1), "fail
 # Every key of targetDefaults; a targets entry may set any of them, and must set tenant.
 TARGET = {
     "replicas": integer(0, description="pods of the tenant (ignored while autoscaling.enabled)"),
-    "model": string(description="--model: a GGUF path in the pod; empty: the image's SmolLM2-135M-Instruct"),
+    "model": string(description="--model: a GGUF file or Hugging Face directory in the pod; empty: the image's "
+                             "SmolLM2-135M-Instruct"),
     "maxBatch": integer(1, description="--max-batch"),
     "maxContext": integer(1, description="--max-context"),
     "dtype": enum("auto", "fp32", "bf16", "q4", description="--dtype"),
@@ -230,6 +231,15 @@ VALUES = closed({
     "dashboard": closed({"enabled": BOOL, "labels": STRING_MAP, "annotations": STRING_MAP}),
     "probes": closed({"startup": PROBE, "liveness": PROBE, "readiness": PROBE}),
     "stepCostCache": closed({"existingClaim": STRING}),
+    "models": closed({
+        "source": enum("", "pvc", "hostPath", "image", description="where model files come from (\"\": the image's own)"),
+        "mountPath": string("^/", min_length=1),
+        "pvc": closed({"claimName": STRING, "subPath": STRING}),
+        "hostPath": closed({"path": string("^(/.*)?$"),
+                            "type": enum("Directory", "DirectoryOrCreate", description="hostPath type")}),
+        "image": closed({"repository": STRING, "tag": STRING, "pullPolicy": enum("Always", "IfNotPresent", "Never"),
+                         "path": string("^/", min_length=1), "sizeLimit": SIZE, "resources": RESOURCES}),
+    }),
     "extraVolumes": array({"type": "object", "required": ["name"]}),
     "extraVolumeMounts": array({"type": "object", "required": ["name", "mountPath"]}),
     "redis": closed({

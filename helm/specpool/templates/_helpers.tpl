@@ -175,6 +175,7 @@ security settings' combinations, and the rules across values that values.schema.
 {{- include "specpool.validateGrace" . }}
 {{- include "specpool.validateTenants" . }}
 {{- include "specpool.validateNames" . }}
+{{- include "specpool.validateModels" . }}
 {{- end }}
 
 {{/* Drain inside the grace period: the kubelet kills a pod terminationGracePeriodSeconds after SIGTERM,
@@ -482,5 +483,77 @@ mount (specpool.shmMount). NCCL's intra-node transport lives there; runtimes giv
 {{- if . }}
 - name: dshm
   mountPath: /dev/shm
+{{- end }}
+{{- end }}
+
+{{/* Model files from outside the image (.Values.models), read-only at models.mountPath in the endpoint and
+every target: a PersistentVolumeClaim, a hostPath, or an emptyDir an init container fills by copying a
+directory out of a model image. Each define renders nothing when models.source is "". */}}
+{{- define "specpool.validateModels" -}}
+{{- $m := .Values.models }}
+{{- if not (has $m.source (list "" "pvc" "hostPath" "image")) }}
+{{- fail (printf "models.source must be \"\", pvc, hostPath or image, not %q" (toString $m.source)) }}
+{{- end }}
+{{- if and (eq $m.source "pvc") (not $m.pvc.claimName) }}
+{{- fail "models.source pvc needs models.pvc.claimName (an existing PersistentVolumeClaim holding the model files)" }}
+{{- end }}
+{{- if and (eq $m.source "hostPath") (not $m.hostPath.path) }}
+{{- fail "models.source hostPath needs models.hostPath.path (the directory on each node that holds the model files)" }}
+{{- end }}
+{{- if and (eq $m.source "image") (not $m.image.repository) }}
+{{- fail "models.source image needs models.image.repository (an image whose models.image.path holds the model files)" }}
+{{- end }}
+{{- end }}
+
+{{- define "specpool.modelsMount" -}}
+{{- $m := .Values.models }}
+{{- if $m.source }}
+- name: models
+  mountPath: {{ $m.mountPath }}
+  readOnly: true
+  {{- if and (eq $m.source "pvc") $m.pvc.subPath }}
+  subPath: {{ $m.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specpool.modelsVolume" -}}
+{{- $m := .Values.models }}
+{{- if eq $m.source "pvc" }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: models
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "image" }}
+- name: models
+  emptyDir:
+    {{- with $m.image.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The init container of models.source image: copies models.image.path (its contents) into the emptyDir,
+as the pod's unprivileged user; the model image needs a `cp`. */}}
+{{- define "specpool.modelsInit" -}}
+{{- $m := .Values.models }}
+{{- if eq $m.source "image" }}
+initContainers:
+  - name: copy-models
+    image: {{ printf "%s:%s" $m.image.repository ($m.image.tag | default "latest") | quote }}
+    imagePullPolicy: {{ $m.image.pullPolicy }}
+    command: ["cp", "-R", {{ printf "%s/." (trimSuffix "/" $m.image.path) | quote }}, "/models-copy/"]
+    securityContext:
+      {{- toYaml .Values.securityContext | nindent 6 }}
+    resources:
+      {{- toYaml $m.image.resources | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models-copy
 {{- end }}
 {{- end }}
