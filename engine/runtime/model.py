@@ -134,8 +134,8 @@ class Llama:
 
     @classmethod
     def from_gguf(cls, path: str | Path, dtype: str | None = None, device: str | None = None):
-        """Returns (model, tokenizer) for a Llama-architecture GGUF; tokenizer is None when the file
-        has no vocabulary (tiny test models, which are fed token ids)."""
+        """Returns (model, tokenizer) for a GGUF of a supported architecture (engine/runtime/gguf_config.py);
+        tokenizer is None when the file has no vocabulary (tiny test models, which are fed token ids)."""
         from specpool.engine.runtime.gguf_loader import load_gguf
         from specpool.engine.runtime.tokenizer import Tokenizer
 
