@@ -125,6 +125,7 @@ class GGUFModel:
     chat_template: str | None
     # The same matrices in the file's own block format, where it is one of BLOCK_FORMATS.
     blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
+    tokenizer_pre: str | None = None  # tokenizer.ggml.pre: which split precedes the BPE (engine/runtime/tokenizer.py)
 
 
 # Tensor types read, dequantized at load (gguf.quants), besides F32: the float types and block types llama.cpp's
@@ -188,6 +189,7 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         merges=list(_field(reader, "tokenizer.ggml.merges", [])),
         chat_template=_field(reader, "tokenizer.chat_template"),
         blocks=blocks,
+        tokenizer_pre=_field(reader, "tokenizer.ggml.pre"),
     )
 
 

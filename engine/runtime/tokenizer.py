@@ -11,13 +11,24 @@ from datetime import datetime
 import jinja2.ext
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token_type for control tokens such as <|im_start|>
 # Stand-ins for message contents while the template renders (Unicode private use: no template emits them).
 _CONTENT = "\ue000{}\ue001"
 _CONTENT_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> the split regex the model's own tokenizer.json
+# uses before byte-level BPE. Llama 3 groups digits by three, Qwen2 splits each, and both keep one leading
+# non-letter with a word; any other name keeps GPT-2's split (ByteLevel's own regex), as before.
+PRE_TOKENIZER_SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
 
 class Tokenizer:
@@ -29,12 +40,18 @@ class Tokenizer:
         chat_template: str | None,
         bos_id: int,
         eos_id: int,
+        pre: str | None = None,
     ):
-        """A GGUF's byte-level BPE: its tokens, merges and llama.cpp token types."""
+        """A GGUF's byte-level BPE: its tokens, merges and llama.cpp token types; `pre`: its tokenizer.ggml.pre."""
         vocab = {tok: i for i, tok in enumerate(tokens)}
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
         tok = HFTokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in PRE_TOKENIZER_SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         # The same BPE without control tokens: what a chat message's content is encoded with.
         text_only = HFTokenizer.from_str(tok.to_str())
@@ -92,6 +109,7 @@ class Tokenizer:
             gguf_model.chat_template,
             gguf_model.config.bos_id,
             gguf_model.config.eos_id,
+            gguf_model.tokenizer_pre,
         )
 
     def encode(self, text: str) -> list[int]:

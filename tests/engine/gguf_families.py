@@ -75,12 +75,13 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
                header: Callable[[GGUFWriter], None] | None = None,
                edit: Callable[[str, np.ndarray], np.ndarray | tuple | None] | None = None,
-               tokens: list[str] | None = None) -> Path:
+               tokens: list[str] | None = None, merges: list[str] | None = None, pre: str = "default") -> Path:
     """`model` (a transformers causal LM of a supported family) as an F16 GGUF at `path`. `window`: write
     the config's sliding window as llama.attention.sliding_window (the converter writes none).
     For bad files: `arch` names another architecture, `header` adds keys, `edit(name, array)` returns the
     array to write instead, (raw bytes, their GGML type), or None to leave the tensor out. `tokens`: the
-    vocabulary to write instead of `byte_vocabulary`'s (its merges are kept)."""
+    vocabulary to write instead of `byte_vocabulary`'s, `merges` its merges, `pre` its pre-tokenizer
+    (tokenizer.ggml.pre: llama.cpp's name for the split regex, as the converter writes it)."""
     cfg = model.config
     arch = arch or ARCH[cfg.architectures[0] if cfg.architectures else type(model).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -102,10 +103,10 @@ def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
         writer.add_rope_dimension_count(head_dim)
         if window and getattr(cfg, "sliding_window", None):
             writer.add_sliding_window(cfg.sliding_window)
-    own, merges = byte_vocabulary(len(tokens) if tokens else cfg.vocab_size)
-    tokens = tokens or own
+    own, own_merges = byte_vocabulary(len(tokens) if tokens else cfg.vocab_size)
+    tokens, merges = tokens or own, merges or own_merges
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
     writer.add_token_merges(merges)

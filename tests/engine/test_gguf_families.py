@@ -217,3 +217,21 @@ def test_a_bf16_file_is_read_as_its_values(tmp_path):
     model, _ = Llama.from_path(path, dtype="fp32", device="cpu")
     diff = (_all_logits(model, TOKENS) - _reference_logits(reference, TOKENS)).abs().max().item()
     assert diff < 1e-4, f"max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_text_is_split_as_llama_cpp_splits_it(pre, tmp_path):
+    """tokenizer.ggml.pre names the split before byte-level BPE: Llama 3 groups digits by three and Qwen2
+    splits each, both keeping a leading non-letter with a word (GPT-2's split, ours before, merged "1234"
+    into "12", "34" for both). Merges that cross those splits tell them apart."""
+    import llama_cpp
+
+    from tests.engine.gguf_families import byte_vocabulary
+
+    extra = {"12": "1 2", "34": "3 4", "(a": "( a", "ab": "a b", "Ġ1": "Ġ 1", "Ġa": "Ġ a"}
+    tokens = byte_vocabulary(256)[0][: 256 - len(extra)] + list(extra)
+    path = write_gguf(hf_model("qwen2"), tmp_path / "model.gguf", tokens=tokens, merges=list(extra.values()), pre=pre)
+    _, tokenizer = Llama.from_path(path, dtype="fp32", device="cpu")
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in ["1234 12345", "(ab x(ab", "it's 12 ab\n\n  ab", "a  1234\t(a", "IT'S 99 (ab)"]:
+        assert tokenizer.encode(text) == llama.tokenize(text.encode(), add_bos=False, special=False), text
