@@ -126,6 +126,7 @@ class GGUFModel:
     # The same matrices in the file's own block format, where it is one of BLOCK_FORMATS.
     blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
     tokenizer_pre: str | None = None  # tokenizer.ggml.pre: which split precedes the BPE (engine/runtime/tokenizer.py)
+    tokenizer_model: str | None = None  # tokenizer.ggml.model: gpt2 (byte-level BPE), llama (SentencePiece), ...
 
 
 # Tensor types read, dequantized at load (gguf.quants), besides F32: the float types and block types llama.cpp's
@@ -190,6 +191,7 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         chat_template=_field(reader, "tokenizer.chat_template"),
         blocks=blocks,
         tokenizer_pre=_field(reader, "tokenizer.ggml.pre"),
+        tokenizer_model=_field(reader, "tokenizer.ggml.model"),
     )
 
 

@@ -235,3 +235,13 @@ def test_text_is_split_as_llama_cpp_splits_it(pre, tmp_path):
     llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     for text in ["1234 12345", "(ab x(ab", "it's 12 ab\n\n  ab", "a  1234\t(a", "IT'S 99 (ab)"]:
         assert tokenizer.encode(text) == llama.tokenize(text.encode(), add_bos=False, special=False), text
+
+
+def test_a_sentencepiece_vocabulary_is_refused_rather_than_misread(tmp_path):
+    """Llama 2's and Mistral v0.1-v0.3's GGUFs carry SentencePiece vocabularies (tokenizer.ggml.model llama):
+    read as byte-level BPE they would tokenize every prompt wrong."""
+    path = write_gguf(hf_model("mistral"), tmp_path / "model.gguf",
+                      header=lambda w: w.add_string("tokenizer.ggml.model", "llama"))
+    with pytest.raises(ModelFileError, match="tokenizer.ggml.model: 'llama' is not supported"):
+        Llama.from_path(path, dtype="fp32", device="cpu")
+    assert load_model_file(path, only={"embed"}).config.vocab_size == 256  # a drafter reads its embeddings still
