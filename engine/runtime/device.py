@@ -181,9 +181,9 @@ def draft_format(name: str | None, device: torch.device | str) -> tuple[str, GGM
     `None`/"auto": Q8_0 blocks through the engine's own kernels where they build (a draft step at one row
     reads every weight once and computes little: the head's forward took 1.82 ms in fp32, 1.00 in bf16
     and 0.38 on Q8_0 blocks, a quarter of fp32's bytes, on a 2-core AVX-512 EPYC; 1.44 fp32 and 0.39 Q8_0
-    with the AVX2 kernels), else bf16 where native, else fp32. A draft's numerics only move its acceptance: the target verifies every token, and a
-    sampled draft's q is the q its tokens were drawn from. "bf16" and "fp32" are dense, as
-    `resolve_dtype` says.
+    with the AVX2 kernels), else bf16 where native, else fp32. A draft's numerics only move its
+    acceptance: the target verifies every token, and a sampled draft's q is the q its tokens were drawn
+    from. "bf16" and "fp32" are dense, as `resolve_dtype` says.
     """
     from specpool.engine.runtime import kernels
 
