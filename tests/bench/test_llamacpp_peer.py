@@ -69,5 +69,7 @@ def test_a_sequence_ends_at_eos_or_its_limit(llamacpp, prompts):
 
 
 def test_step_costs_time_each_feed(llamacpp):
+    """One time per feed length. Not their order: a shared machine's stall once timed the 1-token feed at
+    0.19 s and the 5-token one at 0.11 (an AVX2-class CI run beside other work); the bench compares them."""
     costs = llamacpp.step_costs([0, 4], context_len=32, repeats=2)
-    assert len(costs) == 2 and 0 < costs[0] < costs[1]
+    assert len(costs) == 2 and all(0 < c < 60 for c in costs)
