@@ -78,6 +78,29 @@ class ModelConfig:
         return self.sliding_window is not None and self.sliding_window < self.max_context
 
 
+def file_tensors(config: ModelConfig, names: dict[str, str], layer_names: dict[str, str],
+                 layer_prefix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A model file's tensor name -> (the engine's name, shape [out, in]) of every tensor a model of this
+    config has. `names`: the file's names of embed, norm and lm_head (keyed by the engine's); `layer_names`:
+    the file's name after `layer_prefix.format(i)` -> the engine's after "layers.{i}." (GGUF and Hugging Face
+    directories differ only in these names)."""
+    d, D, H, Hkv, F = config.d_model, config.head_dim, config.n_heads, config.n_kv_heads, config.ffn_dim
+    shapes = {"attn_norm": (d,), "wq": (H * D, d), "wk": (Hkv * D, d), "wv": (Hkv * D, d), "wo": (d, H * D),
+              "ffn_norm": (d,), "w_gate": (F, d), "w_up": (F, d), "w_down": (d, F)}
+    if config.qkv_bias:
+        shapes |= {"bq": (H * D,), "bk": (Hkv * D,), "bv": (Hkv * D,)}
+    if config.qk_norm:
+        shapes |= {"q_norm": (D,), "k_norm": (D,)}
+    tensors = {names["embed"]: ("embed", (config.vocab_size, d)), names["norm"]: ("norm", (d,))}
+    if not config.tie_embeddings:
+        tensors[names["lm_head"]] = ("lm_head", (config.vocab_size, d))
+    for i in range(config.n_layers):
+        for name, ours in layer_names.items():
+            if ours in shapes:
+                tensors[layer_prefix.format(i) + name] = (f"layers.{i}.{ours}", shapes[ours])
+    return tensors
+
+
 def tiny_config(vocab_size: int = 64, n_layers: int = 2, d_model: int = 32) -> ModelConfig:
     """A random-init model shape for unit tests: builds and runs in milliseconds."""
     return ModelConfig(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gguf import GGUFReader, ReaderTensor
 
-from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig, file_tensors
 from specpool.engine.runtime.hf_config import ModelFileError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -118,21 +118,8 @@ def _rope_freq_factors(path: Path, tensor: ReaderTensor | None, head_dim: int) -
 def expected_gguf_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF tensor name -> (our name, shape [out, in]) of every tensor a model of this config has
     (rope_freqs, read into the config, aside)."""
-    d, D, H, Hkv, F = config.d_model, config.head_dim, config.n_heads, config.n_kv_heads, config.ffn_dim
-    shapes = {"attn_norm": (d,), "wq": (H * D, d), "wk": (Hkv * D, d), "wv": (Hkv * D, d), "wo": (d, H * D),
-              "ffn_norm": (d,), "w_gate": (F, d), "w_up": (F, d), "w_down": (d, F)}
-    if config.qkv_bias:
-        shapes |= {"bq": (H * D,), "bk": (Hkv * D,), "bv": (Hkv * D,)}
-    if config.qk_norm:
-        shapes |= {"q_norm": (D,), "k_norm": (D,)}
-    tensors = {"token_embd.weight": ("embed", (config.vocab_size, d)), "output_norm.weight": ("norm", (d,))}
-    if not config.tie_embeddings:
-        tensors["output.weight"] = ("lm_head", (config.vocab_size, d))
-    for i in range(config.n_layers):
-        for name, ours in LAYER_NAMES.items():
-            if ours in shapes:
-                tensors[f"blk.{i}.{name}"] = (f"layers.{i}.{ours}", shapes[ours])
-    return tensors
+    return file_tensors(config, {"embed": "token_embd.weight", "norm": "output_norm.weight",
+                                 "lm_head": "output.weight"}, LAYER_NAMES, "blk.{}.")
 
 
 def neox_heads(ours: str, config: ModelConfig) -> int | None:

@@ -15,7 +15,7 @@ import torch
 from jinja2 import TemplateError
 from safetensors import safe_open
 
-from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig, file_tensors
 from specpool.engine.runtime.hf_config import ModelFileError, read_config, read_json
 from specpool.engine.runtime.rope import to_adjacent_pairs
 from specpool.engine.runtime.tokenizer import Tokenizer
@@ -48,23 +48,8 @@ class HFModel:
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF tensor name -> (our name, shape) of every tensor a model of this config has."""
-    d, D, H, Hkv = config.d_model, config.head_dim, config.n_heads, config.n_kv_heads
-    shapes = {
-        "attn_norm": (d,), "wq": (H * D, d), "wk": (Hkv * D, d), "wv": (Hkv * D, d), "wo": (d, H * D),
-        "ffn_norm": (d,), "w_gate": (config.ffn_dim, d), "w_up": (config.ffn_dim, d), "w_down": (d, config.ffn_dim),
-    }
-    if config.qkv_bias:
-        shapes |= {"bq": (H * D,), "bk": (Hkv * D,), "bv": (Hkv * D,)}
-    if config.qk_norm:
-        shapes |= {"q_norm": (D,), "k_norm": (D,)}
-    tensors = {"model.embed_tokens.weight": ("embed", (config.vocab_size, d)), "model.norm.weight": ("norm", (d,))}
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = ("lm_head", (config.vocab_size, d))
-    for i in range(config.n_layers):
-        for hf, ours in _LAYER_NAMES.items():
-            if ours in shapes:
-                tensors[f"model.layers.{i}.{hf}"] = (f"layers.{i}.{ours}", shapes[ours])
-    return tensors
+    return file_tensors(config, {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                                 "lm_head": "lm_head.weight"}, _LAYER_NAMES, "model.layers.{}.")
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:
