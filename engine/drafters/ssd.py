@@ -242,7 +242,7 @@ class SsdDrafter(Drafter):
             self._tree_decode(forks, k_next)
         elapsed = time.monotonic() - start
         self.stats.prespec_s = ema(self.stats.prespec_s, elapsed)
-        self._size_forks(elapsed)
+        self._size_forks(elapsed, k_next)
 
     def _has_room(self, seq: _Seq, k_next: int) -> bool:
         """Whether the cache holds this sequence glued (context + d1..dK) plus a fork's bonus and
@@ -250,17 +250,18 @@ class SsdDrafter(Drafter):
         glued = self.cache.lengths[seq.slot] + len(seq.pending) + len(seq.drafts) - seq.fed
         return glued + k_next <= self.cache.max_len
 
-    def _size_forks(self, elapsed: float) -> None:
+    def _size_forks(self, elapsed: float, k_next: int) -> None:
         """One fork per sequence fewer when a pass overran its share of the verify time, one more
         when it left a quarter of that share unused: more sequences (a busier endpoint) or longer
-        drafts mean fewer forks each, a slower target more."""
-        if not self.stats.verify_s:
-            return
-        share = elapsed / self.stats.verify_s
-        if share > self.PRESPEC_SHARE:
-            self.forks = max(1, self.forks - 1)
-        elif share < 0.75 * self.PRESPEC_SHARE:
-            self.forks = min(self.fork_budget, self.forks + 1)
+        drafts mean fewer forks each, a slower target more. Never more than the measured hits repay
+        (SsdStats.useful_forks)."""
+        if self.stats.verify_s:
+            share = elapsed / self.stats.verify_s
+            if share > self.PRESPEC_SHARE:
+                self.forks = max(1, self.forks - 1)
+            elif share < 0.75 * self.PRESPEC_SHARE:
+                self.forks = min(self.fork_budget, self.forks + 1)
+        self.forks = min(self.forks, self.stats.useful_forks(k_next, self.fork_budget))
 
     def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
         """The target verifies drafts of its own next (push mode: a miss it resolved locally)."""

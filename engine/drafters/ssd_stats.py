@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     import torch
 
 
+MIN_HIT_GAIN = 0.01  # one more fork per sequence must add this much to the expected hit ratio
+RANKS_TO_TRUST = 50  # bonus ranks measured before the curve caps the forks
+
+
 @dataclass
 class SsdStats:
     """Measured online; they drive the fan-out and the backup choice, and feed the metrics."""
@@ -50,6 +54,27 @@ class SsdStats:
             return 1.0
         r = -sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         return min(max(r, 0.05), 5.0)
+
+    def expected_hit(self, forks: int, k_max: int) -> float:
+        """The hit ratio `forks` per sequence would buy, spread as geometric_fanout spreads them: the chance
+        of each accepted length k (a^k (1-a); a^K for all K) times that its bonus ranks within F_k."""
+        a = min(max(self.accept_ema, 1e-3), 1 - 1e-3)
+        fanout = geometric_fanout(forks, k_max, a, self.miss_exponent())
+        return sum((a ** k) * (1 - a if k < k_max else 1.0) * self.p_hit(f) for k, f in enumerate(fanout))
+
+    def useful_forks(self, k_max: int, most: int) -> int:
+        """The fewest forks per sequence that no larger count up to `most` beats by MIN_HIT_GAIN of expected
+        hit ratio per extra fork (`most` until RANKS_TO_TRUST bonus ranks are measured): past the knee of the
+        bonus-rank curve a fork costs the endpoint a KV slot and a row of every pass, for other targets too,
+        and buys nothing. Slopes over any span, not one step: the fan-out hands forks to accepted lengths
+        unevenly, so a single extra fork may add nothing where the next adds a lot."""
+        if sum(self.bonus_ranks) < RANKS_TO_TRUST:
+            return most
+        hits = [0.0] + [self.expected_hit(f, k_max) for f in range(1, most + 1)]
+        for f in range(1, most):
+            if all(hits[g] - hits[f] < MIN_HIT_GAIN * (g - f) for g in range(f + 1, most + 1)):
+                return f
+        return most
 
     def learn(self, k: int, tokens: Sequence[int], drafts: Sequence[int], rows: Sequence[torch.Tensor], source: str,
               forked: Collection[tuple[int, int]]) -> None:

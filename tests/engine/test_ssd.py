@@ -86,19 +86,41 @@ def test_greedy_equals_ar_with_a_different_draft_on_hits_and_misses(tiny_model, 
 def test_forks_per_sequence_follow_the_verify_time(tiny_model):
     ssd = SsdDrafter(tiny_model, 1, 64, fork_budget=6)
     assert ssd.forks == 3
-    ssd._size_forks(0.050)  # no verify time measured yet: unchanged
+    ssd._size_forks(0.050, 4)  # no verify time measured yet: unchanged
     assert ssd.forks == 3
     ssd.stats.verify_s = 0.100
-    ssd._size_forks(0.090)  # overran 80% of the verify time: one fork fewer
+    ssd._size_forks(0.090, 4)  # overran 80% of the verify time: one fork fewer
     assert ssd.forks == 2
-    ssd._size_forks(0.070)  # inside the share, above 75% of it: kept
+    ssd._size_forks(0.070, 4)  # inside the share, above 75% of it: kept
     assert ssd.forks == 2
     for _ in range(10):  # well inside: one more each pass, up to the budget
-        ssd._size_forks(0.010)
+        ssd._size_forks(0.010, 4)
     assert ssd.forks == 6
     for _ in range(10):
-        ssd._size_forks(0.500)
+        ssd._size_forks(0.500, 4)
     assert ssd.forks == 1
+
+
+def test_forks_per_sequence_stop_where_the_measured_hits_stop_growing(tiny_model):
+    ssd = SsdDrafter(tiny_model, 1, 64, fork_budget=16)
+    ssd.stats.verify_s, ssd.stats.accept_ema = 0.100, 0.5
+    for _ in range(20):  # passes well inside the verify time, no bonus ranks measured yet: up to the budget
+        ssd._size_forks(0.010, 4)
+    assert ssd.forks == 16
+    # The real bonus was the row's first candidate 9 times in 10, its second otherwise: past a fork or two
+    # per accepted length, more forks buy (almost) no hits.
+    ssd.stats.bonus_ranks[0], ssd.stats.bonus_ranks[1] = 90, 10
+    ssd._size_forks(0.010, 4)
+    cap = ssd.stats.useful_forks(4, 16)
+    assert ssd.forks == cap and 5 <= cap < 16
+    hit = [ssd.stats.expected_hit(f, 4) for f in range(cap - 1, 17)]
+    assert hit[1] - hit[0] >= 0.01, "the last fork kept was worth a point of hits"
+    assert all(h - hit[1] < 0.01 * g for g, h in enumerate(hit[2:], 1)), "no later count repays its forks"
+    # A flat curve (the bonus anywhere among 16 candidates) repays about every fork of the budget.
+    ssd.stats.bonus_ranks[:16] = [10] * 16
+    for _ in range(16):
+        ssd._size_forks(0.010, 4)
+    assert ssd.forks >= 14
 
 
 def test_drafts_from_the_cache_equal_fresh_greedy_drafts_of_the_same_context(tiny_model):
