@@ -117,21 +117,13 @@ def _non_decreasing(row: list[float]) -> list[float]:
 
 
 def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None, **kwargs) -> StepCosts:
-    """measure_step_costs, cached on disk per model, weight format (q4, fp32 or bf16: a table measured with
+    """measure_step_costs, cached on disk per model (its name and its weights' fingerprint: a head retrained
+    into the same directory is another model), weight format (q4, fp32 or bf16: a table measured with
     dense weights says nothing about the int4 kernel's), device, thread count and CPU class (a table
     measured with AVX-512 kernels says nothing about the same disk's next machine, an AVX2 one)."""
-    fmt = model.format
-    key = (f"v5|{model_id}|{fmt.name}|{model.dtype}|{fmt.dense_dtype}|{model.device}|{torch.get_num_threads()}"
-           f"|{cpu_class()}|{kwargs}")
-    if fmt.own_kernels:  # a table measured with an older build of the kernels says little about this one
-        from specpool.engine.runtime import kernels
-
-        key += f"|{kernels.build_name(kernel_isa())}"
-    cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
-    path = cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+    path, key = _cache_path(model, model_id, torch.get_num_threads(), cache_dir, kwargs)
     if path.exists():
-        data = json.loads(path.read_text())
-        costs = StepCosts(tuple(data["batch_sizes"]), tuple(data["draft_lens"]), tuple(map(tuple, data["seconds"])))
+        costs = _read_costs(path)
         # A table measured while another job loaded the machine is slow throughout and would make
         # speculation look worse than it is, for good: re-measure when a quick check is clearly faster.
         now = measure_step_costs(model, (1,), (0,), kwargs.get("context_len", 128), repeats=3).seconds[0][0]
@@ -143,6 +135,32 @@ def cached_step_costs(model: Llama, model_id: str, cache_dir: Path | None = None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(costs) | {"key": key}))
     return costs
+
+
+def peek_step_costs(model: Llama, model_id: str, threads: int, cache_dir: Path | None = None,
+                    **kwargs) -> StepCosts | None:
+    """The table cached_step_costs keeps for this model at `threads` threads, read as it is (neither
+    measured nor checked for staleness: other threads' tables cannot be checked from this process);
+    None when none is cached."""
+    path, _ = _cache_path(model, model_id, threads, cache_dir, kwargs)
+    return _read_costs(path) if path.exists() else None
+
+
+def _cache_path(model: Llama, model_id: str, threads: int, cache_dir: Path | None, kwargs: dict) -> tuple[Path, str]:
+    fmt = model.format
+    key = (f"v6|{model_id}|{model.fingerprint}|{fmt.name}|{model.dtype}|{fmt.dense_dtype}|{model.device}|{threads}"
+           f"|{cpu_class()}|{kwargs}")
+    if fmt.own_kernels:  # a table measured with an older build of the kernels says little about this one
+        from specpool.engine.runtime import kernels
+
+        key += f"|{kernels.build_name(kernel_isa())}"
+    cache_dir = cache_dir or Path.home() / ".cache" / "specpool" / "step-costs"
+    return cache_dir / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json"), key
+
+
+def _read_costs(path: Path) -> StepCosts:
+    data = json.loads(path.read_text())
+    return StepCosts(tuple(data["batch_sizes"]), tuple(data["draft_lens"]), tuple(map(tuple, data["seconds"])))
 
 
 class AcceptanceEstimate:

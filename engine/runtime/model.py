@@ -9,6 +9,7 @@ into a scratch slot, so they never touch a live sequence.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Llama:
                  blocks: dict[str, QuantizedBlocks] | None = None):
         """`blocks`: the GGUF's quantized matrices (GGUFModel.blocks), read by the int4 format."""
         self.config = config
+        self.fingerprint = weights_fingerprint(config, weights)
         self.device = torch.device(device)
         four_bit = any(b.four_bit for b in (blocks or {}).values())
         self.format = resolve_format(dtype, self.device, four_bit)  # bf16 only where native; q4 where fast
@@ -420,6 +422,19 @@ class Llama:
 def _stacked(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
     """Rows [1, T_i, ...] right-padded with zeros to `length` along dim 1 -> [B, length, ...]."""
     return torch.cat([F.pad(r, (0, 0) * (r.dim() - 2) + (0, length - r.shape[1])) for r in rows])
+
+
+def weights_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor], sample: int = 1024) -> str:
+    """A short digest of what the weights are: the config, each tensor's name and shape, and `sample`
+    evenly spaced values of it. Two checkpoints trained apart differ in nearly every value, so this tells
+    them apart where a file or directory name does not (a retrained head saved over the old one), in
+    milliseconds whatever the model's size."""
+    digest = hashlib.sha1(repr(config).encode())
+    for name in sorted(weights):
+        flat = weights[name].reshape(-1)
+        digest.update(f"{name}{tuple(weights[name].shape)}".encode())
+        digest.update(flat[:: max(1, flat.numel() // sample)].to("cpu", torch.float64).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import pytest
 
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,
     FixedDraftLength,
@@ -153,6 +154,17 @@ def test_measured_costs_are_cached_and_a_stale_table_is_measured_again(tiny_mode
     assert fast.seconds == tuple(tuple(t * 1e-6 for t in row) for row in data["seconds"])
     slow = cached_with(1e3)  # measured under load: measured again, and the file replaced
     assert slow(1, 0) < first(1, 0) * 100 and json.loads(path.read_text())["seconds"] == [list(r) for r in slow.seconds]
+
+
+def test_a_model_retrained_under_the_same_name_gets_a_table_of_its_own(tiny_model, tmp_path):
+    """Keyed by its name alone, a head retrained into its directory read the old head's costs for good."""
+    kwargs = {"batch_sizes": (1,), "draft_lens": (0,), "context_len": 8, "repeats": 1}
+    retrained = Llama.random_init(tiny_model.config, seed=1)
+    assert retrained.fingerprint != tiny_model.fingerprint
+    assert Llama.random_init(tiny_model.config, seed=0).fingerprint == tiny_model.fingerprint
+    cached_step_costs(tiny_model, "tiny", tmp_path, **kwargs)
+    cached_step_costs(retrained, "tiny", tmp_path, **kwargs)
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_policy_driven_generation_stays_lossless(tiny_model):
