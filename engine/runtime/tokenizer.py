@@ -140,13 +140,23 @@ class Tokenizer:
         parts = _CONTENT_RE.split(self.apply_chat_template(stand_ins))  # template, index, template, ...
         if sorted(parts[1::2]) != sorted(str(i) for i in range(len(messages))):
             raise ValueError("the chat template does not place each message's content once")
+        # Each run of text between the template's control tokens, contents included, is encoded whole, as
+        # in a text without them: a SentencePiece vocabulary starts each run with a space, not each part.
+        control = re.compile("(" + "|".join(map(re.escape, sorted(self.control_tokens, key=len, reverse=True))) + ")")
         ids: list[int] = []
+        run = ""
         for i, part in enumerate(parts):
             if i % 2:
-                ids += self._text_only.encode(messages[int(part)]["content"], add_special_tokens=False).ids
-            elif part:
-                ids += self.encode(part)
-        return ids
+                run += messages[int(part)]["content"]
+                continue
+            for j, piece in enumerate(control.split(part)):  # text, control token, text, ...
+                if j % 2 == 0:
+                    run += piece
+                    continue
+                ids += self._text_only.encode(run, add_special_tokens=False).ids if run else []
+                ids.append(self._tok.token_to_id(piece))
+                run = ""
+        return ids + (self._text_only.encode(run, add_special_tokens=False).ids if run else [])
 
 
 def _raise_exception(message: str):
