@@ -127,6 +127,12 @@ class GGUFModel:
     blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
     tokenizer_pre: str | None = None  # tokenizer.ggml.pre: which split precedes the BPE (engine/runtime/tokenizer.py)
     tokenizer_model: str | None = None  # tokenizer.ggml.model: gpt2 (byte-level BPE), llama (SentencePiece), ...
+    # A SentencePiece vocabulary's: each token's score (its merges follow them), the unknown token, and whether
+    # a prompt starts with BOS and text with a space (None: the key is absent, llama.cpp's default applies).
+    scores: list[float] = field(default_factory=list)
+    unk_id: int | None = None
+    add_bos: bool | None = None
+    add_space_prefix: bool | None = None
 
 
 # Tensor types read, dequantized at load (gguf.quants), besides F32: the float types and block types llama.cpp's
@@ -192,6 +198,10 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         blocks=blocks,
         tokenizer_pre=_field(reader, "tokenizer.ggml.pre"),
         tokenizer_model=_field(reader, "tokenizer.ggml.model"),
+        scores=[float(x) for x in _field(reader, "tokenizer.ggml.scores", [])],
+        unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+        add_bos=_field(reader, "tokenizer.ggml.add_bos_token"),
+        add_space_prefix=_field(reader, "tokenizer.ggml.add_space_prefix"),
     )
 
 

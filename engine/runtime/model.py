@@ -143,12 +143,13 @@ class Llama:
 
         dev = torch.device(device) if device else default_device()
         gguf_model = load_gguf(path)
-        if gguf_model.tokens and gguf_model.tokenizer_model not in (None, "gpt2"):
-            # Read as byte-level BPE, a SentencePiece vocabulary would tokenize every prompt wrong.
+        if gguf_model.tokens and gguf_model.tokenizer_model not in (None, "gpt2", "llama"):
+            # Read as byte-level BPE, another kind of vocabulary would tokenize every prompt wrong.
             from specpool.engine.runtime.hf_config import ModelFileError
 
-            raise ModelFileError(path, "tokenizer.ggml.model", f"{gguf_model.tokenizer_model!r} is not supported (gpt2, "
-                                 "byte-level BPE): pass the model's Hugging Face directory, whose tokenizer.json is read")
+            raise ModelFileError(path, "tokenizer.ggml.model", f"{gguf_model.tokenizer_model!r} is not supported (gpt2: "
+                                 "byte-level BPE; llama: SentencePiece): pass the model's Hugging Face directory, "
+                                 "whose tokenizer.json is read")
         model = cls(gguf_model.config, gguf_model.weights, dtype, dev, blocks=gguf_model.blocks)
         return model, (Tokenizer.from_gguf(gguf_model) if gguf_model.tokens else None)
 

@@ -1,5 +1,6 @@
-"""Tokenizer and chat template, read from the model file: a GGUF's byte-level BPE fields, or a Hugging
-Face directory's tokenizer.json (any model the `tokenizers` library reads) and template."""
+"""Tokenizer and chat template, read from the model file: a GGUF's vocabulary (byte-level BPE, or SentencePiece
+as Llama 2's and Mistral's files carry it), or a Hugging Face directory's tokenizer.json (any model the
+`tokenizers` library reads) and template."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from datetime import datetime
 import jinja2.ext
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-CONTROL_TOKEN_TYPE = 3  # llama.cpp's token_type for control tokens such as <|im_start|>
+# llama.cpp's token types (tokenizer.ggml.token_type) it matches whole in text and leaves out of decoded text:
+# control tokens such as <|im_start|> or [INST], and the unknown token <unk>.
+UNKNOWN_TOKEN_TYPE, CONTROL_TOKEN_TYPE = 2, 3
+SPECIAL_TOKEN_TYPES = (UNKNOWN_TOKEN_TYPE, CONTROL_TOKEN_TYPE)
 # Stand-ins for message contents while the template renders (Unicode private use: no template emits them).
 _CONTENT = "\ue000{}\ue001"
 _CONTENT_RE = re.compile("\ue000(\\d+)\ue001")
@@ -53,13 +57,51 @@ class Tokenizer:
         else:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
-        # The same BPE without control tokens: what a chat message's content is encoded with.
+        # Byte-level BPE spells a token with one character per byte.
+        self._setup_gguf(tok, tokens, token_types, max(len(t) for t in tokens), chat_template, bos_id, eos_id)
+
+    @classmethod
+    def sentencepiece(cls, tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int],
+                      chat_template: str | None, bos_id: int, eos_id: int, unk_id: int = 0, add_bos: bool = True,
+                      add_space_prefix: bool = True) -> Tokenizer:
+        """A GGUF's SentencePiece vocabulary (tokenizer.ggml.model "llama": Llama 2, Mistral), tokenized as
+        llama.cpp does. It spells a space "▁" and, where `add_space_prefix`, starts each text (the prompt, and
+        each run after a control token) with one; it joins the adjacent pair whose joined text is the
+        best-scored token, until none is a token; a character outside the vocabulary becomes its <0xNN> byte
+        tokens. `add_bos`: prompts start with BOS (llama.cpp's default for these files)."""
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        # The files list no merges: as a BPE, that joining is a merge for each way a token splits into two
+        # tokens, the best-scored token's first.
+        splits = [(score, t[:k], t[k:]) for t, score in zip(tokens, scores) for k in range(1, len(t))
+                  if t[:k] in vocab and t[k:] in vocab]
+        merges = [(left, right) for _, left, right in sorted(splits, key=lambda s: -s[0])]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk_id], byte_fallback=True,
+                                     fuse_unk=True))
+        # A normalizer, not a pre-tokenizer: it runs on each run of text between control tokens, as llama.cpp
+        # prefixes each (Metaspace would prefix only the first), and leaves the text one word, as SentencePiece
+        # does (its tokens may span spaces: "▁▁▁▁").
+        spaces = [normalizers.Prepend("▁")] if add_space_prefix else []
+        tok.normalizer = normalizers.Sequence([*spaces, normalizers.Replace(" ", "▁")])
+        strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []  # the prefix, as llama.cpp drops it
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+        if add_bos:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos_id]} $A", special_tokens=[(tokens[bos_id], bos_id)])
+        self = cls.__new__(cls)
+        # A token covers at most its own text, with "▁" a one-byte space (a byte token <0xNN> counts more than
+        # its byte: a looser bound).
+        self._setup_gguf(tok, tokens, token_types, max(len(t.replace("▁", " ").encode()) for t in tokens),
+                         chat_template, bos_id, eos_id)
+        return self
+
+    def _setup_gguf(self, tok: HFTokenizer, tokens: Sequence[str], token_types: Sequence[int], max_token_bytes: int,
+                    chat_template: str | None, bos_id: int, eos_id: int) -> None:
+        # The same tokenizer without control tokens: what a chat message's content is encoded with.
         text_only = HFTokenizer.from_str(tok.to_str())
         # Control tokens must be matched whole, or "<|im_start|>" is split into "<", "|", ...
-        control = [t for t, ty in zip(tokens, token_types) if ty == CONTROL_TOKEN_TYPE]
+        control = [t for t, ty in zip(tokens, token_types) if ty in SPECIAL_TOKEN_TYPES]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        # Byte-level BPE spells a token with one character per byte.
-        self._setup(tok, text_only, control, len(tokens), max(len(t) for t in tokens), chat_template, bos_id, eos_id)
+        self._setup(tok, text_only, control, len(tokens), max_token_bytes, chat_template, bos_id, eos_id)
 
     @classmethod
     def from_hf(cls, tokenizer_json: str, chat_template: str | None, bos_id: int, eos_id: int,
@@ -102,23 +144,24 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_model) -> Tokenizer:
-        return cls(
-            gguf_model.tokens,
-            gguf_model.merges,
-            gguf_model.token_types,
-            gguf_model.chat_template,
-            gguf_model.config.bos_id,
-            gguf_model.config.eos_id,
-            gguf_model.tokenizer_pre,
-        )
+        """The vocabulary of a GGUF whose tokenizer.ggml.model is "llama" (SentencePiece), or else byte-level
+        BPE (gpt2; the caller refuses other models)."""
+        g, config = gguf_model, gguf_model.config
+        if g.tokenizer_model == "llama":
+            return cls.sentencepiece(
+                g.tokens, g.scores, g.token_types, g.chat_template, config.bos_id, config.eos_id,
+                unk_id=0 if g.unk_id is None else g.unk_id, add_bos=g.add_bos is not False,
+                add_space_prefix=g.add_space_prefix is not False)
+        return cls(g.tokens, g.merges, g.token_types, g.chat_template, config.bos_id, config.eos_id, g.tokenizer_pre)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt framed as the model expects: a tokenizer.json's post-processor adds Llama's and
-        Mistral's BOS (Qwen's adds nothing), as transformers' `tokenizer(text)` does; a GGUF's BPE has none,
-        so its prompts are `encode(text)`. (A chat template writes its own BOS.)"""
+        Mistral's BOS (Qwen's adds nothing), as transformers' `tokenizer(text)` does, and so does a GGUF's
+        SentencePiece vocabulary unless its add_bos_token is false; a GGUF's BPE adds none, so its prompts are
+        `encode(text)`. (A chat template writes its own BOS.)"""
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:

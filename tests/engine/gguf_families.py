@@ -53,6 +53,25 @@ def byte_vocabulary(size: int) -> tuple[list[str], list[str]]:
     return tokens, [f"{a} {b}" for a, b in pairs]
 
 
+def sentencepiece_vocabulary(lines: list[str], pieces: int = 300,
+                             control: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece BPE vocabulary as Llama 2's and Mistral's GGUFs spell it: tokens, scores, token types.
+    <unk> (type 2), <s> and </s> (control, 3), the 256 byte tokens <0x00>..<0xFF> (6) a character outside the
+    vocabulary falls back to, then up to `pieces` pieces BPE learns from `lines` ("▁" for a space), each scored
+    minus its rank as SentencePiece scores them, then `control`'s tokens (Mistral v0.3's [INST], ...)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    learner = SentencePieceBPETokenizer()
+    learner.train_from_iterator(lines, vocab_size=pieces, min_frequency=2, show_progress=False, special_tokens=[])
+    learned = sorted(learner.get_vocab(), key=learner.get_vocab().get)
+    # Runs of spaces, as Llama 2 has them for code (SentencePiece's whitespace split learns none of them).
+    learned += ["▁▁", "▁▁▁", "▁▁▁▁"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *learned, *control]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(learned))] + [0.0] * len(control)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(learned) + [3] * len(control)
+    return tokens, scores, types
+
+
 def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     """Each RoPE pair's frequency divisor for Llama 3.1's scaling, computed as the converter computes it
     (in fp32 frequencies)."""
@@ -75,13 +94,16 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
                header: Callable[[GGUFWriter], None] | None = None,
                edit: Callable[[str, np.ndarray], np.ndarray | tuple | None] | None = None,
-               tokens: list[str] | None = None, merges: list[str] | None = None, pre: str = "default") -> Path:
+               tokens: list[str] | None = None, merges: list[str] | None = None, pre: str = "default",
+               scores: list[float] | None = None, token_types: list[int] | None = None) -> Path:
     """`model` (a transformers causal LM of a supported family) as an F16 GGUF at `path`. `window`: write
     the config's sliding window as llama.attention.sliding_window (the converter writes none).
     For bad files: `arch` names another architecture, `header` adds keys, `edit(name, array)` returns the
     array to write instead, (raw bytes, their GGML type), or None to leave the tensor out. `tokens`: the
     vocabulary to write instead of `byte_vocabulary`'s, `merges` its merges, `pre` its pre-tokenizer
-    (tokenizer.ggml.pre: llama.cpp's name for the split regex, as the converter writes it)."""
+    (tokenizer.ggml.pre: llama.cpp's name for the split regex, as the converter writes it). `scores` (with
+    `token_types`, from `sentencepiece_vocabulary`): `tokens` are a SentencePiece vocabulary, written as the
+    converter writes Llama 2's (tokenizer.ggml.model llama, no merges, BOS added, a space prefixed)."""
     cfg = model.config
     arch = arch or ARCH[cfg.architectures[0] if cfg.architectures else type(model).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -103,16 +125,26 @@ def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
         writer.add_rope_dimension_count(head_dim)
         if window and getattr(cfg, "sliding_window", None):
             writer.add_sliding_window(cfg.sliding_window)
-    own, own_merges = byte_vocabulary(len(tokens) if tokens else cfg.vocab_size)
-    tokens, merges = tokens or own, merges or own_merges
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges(merges)
+    if scores is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(token_types)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(True)
+    else:
+        own, own_merges = byte_vocabulary(len(tokens) if tokens else cfg.vocab_size)
+        tokens, merges = tokens or own, merges or own_merges
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * len(tokens))
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(False)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0])
-    writer.add_add_bos_token(False)
     if header is not None:
         header(writer)
 

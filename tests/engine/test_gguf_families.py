@@ -237,11 +237,11 @@ def test_text_is_split_as_llama_cpp_splits_it(pre, tmp_path):
         assert tokenizer.encode(text) == llama.tokenize(text.encode(), add_bos=False, special=False), text
 
 
-def test_a_sentencepiece_vocabulary_is_refused_rather_than_misread(tmp_path):
-    """Llama 2's and Mistral v0.1-v0.3's GGUFs carry SentencePiece vocabularies (tokenizer.ggml.model llama):
-    read as byte-level BPE they would tokenize every prompt wrong."""
+def test_an_unknown_kind_of_vocabulary_is_refused_rather_than_misread(tmp_path):
+    """Byte-level BPE (gpt2) and SentencePiece (llama: tests/engine/test_spm_tokenizer.py) are read; another
+    tokenizer.ggml.model, read as either, would tokenize every prompt wrong."""
     path = write_gguf(hf_model("mistral"), tmp_path / "model.gguf",
-                      header=lambda w: w.add_string("tokenizer.ggml.model", "llama"))
-    with pytest.raises(ModelFileError, match="tokenizer.ggml.model: 'llama' is not supported"):
+                      header=lambda w: w.add_string("tokenizer.ggml.model", "bert"))
+    with pytest.raises(ModelFileError, match="model.gguf: tokenizer.ggml.model: 'bert' is not supported"):
         Llama.from_path(path, dtype="fp32", device="cpu")
     assert load_model_file(path, only={"embed"}).config.vocab_size == 256  # a drafter reads its embeddings still
