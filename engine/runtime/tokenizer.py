@@ -35,6 +35,12 @@ PRE_TOKENIZER_SPLITS = {
 }
 
 
+def _start_with(tok: HFTokenizer, tokens: Sequence[str], bos_id: int) -> None:
+    """Prompts encoded with special tokens start with BOS."""
+    tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos_id]} $A",
+                                                        special_tokens=[(tokens[bos_id], bos_id)])
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -45,8 +51,10 @@ class Tokenizer:
         bos_id: int,
         eos_id: int,
         pre: str | None = None,
+        add_bos: bool = False,
     ):
-        """A GGUF's byte-level BPE: its tokens, merges and llama.cpp token types; `pre`: its tokenizer.ggml.pre."""
+        """A GGUF's byte-level BPE: its tokens, merges and llama.cpp token types; `pre`: its tokenizer.ggml.pre;
+        `add_bos`: prompts start with BOS (the file's add_bos_token: Llama 3's sets it, SmolLM2's clears it)."""
         vocab = {tok: i for i, tok in enumerate(tokens)}
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=False)
         tok = HFTokenizer(bpe)
@@ -57,6 +65,8 @@ class Tokenizer:
         else:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
+        if add_bos:
+            _start_with(tok, tokens, bos_id)
         # Byte-level BPE spells a token with one character per byte.
         self._setup_gguf(tok, tokens, token_types, max(len(t) for t in tokens), chat_template, bos_id, eos_id)
 
@@ -85,8 +95,7 @@ class Tokenizer:
         strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []  # the prefix, as llama.cpp drops it
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
         if add_bos:
-            tok.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos_id]} $A", special_tokens=[(tokens[bos_id], bos_id)])
+            _start_with(tok, tokens, bos_id)
         self = cls.__new__(cls)
         # A token covers at most its own text, with "▁" a one-byte space (a byte token <0xNN> counts more than
         # its byte: a looser bound).
@@ -152,7 +161,8 @@ class Tokenizer:
                 g.tokens, g.scores, g.token_types, g.chat_template, config.bos_id, config.eos_id,
                 unk_id=0 if g.unk_id is None else g.unk_id, add_bos=g.add_bos is not False,
                 add_space_prefix=g.add_space_prefix is not False)
-        return cls(g.tokens, g.merges, g.token_types, g.chat_template, config.bos_id, config.eos_id, g.tokenizer_pre)
+        return cls(g.tokens, g.merges, g.token_types, g.chat_template, config.bos_id, config.eos_id, g.tokenizer_pre,
+                   add_bos=g.add_bos is True)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -160,8 +170,8 @@ class Tokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt framed as the model expects: a tokenizer.json's post-processor adds Llama's and
         Mistral's BOS (Qwen's adds nothing), as transformers' `tokenizer(text)` does, and so does a GGUF's
-        SentencePiece vocabulary unless its add_bos_token is false; a GGUF's BPE adds none, so its prompts are
-        `encode(text)`. (A chat template writes its own BOS.)"""
+        SentencePiece vocabulary unless its add_bos_token is false, and its byte-level BPE only where that is
+        true (as llama.cpp reads them). (A chat template writes its own BOS.)"""
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:

@@ -95,7 +95,7 @@ def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
                header: Callable[[GGUFWriter], None] | None = None,
                edit: Callable[[str, np.ndarray], np.ndarray | tuple | None] | None = None,
                tokens: list[str] | None = None, merges: list[str] | None = None, pre: str = "default",
-               scores: list[float] | None = None, token_types: list[int] | None = None) -> Path:
+               scores: list[float] | None = None, token_types: list[int] | None = None, add_bos: bool = False) -> Path:
     """`model` (a transformers causal LM of a supported family) as an F16 GGUF at `path`. `window`: write
     the config's sliding window as llama.attention.sliding_window (the converter writes none).
     For bad files: `arch` names another architecture, `header` adds keys, `edit(name, array)` returns the
@@ -103,7 +103,8 @@ def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
     vocabulary to write instead of `byte_vocabulary`'s, `merges` its merges, `pre` its pre-tokenizer
     (tokenizer.ggml.pre: llama.cpp's name for the split regex, as the converter writes it). `scores` (with
     `token_types`, from `sentencepiece_vocabulary`): `tokens` are a SentencePiece vocabulary, written as the
-    converter writes Llama 2's (tokenizer.ggml.model llama, no merges, BOS added, a space prefixed)."""
+    converter writes Llama 2's (tokenizer.ggml.model llama, no merges, BOS added, a space prefixed); else
+    byte-level BPE, with add_bos_token `add_bos` (Llama 3's converter sets it, SmolLM2's clears it)."""
     cfg = model.config
     arch = arch or ARCH[cfg.architectures[0] if cfg.architectures else type(model).__name__]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -142,7 +143,7 @@ def write_gguf(model, path: Path, window: bool = False, arch: str | None = None,
         writer.add_token_list(tokens)
         writer.add_token_types([1] * len(tokens))
         writer.add_token_merges(merges)
-        writer.add_add_bos_token(False)
+        writer.add_add_bos_token(add_bos)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0])
     if header is not None:

@@ -237,6 +237,21 @@ def test_text_is_split_as_llama_cpp_splits_it(pre, tmp_path):
         assert tokenizer.encode(text) == llama.tokenize(text.encode(), add_bos=False, special=False), text
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_a_prompt_starts_with_bos_where_the_file_says_so_as_in_llama_cpp(add_bos, tmp_path):
+    """Llama 3's GGUFs set tokenizer.ggml.add_bos_token (llama.cpp prefixes every prompt with BOS); SmolLM2's
+    clear it. Read as always off, a Llama 3 target decoded its prompts without the BOS it was trained with."""
+    import llama_cpp
+
+    path = write_gguf(hf_model("llama3"), tmp_path / "model.gguf", pre="llama-bpe", add_bos=add_bos)
+    _, tokenizer = Llama.from_path(path, dtype="fp32", device="cpu")
+    llama = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in ["def f(x):", " two  words\n"]:
+        ours = tokenizer.encode_prompt(text)
+        assert ours == llama.tokenize(text.encode(), add_bos=True, special=False), text
+        assert (ours[0] == tokenizer.bos_id) == add_bos and ours[add_bos:] == tokenizer.encode(text)
+
+
 def test_an_unknown_kind_of_vocabulary_is_refused_rather_than_misread(tmp_path):
     """Byte-level BPE (gpt2) and SentencePiece (llama: tests/engine/test_spm_tokenizer.py) are read; another
     tokenizer.ggml.model, read as either, would tokenize every prompt wrong."""
