@@ -115,6 +115,7 @@ class RemoteCluster:
                 args += ["--draft-tokens", str(draft_tokens)]
             spec = TargetSpec(tenant=f"bench-{kind}", model=str(self.model_path), max_batch=self.max_batch,
                               max_context=self.max_context, threads=self._threads(pinned),
+                              layout_cores=len(SSD_ENDPOINT_CPUS + SSD_TARGET_CPUS) if pinned else None,
                               datastore=str(self.datastore or ""), dtype=self.dtype, args=tuple(args))
             self.targets[kind] = self._start(f"target-{kind}", target_command(spec, endpoint.address),
                                              cpus=SSD_TARGET_CPUS if pinned else None, plaintext=plaintext)

@@ -77,6 +77,9 @@ class TargetSpec:
     max_batch: int | None = 8
     max_context: int | None = 1024
     threads: int | None = 1
+    # --layout-cores: the cores its layout (it and the drafter beside it) would give plain decoding
+    # instead; SSD is planned only if faster than that (None: its own threads).
+    layout_cores: int | None = None
     cpus: tuple[int, ...] | None = None
     endpoint: str | None = None  # name of the endpoint it drafts on (None: the first; "": none)
     datastore: str | None = None  # local n-gram datastore (None: serve-target's default; "": none)

@@ -65,7 +65,8 @@ def target_command(t: TargetSpec, endpoint_address: str | None) -> list[str]:
     args = ["serve-target", "--port", str(t.port), "--metrics-port", str(t.metrics_port), "--tenant", t.tenant,
             *_optional("--max-batch", t.max_batch), *_optional("--max-context", t.max_context), "--dtype", t.dtype,
             *_optional("--spec-endpoint", endpoint_address), *_optional("--model", t.model),
-            *_optional("--datastore", t.datastore), *_optional("--threads", t.threads or None)]
+            *_optional("--datastore", t.datastore), *_optional("--threads", t.threads or None),
+            *_optional("--layout-cores", t.layout_cores)]
     return args + list(t.args)
 
 

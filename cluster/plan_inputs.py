@@ -95,18 +95,20 @@ def sessions_from_capacity(capacity: dict) -> int | None:
 
 def stats_from_capacity(capacity: dict) -> dict[str, ModelStats]:
     """What a router's /capacity knows per model: its targets' batch size and the speedups their own
-    policies predict, with the draft model (a slot) and with n-gram drafting (no slot; the router's
-    fallback). It does not measure AR throughput: tokens_per_s_ar stays 0 until --stats or the
-    demand file gives it."""
+    policies predict, with a slot (the draft model or SSD, whichever they predict faster) and with
+    n-gram drafting (no slot; the router's fallback). It does not measure AR throughput:
+    tokens_per_s_ar stays 0 until --stats or the demand file gives it."""
     stats = {}
     for pool in capacity.get("pools") or []:
         targets = _get(pool, "targets", [])
         batches = sorted(int(_get(t, "max_batch", 0)) for t in targets if _get(t, "max_batch", 0))
         draft = float(_get(pool, "predicted_speedup_draft", 1.0) or 1.0)
+        ssd = float(_get(pool, "predicted_speedup_ssd", 0.0) or 0.0)  # 0: a router from before SSD's figure
         ngram = float(_get(pool, "predicted_speedup_ngram", 1.0) or 1.0)
+        slot = "ssd" if ssd > draft else "draft model"
         stats[pool["model"]] = ModelStats(
-            batch_size=batches[len(batches) // 2] if batches else 1, tokens_per_s_ar=0.0, speedup=draft,
-            mode="draft model, predicted by the targets", fallback_speedup=max(1.0, ngram),
+            batch_size=batches[len(batches) // 2] if batches else 1, tokens_per_s_ar=0.0, speedup=max(draft, ssd),
+            mode=f"{slot}, predicted by the targets", fallback_speedup=max(1.0, ngram),
             fallback_mode="ngram, predicted" if ngram > 1.0 else "ar",
         )
     return stats

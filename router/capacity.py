@@ -77,6 +77,7 @@ def _pool(model: str, targets: list[TargetRegistration], now_s: float) -> pb.Mod
         mean_accept_len=sum(measured) / len(measured) if measured else 0.0,
         predicted_speedup_draft=sum(t.predicted_speedup_draft for t in targets) / len(targets),
         predicted_speedup_ngram=sum(t.predicted_speedup_ngram for t in targets) / len(targets),
+        predicted_speedup_ssd=sum(t.predicted_speedup_ssd for t in targets) / len(targets),
     )
 
 
@@ -85,6 +86,7 @@ def _target(t: TargetRegistration, now_s: float) -> pb.TargetReplica:
         id=t.id, address=t.address, model=t.model, tenant=t.tenant, max_batch=t.max_batch,
         running=t.running, queued=t.queued, spec_endpoint=t.spec_endpoint, mean_accept_len=t.mean_accept_len,
         predicted_speedup_draft=t.predicted_speedup_draft, predicted_speedup_ngram=t.predicted_speedup_ngram,
+        predicted_speedup_ssd=t.predicted_speedup_ssd,
         methods=[_method(m) for m in t.methods], heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
     )
 

@@ -145,6 +145,8 @@ TARGET = {
     "dtype": enum("auto", "fp32", "bf16", "q4", description="--dtype"),
     "device": DEVICE,
     "threads": integer(0, description="--threads and OMP_NUM_THREADS (0: unset, all cores)"),
+    "layoutCores": integer(0, description="--layout-cores: SSD must beat plain decoding on this many cores "
+                                          "(0: unset, the target's threads)"),
     "datastore": nullable(string(description="--datastore; empty: none")),
     "specEndpoint": {"type": "boolean", "description": "draft on the chart's speculation endpoint"},
     "endpointIndex": nullable(integer(0, description="the endpoint instance this tenant drafts on")),

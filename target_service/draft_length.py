@@ -68,22 +68,27 @@ class TargetDraftLength:
     def plain_round_s(self, batch_size: int) -> float | None:
         return self.free.plain_round_s(batch_size) if self.free is not None else None
 
+    def ssd_policy(self) -> SpeculationPolicy | None:
+        """SSD's policy, wire time included: the one estimate its rounds are chosen by and the heartbeat
+        tells routers (None without measured costs). A hit's drafts were made while the target verified
+        and, pushed, are already here: only misses wait for the endpoint's drafting and the round trip."""
+        if self.free is None:
+            return None
+        miss = 1.0 - self.client.ssd_hit_ratio.value
+        draft = self.draft_model
+        policy = self.ssd if draft is None else dataclasses.replace(
+            draft, max_draft=self.ssd.max_draft, drafting_share=miss)
+        return dataclasses.replace(policy, round_s=self.client.wire_s.value * miss)
+
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:
             return self.fixed
-        wire = self.client.wire_s.value
         if remote & {Method.DRAFT_MODEL, Method.HEAD} and self.draft_model is not None:
             # The head is charged the draft model's costs: the endpoint publishes no others, and a
             # one-layer head costs less than the four-layer draft, so this never predicts a gain it lacks.
             policy = self.draft_model
         elif Method.SSD in remote:
-            # A hit's drafts were made while the target verified and, pushed, are already here: only
-            # misses wait for the endpoint's drafting and the round trip.
-            miss = 1.0 - self.client.ssd_hit_ratio.value
-            draft = self.draft_model
-            policy = self.ssd if draft is None else dataclasses.replace(
-                draft, max_draft=self.ssd.max_draft, drafting_share=miss)
-            wire *= miss
+            return self.ssd_policy()
         else:
             policy = self.free
-        return dataclasses.replace(policy, round_s=wire) if remote else policy
+        return dataclasses.replace(policy, round_s=self.client.wire_s.value) if remote else policy

@@ -80,7 +80,8 @@ class TargetMetrics:
                                               "requests", names, registry=r))
         self.predicted_speedup = Gauge(
             "specpool_target_predicted_speedup", "The speculation policy's predicted speedup over plain decoding "
-            "at the next batch size, by drafter (what each heartbeat tells the routers)", [*names, "method"],
+            "at the next batch size, by drafter (what each heartbeat tells the routers; ssd's over plain decoding on "
+            "all its layout's cores)", [*names, "method"],
             registry=r)
         # By the method the request asked for (SpeculationPlan.label: a few values) and the position of a
         # draft in its round (1: the first after the last emitted token; a tree's nodes at depth + 1).

@@ -5,10 +5,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from specpool.common.speculation import Method
 from specpool.engine.decoding import Decoder
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy
+from specpool.engine.runtime.model import Llama
+from specpool.engine.speculation_policy import (
+    AcceptanceEstimate,
+    SpeculationPolicy,
+    StepCosts,
+    peek_step_costs,
+)
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.scheduler import Scheduler
@@ -21,6 +28,45 @@ def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, accepta
     if policy is None:
         return 1.0
     return policy.speedup(batch_size, acceptance.expected_tokens, acceptance.fill)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """SSD's hardware: the target's own CPU threads, and the cores of its whole layout (the target plus
+    the drafter it shares hardware with) that plain decoding could use instead of speculating."""
+
+    threads: int
+    cores: int
+    costs: StepCosts | None = None  # this model's step costs at `cores` threads, when a table is cached
+    on_cpu: bool = True
+
+    @classmethod
+    def of(cls, model: Llama, model_id: str, threads: int, cores: int | None,
+           cache_dir: Path | None = None) -> Layout:
+        """The layout of a target running `threads` threads among `cores` (None: its own threads), with
+        the step costs cached_step_costs keeps for `cores` threads, if any (none is measured here:
+        measuring would take the drafter's cores from it)."""
+        cores = cores or threads
+        on_cpu = model.device.type == "cpu"
+        costs = peek_step_costs(model, model_id, cores, cache_dir) if on_cpu and cores > threads else None
+        return cls(threads, cores, costs, on_cpu)
+
+
+NO_LAYOUT = Layout(threads=1, cores=1)  # the target's own hardware: no discount
+
+
+def ar_on_layout_ratio(layout: Layout, own_costs: StepCosts | None, batch_size: int) -> float:
+    """Plain step time on all the layout's cores over that on the target's own threads: SSD's speedup
+    over plain decoding on the target's threads, times this, is its speedup over the plain decoding the
+    same hardware would run instead. From the cached table at the layout's core count when there is
+    one (at most 1: plain decoding could keep to the target's threads); else perfect scaling
+    (threads / cores), the most plain decoding could gain, so that routers never plan SSD at a loss.
+    1 off the CPU: a drafter's GPU does not speed the target's plain decoding."""
+    if not layout.on_cpu or layout.cores <= layout.threads:
+        return 1.0
+    if layout.costs is not None and own_costs is not None:
+        return min(1.0, layout.costs(batch_size, 0) / own_costs(batch_size, 0))
+    return layout.threads / layout.cores
 
 
 @dataclass
@@ -38,6 +84,9 @@ class HeartbeatFields:
     free_policy: SpeculationPolicy | None  # n-gram drafting (costs the target nothing measurable)
     # The draft-model policy, which exists once the endpoint has told its draft costs.
     draft_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None
+    # SSD's policy, wire time included (TargetDraftLength.ssd_policy), and the layout it runs in.
+    ssd_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None
+    layout: Layout = NO_LAYOUT
 
     def fields(self) -> dict:
         running, queued = self.scheduler.load()
@@ -51,7 +100,11 @@ class HeartbeatFields:
         methods = [Method.NGRAM]
         if has_endpoint and self.client.healthy:
             methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
+        # SSD must beat plain decoding on all its layout's cores, not only on the target's own.
+        own_costs = self.free_policy.target_costs if self.free_policy is not None else None
+        ssd = predicted_speedup(self.ssd_policy_fn(), batch, acceptance) * ar_on_layout_ratio(self.layout, own_costs, batch)
         speedups = {Method.DRAFT_MODEL: round(predicted_speedup(draft_policy, batch, acceptance), 4),
+                    Method.SSD: round(ssd, 4),
                     Method.NGRAM: round(predicted_speedup(free_policy, batch, acceptance), 4)}
         for method, speedup in speedups.items():
             self.metrics.predicted(method.value, speedup)
@@ -65,6 +118,7 @@ class HeartbeatFields:
             "spec_endpoint": self.client.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
             "predicted_speedup_draft": speedups[Method.DRAFT_MODEL],
+            "predicted_speedup_ssd": speedups[Method.SSD],
             "predicted_speedup_ngram": speedups[Method.NGRAM],
             "methods": [m.value for m in methods],
         }

@@ -39,6 +39,7 @@ from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import cached_step_costs
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.registration import HeartbeatFields, Layout
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.observer import TargetObserver
 from specpool.target_service.scheduler import Scheduler
@@ -59,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--layout-cores", type=int, default=None,
+                   help="CPU cores of the whole layout (this target plus the drafter it shares hardware with), "
+                        "which plain decoding could use instead: SSD is planned only if predicted faster than "
+                        "plain decoding on all of them (default: this target's threads)")
     p.add_argument("--tenant", default=None,
                    help="this service's id towards speculation endpoints and routers (with TLS: the name in its "
                         "certificate, target/<tenant>; default: that name, or target-<port> with --insecure)")
@@ -89,6 +94,8 @@ def main(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     if args.max_queue < 0:
         raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.layout_cores is not None and args.layout_cores < 1:
+        raise SystemExit(f"--layout-cores must be >= 1, got {args.layout_cores}")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else default_model_path()
@@ -109,10 +116,12 @@ def main(args: argparse.Namespace) -> int:
         if not args.draft_tokens:
             log.info("measuring verify-step costs of %s (cached after the first run)", name)
             costs = cached_step_costs(model, name)
-        return model, tokenizer, costs
+        # Read on this thread: its thread count is the one the costs were measured (and keyed) with.
+        layout = Layout.of(model, name, torch.get_num_threads(), args.layout_cores)
+        return model, tokenizer, costs, layout
 
     # The scheduler thread decodes; torch work on this thread would leave it a second OpenMP pool.
-    model, tokenizer, costs = off_main_thread(load)
+    model, tokenizer, costs, layout = off_main_thread(load)
     datastore = None
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
@@ -150,11 +159,11 @@ def main(args: argparse.Namespace) -> int:
     redis_url = redis_url_from(args)
     if redis_url:
         from specpool.common.registry import Heartbeat
-        from specpool.target_service.registration import HeartbeatFields
 
         address = f"{args.advertise_host}:{port}"
         fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
-                                 draft_length.free, lambda: draft_length.draft_model)
+                                 draft_length.free, lambda: draft_length.draft_model,
+                                 ssd_policy_fn=draft_length.ssd_policy, layout=layout)
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")

@@ -122,6 +122,8 @@ class TargetRegistration:
     # What its own hardware-aware policy predicts at batch size running + 1 (1.0: not known).
     predicted_speedup_draft: float = _parsed(_speedup, 1.0)
     predicted_speedup_ngram: float = _parsed(_speedup, 1.0)
+    # SSD's, over plain decoding on all the cores of its layout (serve-target --layout-cores).
+    predicted_speedup_ssd: float = _parsed(_speedup, 1.0)
     methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
     updated: float = _parsed(_unix_time, 0.0)  # unix seconds of the beat
 

@@ -9,7 +9,7 @@ import prometheus_client
 import pytest
 
 from specpool.cli import main
-from specpool.cluster.plan_inputs import load_demand, stats_from_bench
+from specpool.cluster.plan_inputs import load_demand, stats_from_bench, stats_from_capacity
 from specpool.cluster.plan_model import make_plan
 from specpool.cluster.plan_report import write_svg
 from specpool.common.metrics_http import METRICS_TOKEN_ENV, MetricsHttpServer
@@ -150,6 +150,17 @@ def test_live_capacity_gives_sessions_and_predicted_speedup(tmp_path, capsys):
     assert "recommendation: 2 speculation endpoint(s) and 2 x tiny (cost 3" in capsys.readouterr().out
     demand.write_text("models:\n  tiny: {requests_per_s: 2, mean_output_tokens: 200}\n")
     assert main(["plan", "--demand", str(demand), "--capacity-url", capacity.as_uri()]) == 2  # no AR throughput
+
+
+def test_a_live_slot_is_worth_the_faster_of_the_draft_model_and_ssd():
+    """The router plans SSD where the targets predict it beats the draft model (on all its layout's
+    cores): a slot is then worth SSD's figure. A router from before that figure gives none."""
+    pool = {"model": "tiny", "predictedSpeedupDraft": 1.2, "predictedSpeedupNgram": 0.9, "targets": [{"maxBatch": 4}]}
+    [ssd] = stats_from_capacity({"pools": [pool | {"predictedSpeedupSsd": 1.5}]}).values()
+    assert ssd.speedup == 1.5 and ssd.mode == "ssd, predicted by the targets" and ssd.fallback_mode == "ar"
+    for older in (pool, pool | {"predictedSpeedupSsd": 0.7}):
+        [draft] = stats_from_capacity({"pools": [older]}).values()
+        assert draft.speedup == 1.2 and draft.mode == "draft model, predicted by the targets"
 
 
 def test_live_capacity_behind_the_metrics_token_is_read_with_it(tmp_path, monkeypatch, capsys):

@@ -25,6 +25,16 @@ def test_default_is_two_tenants_one_endpoint_one_router_pinned_to_two_cores():
     assert ClusterConfig.load(DEFAULT_CONFIG) == c
 
 
+def test_a_targets_layout_cores_reach_serve_target():
+    from specpool.cli import build_parser
+    from specpool.cluster.launcher import target_command
+
+    [t] = ClusterConfig.from_dict({"targets": [{"tenant": "a", "layout_cores": 2}]}).targets
+    args = target_command(t, None)
+    assert build_parser(tools=["serve-target"]).parse_args(args).layout_cores == 2
+    assert "--layout-cores" not in target_command(ClusterConfig.load().targets[0], None), "default: its threads"
+
+
 def test_examples_load():
     c = ClusterConfig.load(REPO / "cluster" / "examples" / "two-routers.yaml")
     assert c.routers.count == 2 and c.targets[2].endpoint == ""

@@ -55,7 +55,8 @@ def registry(redis_server):
 def target_fields(**overrides) -> dict:
     return {"address": "127.0.0.1:7001", "model": "m", "tenant": "t1", "max_batch": 8, "running": 3, "queued": 1,
             "spec_endpoint": "127.0.0.1:7100", "mean_accept_len": 1.7, "predicted_speedup_draft": 1.4,
-            "predicted_speedup_ngram": 1.1, "methods": ["draft_model", "ngram"], **overrides}
+            "predicted_speedup_ngram": 1.1, "predicted_speedup_ssd": 0.8, "methods": ["draft_model", "ngram"],
+            **overrides}
 
 
 # -- heartbeats -------------------------------------------------------------------------------------
@@ -69,7 +70,8 @@ def test_a_member_registers_and_drops_out_when_it_stops_beating(registry, redis_
         assert t == TargetRegistration(
             id="127.0.0.1:7001", address="127.0.0.1:7001", model="m", tenant="t1", max_batch=8, running=3,
             queued=1, spec_endpoint="127.0.0.1:7100", mean_accept_len=1.7, predicted_speedup_draft=1.4,
-            predicted_speedup_ngram=1.1, methods=("draft_model", "ngram"), updated=t.updated)
+            predicted_speedup_ngram=1.1, predicted_speedup_ssd=0.8, methods=("draft_model", "ngram"),
+            updated=t.updated)
         assert abs(t.updated - time.time()) < 2
         assert 0 < registry.client.pttl("specpool:target:t1:127.0.0.1:7001") <= 500, "keyed by tenant and id"
     finally:
@@ -133,7 +135,7 @@ GOOD_TARGET = {"id": "10.0.0.1:7001", "address": "10.0.0.1:7001", "model": "m", 
     ("max_batch", "1e999"), ("max_batch", "nan"), ("max_batch", "inf"), ("max_batch", "-1"), ("max_batch", "2.5"),
     ("max_batch", "x"), ("max_batch", "9" * 5000), ("running", "-inf"), ("queued", ""),
     ("mean_accept_len", "nan"), ("mean_accept_len", "1e308"), ("predicted_speedup_draft", "-0.5"),
-    ("predicted_speedup_ngram", "inf"), ("updated", "1e999"),
+    ("predicted_speedup_ngram", "inf"), ("predicted_speedup_ssd", "nan"), ("updated", "1e999"),
     ("address", "10.0.0.1"), ("address", "10.0.0.1:0"), ("address", "10.0.0.1:99999"), ("address", "a b:1"),
     ("address", ""), ("spec_endpoint", "nowhere"), ("model", ""), ("model", "m" * 300), ("tenant", "t\x00"),
     ("methods", ",".join(["ngram"] * 100)), ("methods", "x" * 5000),

@@ -12,7 +12,7 @@ class GetClusterCapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetReplica(_message.Message):
-    __slots__ = ("id", "address", "model", "tenant", "max_batch", "running", "queued", "spec_endpoint", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "methods", "heartbeat_age_s")
+    __slots__ = ("id", "address", "model", "tenant", "max_batch", "running", "queued", "spec_endpoint", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "methods", "heartbeat_age_s", "predicted_speedup_ssd")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class TargetReplica(_message.Message):
     PREDICTED_SPEEDUP_NGRAM_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SPEEDUP_SSD_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     model: str
@@ -39,10 +40,11 @@ class TargetReplica(_message.Message):
     predicted_speedup_ngram: float
     methods: _containers.RepeatedScalarFieldContainer[_target_pb2.SpeculationMethod]
     heartbeat_age_s: float
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., max_batch: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., spec_endpoint: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ..., methods: _Optional[_Iterable[_Union[_target_pb2.SpeculationMethod, str]]] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    predicted_speedup_ssd: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., max_batch: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., spec_endpoint: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ..., methods: _Optional[_Iterable[_Union[_target_pb2.SpeculationMethod, str]]] = ..., heartbeat_age_s: _Optional[float] = ..., predicted_speedup_ssd: _Optional[float] = ...) -> None: ...
 
 class ModelPool(_message.Message):
-    __slots__ = ("model", "targets", "capacity", "running", "queued", "utilization", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram")
+    __slots__ = ("model", "targets", "capacity", "running", "queued", "utilization", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "predicted_speedup_ssd")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,7 @@ class ModelPool(_message.Message):
     MEAN_ACCEPT_LEN_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SPEEDUP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SPEEDUP_NGRAM_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SPEEDUP_SSD_FIELD_NUMBER: _ClassVar[int]
     model: str
     targets: _containers.RepeatedCompositeFieldContainer[TargetReplica]
     capacity: int
@@ -61,7 +64,8 @@ class ModelPool(_message.Message):
     mean_accept_len: float
     predicted_speedup_draft: float
     predicted_speedup_ngram: float
-    def __init__(self, model: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[TargetReplica, _Mapping]]] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., utilization: _Optional[float] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ...) -> None: ...
+    predicted_speedup_ssd: float
+    def __init__(self, model: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[TargetReplica, _Mapping]]] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., utilization: _Optional[float] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ..., predicted_speedup_ssd: _Optional[float] = ...) -> None: ...
 
 class TenantLeases(_message.Message):
     __slots__ = ("tenant", "leased", "guaranteed")

@@ -1,0 +1,112 @@
+"""What a target's heartbeat tells routers about SSD: its policy's own estimate (the one its rounds are
+chosen by), discounted to plain decoding on all the cores of its layout (serve-target --layout-cores)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specpool.common.speculation import Method
+from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.plan import SpeculationPlan
+from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts, cached_step_costs
+from specpool.target_service.draft_length import TargetDraftLength
+from specpool.target_service.metrics import TargetMetrics
+from specpool.target_service.registration import (
+    HeartbeatFields,
+    Layout,
+    ar_on_layout_ratio,
+    predicted_speedup,
+)
+from specpool.target_service.remote.drafter import RemoteDrafter
+from specpool_client.v1 import speculation_pb2 as pb
+
+# The target's own step costs: T(b, s) = 10 ms + 0.1 ms * b * (s + 1), memory-bound at small batches.
+BATCHES, LENS = (1, 2, 4, 8, 16), (0, 1, 2, 4, 8)
+OWN = StepCosts(BATCHES, LENS, tuple(tuple(0.010 + 0.0001 * b * (s + 1) for s in LENS) for b in BATCHES))
+ACCEPTANCE = AcceptanceEstimate(prior_alpha=0.8, prior_weight=1e9)  # fixed at alpha 0.8
+
+
+class Recorder:
+    def attached(self, capacity):
+        pass
+
+
+@pytest.fixture
+def draft_length():
+    """A target's draft length over a real remote drafter (no endpoint process: its draft costs as an
+    attached endpoint would have told them), the draft model a quarter of a target step."""
+    client = RemoteDrafter("t1", "tiny", 64, None, NgramDrafter(), Recorder())
+    client.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+        batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.0025, 0.003, 0.004, 0.006]))])
+    return TargetDraftLength(client, OWN)
+
+
+def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None) -> dict:
+    metrics = TargetMetrics("tiny", "t1")
+    extra = {"layout": layout} if layout is not None else {}
+    fields = HeartbeatFields(
+        "h:1", "tiny", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
+        decoder=SimpleNamespace(acceptance=ACCEPTANCE), metrics=metrics, client=draft_length.client,
+        free_policy=draft_length.free, draft_policy_fn=lambda: draft_length.draft_model,
+        ssd_policy_fn=draft_length.ssd_policy, **extra).fields()
+    assert metrics.registry.get_sample_value(
+        "specpool_target_predicted_speedup", {"model": "tiny", "tenant": "t1", "method": "ssd"}
+    ) == fields["predicted_speedup_ssd"]
+    return fields
+
+
+def test_the_heartbeat_tells_the_estimate_ssds_rounds_are_chosen_by(draft_length):
+    """SSD's figure is its own policy's (misses pay the draft model, hits nothing), not the draft
+    model's: it rises with the hit ratio, and the lengths SSD's rounds get follow the same policy."""
+    client = draft_length.client
+    figures = {}
+    for hits in (0.0, 1.0):
+        client.ssd_hit_ratio.value = hits
+        fields = heartbeat(draft_length)
+        figures[hits] = fields["predicted_speedup_ssd"]
+        assert figures[hits] == round(predicted_speedup(draft_length.ssd_policy(), 1, ACCEPTANCE), 4)
+        ssd_round = draft_length.lengths([Running("s", 0, 100, SpeculationPlan(Method.SSD, True))], ACCEPTANCE)
+        assert ssd_round == [draft_length.ssd_policy().choose(1, ACCEPTANCE.expected_tokens, remaining=100)]
+    assert figures[0.0] == fields["predicted_speedup_draft"]  # all misses: a draft model's
+    assert figures[1.0] > fields["predicted_speedup_draft"] + 0.3  # all hits: drafting off the critical path
+    assert figures[1.0] > 1.0 and draft_length.ssd_policy().round_s == 0.0
+
+
+def test_a_layout_with_more_cores_than_the_targets_threads_discounts_ssd(draft_length, tiny_model, tmp_path):
+    """One thread of two cores: without a table at two threads, plain decoding is assumed to run twice
+    as fast on both (perfect scaling, the most it could gain); with one cached, its measured step."""
+    draft_length.client.ssd_hit_ratio.value = 1.0
+    own = heartbeat(draft_length)["predicted_speedup_ssd"]
+    assert heartbeat(draft_length, Layout.of(tiny_model, "tiny", 1, None, tmp_path))["predicted_speedup_ssd"] == own
+
+    scaled = Layout.of(tiny_model, "tiny", threads=1, cores=2, cache_dir=tmp_path)
+    assert scaled.costs is None
+    fields = heartbeat(draft_length, scaled)
+    assert fields["predicted_speedup_ssd"] == pytest.approx(own / 2, abs=1e-4)
+    assert fields["predicted_speedup_draft"] == heartbeat(draft_length)["predicted_speedup_draft"], "SSD's alone"
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as a run on both cores caches its table
+    try:
+        cached_step_costs(tiny_model, "tiny", tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    [path] = tmp_path.iterdir()
+    data = json.loads(path.read_text())  # measured on a shared machine: made a known 0.6 of our step
+    path.write_text(json.dumps(data | {"seconds": [[0.6 * OWN(b, 0)] * len(data["draft_lens"])
+                                                   for b in data["batch_sizes"]]}))
+    measured = Layout.of(tiny_model, "tiny", threads=1, cores=2, cache_dir=tmp_path)
+    assert measured.costs is not None
+    assert heartbeat(draft_length, measured)["predicted_speedup_ssd"] == pytest.approx(own * 0.6, abs=1e-4)
+
+
+def test_plain_decoding_on_the_layout_never_counts_slower_than_on_the_targets_threads():
+    slower = StepCosts(BATCHES, LENS, tuple(tuple(2 * OWN(b, s) for s in LENS) for b in BATCHES))
+    assert ar_on_layout_ratio(Layout(threads=1, cores=2, costs=slower), OWN, 4) == 1.0
+    assert ar_on_layout_ratio(Layout(threads=2, cores=2), OWN, 4) == 1.0
+    assert ar_on_layout_ratio(Layout(threads=1, cores=4), None, 4) == 0.25
+    assert ar_on_layout_ratio(Layout(threads=1, cores=4, on_cpu=False), OWN, 4) == 1.0, "a drafter's GPU"
