@@ -1,8 +1,10 @@
-"""How a placed request speculates: draft model (or SSD), n-gram, or not at all.
+"""How a placed request speculates: draft model, SSD, n-gram, or not at all.
 
 The target's own hardware-aware policy predicts the speedup of each method at its current batch size
-plus this request (its heartbeat carries both figures); the endpoint's registration says whether it
-has room. A draft-model decision holds a slot leased atomically in Redis for the request's tenant;
+plus this request (its heartbeat carries the figures): SSD's against plain decoding on all the cores
+of its layout, since SSD pins the target to some of them and its drafter to the rest. AUTO plans the
+fastest method predicted to beat plain decoding; the endpoint's registration says whether it has
+room. A draft-model or SSD decision holds a slot leased atomically in Redis for the request's tenant;
 when none is free the request still runs, with n-gram drafting or none, and the reason is counted.
 """
 
@@ -55,18 +57,17 @@ def decide(
 ) -> Decision:
     """How one request speculates; requested None is AUTO. take_slot leases a draft slot (True) or
     finds none (False), and raises LeaseUnavailable when it cannot tell."""
-    speedup_draft, speedup_ngram = target.predicted_speedup_draft, target.predicted_speedup_ngram
+    speedup_ngram = target.predicted_speedup_ngram
     if requested in (Method.NGRAM, Method.NONE):
         return Decision(requested, REQUESTED)
     if requested is None:  # AUTO: the best predicted, if it beats plain decoding
-        if speedup_draft > speedup_ngram and speedup_draft >= 1.0:
-            wanted = Method.SSD if Method.SSD in target.methods else Method.DRAFT_MODEL
-            if endpoint is not None and _saturated(endpoint, busy_limit):
-                return _without_draft(speedup_ngram, ENDPOINT_BUSY)
-        elif speedup_ngram >= 1.0:
-            return Decision(Method.NGRAM, PREDICTED_SPEEDUP)
-        else:
+        wanted, speedup = _fastest(target)
+        if speedup < 1.0:
             return Decision(Method.NONE, NO_SPEEDUP)
+        if wanted is Method.NGRAM:
+            return Decision(Method.NGRAM, PREDICTED_SPEEDUP)
+        if endpoint is not None and _saturated(endpoint, busy_limit):
+            return _without_draft(speedup_ngram, ENDPOINT_BUSY)
         granted_reason = PREDICTED_SPEEDUP
     else:
         wanted, granted_reason = requested, REQUESTED
@@ -78,6 +79,15 @@ def decide(
     except LeaseUnavailable:
         return _without_draft(speedup_ngram, REGISTRY_UNAVAILABLE)
     return Decision(wanted, granted_reason, leased=True)
+
+
+def _fastest(target: TargetRegistration) -> tuple[Method, float]:
+    """The method the target predicts fastest, and its speedup. A tie goes to the one that costs the
+    endpoint less: n-gram drafting needs no slot, and SSD drafts for several outcomes a round."""
+    offers = [(Method.NGRAM, target.predicted_speedup_ngram), (Method.DRAFT_MODEL, target.predicted_speedup_draft)]
+    if Method.SSD in target.methods:
+        offers.append((Method.SSD, target.predicted_speedup_ssd))
+    return max(offers, key=lambda offer: offer[1])  # the first of the best
 
 
 def _without_draft(speedup_ngram: float, reason: str) -> Decision:

@@ -98,9 +98,10 @@ DRAFT_MODEL, NGRAM, NONE, SSD = Method.DRAFT_MODEL, Method.NGRAM, Method.NONE, M
 
 
 def decided(requested: Method | None, draft: float, ngram: float, slot: bool | None = True,
-            endpoint: EndpointRegistration | None = ENDPOINT, methods=("draft_model", "ngram")) -> Decision:
+            endpoint: EndpointRegistration | None = ENDPOINT, methods=("draft_model", "ngram"),
+            ssd: float = 1.0) -> Decision:
     t = target("a", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=ngram,
-               methods=methods)
+               predicted_speedup_ssd=ssd, methods=methods)
 
     def take_slot(e):
         if slot is None:
@@ -111,6 +112,7 @@ def decided(requested: Method | None, draft: float, ngram: float, slot: bool | N
 
 
 GRANTED = {"leased": True}
+WITH_SSD = ("ssd", "draft_model", "ngram")
 
 
 @pytest.mark.parametrize(("requested", "draft", "ngram", "context", "expected"), [
@@ -119,7 +121,15 @@ GRANTED = {"leased": True}
     (AUTO, 1.1, 1.3, {}, Decision(NGRAM, PREDICTED_SPEEDUP)),
     (AUTO, 0.8, 0.9, {}, Decision(NONE, NO_SPEEDUP)),
     (AUTO, 0.7, 0.95, {}, Decision(NONE, NO_SPEEDUP)),
-    (AUTO, 1.6, 1.2, {"methods": ("draft_model", "ssd")}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    # SSD (its figure against plain decoding on all its layout's cores), where the target offers it
+    (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.8}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.4}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.6}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 1.1, 1.3, {"methods": WITH_SSD, "ssd": 1.2}, Decision(NGRAM, PREDICTED_SPEEDUP)),
+    (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 1.05}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 0.95}, Decision(NONE, NO_SPEEDUP)),  # slower than AR on all cores
+    (AUTO, 1.6, 1.2, {"ssd": 2.0}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),  # not offered
+    (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.8, "slot": False}, Decision(NGRAM, NO_SLOT)),
     # AUTO wanted the draft model and could not have it
     (AUTO, 1.6, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
     (AUTO, 1.6, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
@@ -128,6 +138,7 @@ GRANTED = {"leased": True}
     # explicit methods are honoured whatever the prediction, unless no slot is free
     (DRAFT_MODEL, 0.5, 0.5, {}, Decision(DRAFT_MODEL, REQUESTED, **GRANTED)),
     (SSD, 1.5, 1.0, {}, Decision(SSD, REQUESTED, **GRANTED)),
+    (SSD, 1.5, 1.0, {"methods": WITH_SSD, "ssd": 0.5}, Decision(SSD, REQUESTED, **GRANTED)),
     (DRAFT_MODEL, 1.5, 1.2, {"slot": False}, Decision(NGRAM, NO_SLOT)),
     (DRAFT_MODEL, 1.5, 0.9, {"slot": False}, Decision(NONE, NO_SLOT)),
     (NGRAM, 2.0, 0.5, {}, Decision(NGRAM, REQUESTED)),
@@ -143,6 +154,7 @@ def test_a_saturated_endpoint_is_not_chosen_automatically():
     full = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, active_sessions=8)
     assert decided(AUTO, 1.6, 0.5, endpoint=full) == Decision(NONE, ENDPOINT_BUSY)
     assert decided(DRAFT_MODEL, 1.6, 1.2, endpoint=busy).method == DRAFT_MODEL, "an explicit request still tries"
+    assert decided(AUTO, 1.0, 1.2, endpoint=busy, methods=WITH_SSD, ssd=1.6) == Decision(NGRAM, ENDPOINT_BUSY)
 
 
 def test_a_target_drafts_on_the_endpoint_it_names_if_that_drafts_its_model():
