@@ -125,8 +125,9 @@ class Tokenizer:
         size = tok.get_vocab_size(with_added_tokens=True)
         spelled = tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         self = cls.__new__(cls)
-        self._setup(tok, text_only, control, size, max(len(s.encode()) for s in spelled), chat_template, bos_id,
-                    eos_id)
+        # Decoded alone, a SentencePiece token drops its leading "▁" (a space it covers in running text).
+        widest = max(len(s.encode()) + (tok.id_to_token(i) or "").startswith("▁") for i, s in enumerate(spelled))
+        self._setup(tok, text_only, control, size, widest, chat_template, bos_id, eos_id)
         for name, token in (special_tokens or {}).items():
             if token is None:  # unset: undefined in the template (it renders as ""), as in transformers
                 self._template_vars.pop(name, None)

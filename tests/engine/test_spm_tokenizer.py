@@ -126,3 +126,18 @@ def test_a_draft_pairs_by_its_sentencepiece_tokens(files, tmp_path):
     byte_level = write_gguf(hf_model("mistral", vocab_size=rows), tmp_path / "byte-level.gguf")
     with pytest.raises(VocabularyMismatch, match="the vocabularies differ"):
         draft_to_target_ids(path, rows, byte_level, rows)
+
+
+def test_no_token_of_a_directorys_sentencepiece_vocabulary_covers_more_bytes_than_its_bound(files, tmp_path):
+    """A prompt of n bytes is refused past max_context * max_token_bytes bytes without encoding it: decoded
+    alone, "▁hello" loses its space, and the bound came out a byte short (a valid prompt could be refused)."""
+    from transformers import AutoTokenizer
+
+    from specpool.engine.runtime.tokenizer import Tokenizer
+
+    path, _, _ = files
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path / "hf")
+    tokenizer = Tokenizer.from_hf((tmp_path / "hf" / "tokenizer.json").read_text(), None, 1, 2)
+    vocab = tokenizer._tok.get_vocab()
+    widest = max(len(t.replace("▁", " ").encode()) for t in vocab if not t.startswith("<0x"))
+    assert tokenizer.max_token_bytes >= widest
