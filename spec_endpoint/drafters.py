@@ -26,7 +26,7 @@ from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.drafters.trees import TreeShape
-from specpool.engine.runtime.draft_pair import VocabularyMismatch, load_draft
+from specpool.engine.runtime.draft_pair import TargetMismatch, VocabularyMismatch, load_draft
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
 from specpool.engine.runtime.hf_config import read_json
 from specpool.engine.runtime.hf_loader import HFModel, load_model_file
@@ -187,7 +187,7 @@ class ModelDrafters:
 
 def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HFModel,
                 options: LoadOptions) -> Llama:
-    """A draft model or head checkpoint, with the target's embeddings; its vocabulary must be the target's.
+    """A draft model or head checkpoint, with the target's embeddings: one trained for another target is refused.
     A draft model may also be a model file of its own (a GGUF, a Hugging Face directory) sharing the target's
     tokenizer (engine/runtime/draft_pair.py): a pair whose vocabularies differ is refused here, at start."""
     if kind == "draft" and _is_model_file(path):
@@ -195,10 +195,11 @@ def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HF
             return load_draft(path, spec.target_gguf, target.config.vocab_size, options.dtype, str(options.device))
         except VocabularyMismatch as e:
             raise ValueError(f"--drafter {spec.name}: {e}") from e
-    model = Llama.from_draft_checkpoint(path, target.weights["embed"], dtype=options.dtype, device=str(options.device))
-    if model.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"--drafter {spec.name}: {kind} {path} has vocabulary {model.config.vocab_size}, "
-                         f"target {spec.target_gguf} has {target.config.vocab_size}")
+    try:
+        model = Llama.from_draft_checkpoint(path, target.weights["embed"], dtype=options.dtype,
+                                            device=str(options.device), target=spec.target_gguf)
+    except TargetMismatch as e:
+        raise ValueError(f"--drafter {spec.name}: {kind} {e}") from e
     if kind == "head" and not model.config.feature_fed:
         raise ValueError(f"--drafter {spec.name}: head={path} is not a draft head (train one with "
                          "`specpool train-draft --kind head`); pass a draft model as draft=DIR")

@@ -25,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.draft_pair import embedding_probe
 from specpool.engine.runtime.model import rope_angles
 from specpool.training.draft_data import Corpus
 
@@ -112,6 +113,7 @@ def export(model: DraftLM, out_dir: Path, target_file: str, dtype=torch.bfloat16
     """models/<name>/: model.safetensors (bf16 weights, int64 output_ids) and config.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v if k == "output_ids" else v.to(dtype)) for k, v in model.runtime_weights().items()}
+    tensors |= embedding_probe(model.embed, model.output_ids)  # how a load tells the target from another model
     save_file(tensors, str(out_dir / "model.safetensors"))
     meta = {"config": asdict(model.config), "embeddings_from": target_file, "draft_vocab": len(model.output_ids)}
     (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")

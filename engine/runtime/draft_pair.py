@@ -7,6 +7,9 @@ pad their embedding tables to different sizes, as Qwen2.5's 0.5B and 7B do), or 
 one map, applied once at load: the draft's input rows move to the target's ids and its output rows score
 the target's ids (`output_ids`), so the running draft is a model over the target's ids. Any other pair is
 refused at start, naming both files and their sizes: its proposals would be other tokens.
+
+A distilled draft or head checkpoint (training/) reads the target's own embeddings and, for a head, its
+features: `check_trained_for` refuses one trained for another target, naming both.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specpool.engine.runtime.config import ModelConfig
 from specpool.engine.runtime.hf_config import ModelFileError
@@ -114,3 +118,42 @@ def load_draft(path: str | Path, target_path: str | Path, target_rows: int, dtyp
     if blocks and config is not loaded.config:
         blocks = {name: b for name, b in blocks.items() if name not in ("embed", "lm_head")}
     return Llama(config, weights, dtype, torch.device(device) if device else default_device(), blocks=blocks)
+
+
+class TargetMismatch(ValueError):
+    """A distilled draft or head checkpoint loaded against a target other than the one it was trained for."""
+
+
+PROBE_ROWS = 16
+
+
+def embedding_probe(embed: torch.Tensor, token_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A few of the target's embedding rows (of tokens the draft predicts: real tokens, not padding rows), kept
+    in a draft checkpoint so that a load can tell its target from another model of the same shape."""
+    ids = token_ids[torch.linspace(0, len(token_ids) - 1, min(PROBE_ROWS, len(token_ids))).long()]
+    return {"target_probe_ids": ids, "target_probe_rows": embed[ids].to(torch.bfloat16)}
+
+
+def check_trained_for(directory: Path, meta: dict, weights: dict[str, torch.Tensor], embed: torch.Tensor,
+                      target: str | Path) -> None:
+    """Raises TargetMismatch naming both models where `embed` (the target's input embeddings) is not the table
+    the checkpoint in `directory` was trained with: another shape, or (where it kept a probe) other rows. The
+    same model in another format passes: 4-bit blocks keep a row's cosine similarity above 0.99 (SmolLM2's,
+    Q4_0 of its Q4_1 rows: 0.995), another model's rows are near 0."""
+    config = meta["config"]
+    trained = f"{meta.get('embeddings_from', 'another target')} ({config['vocab_size']} tokens x {config['d_model']})"
+    kind = " --kind head" if config.get("feature_fed") else ""
+
+    def refuse(why: str) -> TargetMismatch:
+        return TargetMismatch(f"{directory} was trained for {trained}, not for {target} ({embed.shape[0]} tokens x "
+                              f"{embed.shape[1]}): {why}; train one for this target with `specpool train-draft{kind} "
+                              f"--model {target}`")
+
+    if tuple(embed.shape) != (config["vocab_size"], config["d_model"]):
+        raise refuse("the embedding tables differ in shape")
+    ids, rows = weights.pop("target_probe_ids", None), weights.pop("target_probe_rows", None)
+    if ids is not None:
+        similarity = F.cosine_similarity(embed[ids].float(), rows.float(), dim=-1).mean().item()
+        if similarity < 0.9:
+            raise refuse(f"the embeddings are another model's (cosine similarity {similarity:.2f} on "
+                         f"{len(ids)} tokens' rows)")

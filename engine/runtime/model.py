@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specpool.engine.runtime.config import ModelConfig
 from specpool.engine.runtime.device import default_device, draft_format, resolve_format
+from specpool.engine.runtime.draft_pair import check_trained_for
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
@@ -172,10 +173,12 @@ class Llama:
 
     @classmethod
     def from_draft_checkpoint(
-        cls, directory: str | Path, embed: torch.Tensor, dtype: str | None = None, device: str | None = None
+        cls, directory: str | Path, embed: torch.Tensor, dtype: str | None = None, device: str | None = None,
+        target: str | Path = "this target",
     ) -> Llama:
-        """A distilled draft (models/<name>/): its own layers and head; `embed` is the target's
-        input embedding table (`load_gguf(target, only={"embed"})`), which the checkpoint omits."""
+        """A distilled draft or head (models/<name>/): its own layers and head; `embed` is the target's
+        input embedding table (`load_model_file(target, only={"embed"})`), which the checkpoint omits.
+        Raises TargetMismatch (naming `target`) where the checkpoint was trained for another model."""
         import json
 
         from safetensors.torch import load_file
@@ -183,6 +186,7 @@ class Llama:
         directory = Path(directory)
         meta = json.loads((directory / "config.json").read_text())
         weights = load_file(str(directory / "model.safetensors"))
+        check_trained_for(directory, meta, weights, embed, target)
         dev = torch.device(device) if device else default_device()
         dtype, block_kind = draft_format(dtype, dev)
         blocks = {name: QuantizedBlocks.quantize(t, block_kind) for name, t in weights.items()
