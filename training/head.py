@@ -24,10 +24,26 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.draft_pair import embedding_probe
 from specpool.training.distill import StepLoss, add_output_and_rope
 from specpool.training.head_data import FeatureCorpus
 
 BLOCK = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+
+
+def block_names(config: ModelConfig) -> list[str]:
+    """A layer's weights in this family: Qwen2's q/k/v biases and Qwen3's q/k norms besides Llama's."""
+    names = list(BLOCK)
+    if config.qkv_bias:
+        names += ["bq", "bk", "bv"]
+    if config.qk_norm:
+        names += ["q_norm", "k_norm"]
+    return names
+
+
+def output_rows(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The target's LM head [V, d]: its input embeddings where it ties them (SmolLM2, Llama 3.2 1B)."""
+    return weights["embed" if config.tie_embeddings else "lm_head"]
 
 
 class HeadLM(nn.Module):
@@ -53,9 +69,9 @@ class HeadLM(nn.Module):
         """One layer initialised from the target's last; norm and head rows from the target's."""
         config = ModelConfig(**(asdict(target_cfg) | {"n_layers": 1, "tie_embeddings": False, "feature_fed": True}))
         last = target_cfg.n_layers - 1
-        block = {n: target_weights[f"layers.{last}.{n}"] for n in BLOCK}
-        embed = target_weights["embed"]
-        return cls(config, embed, block, target_weights["norm"], embed[output_ids], output_ids)
+        block = {n: target_weights[f"layers.{last}.{n}"] for n in block_names(target_cfg)}
+        lm_head = output_rows(target_cfg, target_weights)[output_ids]
+        return cls(config, target_weights["embed"], block, target_weights["norm"], lm_head, output_ids)
 
     def teacher_logits(self, features: torch.Tensor) -> torch.Tensor:
         """The target's logits over the reduced vocabulary, from its features [..., d]."""
@@ -76,21 +92,31 @@ class HeadLM(nn.Module):
             x0, x1 = x.unflatten(-1, (D // 2, 2)).unbind(-1)
             return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
 
+        def project(h, name, heads):  # [B, P, d] -> [B, P, heads, D]: the family's bias and q/k norm included
+            x = h @ blk["w" + name].T
+            if cfg.qkv_bias:
+                x = x + blk["b" + name]
+            x = x.view(B, P, heads, D)
+            return F.rms_norm(x, (D,), blk[name + "_norm"], cfg.norm_eps) if cfg.qk_norm and name != "v" else x
+
         emb = F.rms_norm(F.embedding(tokens, self.embed), (cfg.d_model,), self.embed_norm, cfg.norm_eps)
         pos = torch.arange(P)
+        # Each step's key at column c sits at position c: a sliding window (Mistral) hides those too far back.
+        in_window = pos[None, :] > pos[:, None] - (cfg.sliding_window if cfg.windowed else P)  # [P, P]
         keys, values, outputs = [], [], []
         feed = features
         for j in range(steps):
             x = torch.cat([emb, F.rms_norm(feed, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1) @ self.fc.T
             h = F.rms_norm(x, (cfg.d_model,), blk["attn_norm"], cfg.norm_eps)
-            q = rope((h @ blk["wq"].T).view(B, P, H, D)).transpose(1, 2)
-            keys.append(rope((h @ blk["wk"].T).view(B, P, Hkv, D)).transpose(1, 2))
-            values.append((h @ blk["wv"].T).view(B, P, Hkv, D).transpose(1, 2))
+            q = rope(project(h, "q", H)).transpose(1, 2)
+            keys.append(rope(project(h, "k", Hkv)).transpose(1, 2))
+            values.append(project(h, "v", Hkv).transpose(1, 2))
             # Query (j, p), anchored at a = p - j: the true prefix up to a, and step s's entry at a + s.
             anchor = pos[:, None] - j
             visible = [pos[None, :] <= anchor] + [pos[None, :] == anchor + s for s in range(1, j + 1)]
-            attn = F.scaled_dot_product_attention(
-                q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=torch.cat(visible, 1), enable_gqa=True)
+            mask = torch.cat(visible, 1) & in_window.repeat(1, j + 1)
+            attn = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                  enable_gqa=True)
             x = x + attn.transpose(1, 2).reshape(B, P, H * D) @ blk["wo"].T
             h = F.rms_norm(x, (cfg.d_model,), blk["ffn_norm"], cfg.norm_eps)
             x = x + (F.silu(h @ blk["w_gate"].T) * (h @ blk["w_up"].T)) @ blk["w_down"].T
@@ -115,6 +141,7 @@ def export(model: HeadLM, out_dir: Path, target_file: str, dtype=torch.bfloat16)
     """models/<name>/: model.safetensors (bf16 weights, int64 output_ids) and config.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v if k == "output_ids" else v.to(dtype)) for k, v in model.runtime_weights().items()}
+    tensors |= embedding_probe(model.embed, model.output_ids)  # how a load tells the target from another model
     save_file(tensors, str(out_dir / "model.safetensors"))
     meta = {"config": asdict(model.config), "embeddings_from": target_file, "draft_vocab": len(model.output_ids),
             "kind": "head"}
