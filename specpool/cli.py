@@ -109,13 +109,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specpool.engine.runtime.gguf_loader import default_model_path
+    from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 
     _set_threads(args.threads)
+    kind = {"model": "draft", "head": "head"}[args.kind]
+    # Another target's checkpoint and data go beside the default's, never over them.
+    name = "smollm2-135m" if args.model is None else model_name(args.model).lower()
     common = {
         "target": Path(args.model) if args.model else default_model_path(),
-        "out": Path(args.out or {"model": "models/smollm2-135m-draft", "head": "models/smollm2-135m-head"}[args.kind]),
-        "work_dir": Path(args.work_dir or {"model": ".cache/train-draft", "head": ".cache/train-head"}[args.kind]),
+        "out": Path(args.out or f"models/{name}-{kind}"),
+        "work_dir": Path(args.work_dir or f".cache/train-{kind}" + ("" if args.model is None else f"-{name}")),
         "data_minutes": args.data_minutes,
         "train_minutes": args.train_minutes,
         "draft_vocab": args.draft_vocab,
@@ -249,10 +252,11 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t = add_command("train-draft", "distil a draft model or a feature-fed head from the target (resumable)")
     t.add_argument("--kind", default="model", choices=["model", "head"],
                    help="model: a small Llama draft; head: a one-layer head fed by the target's features")
-    t.add_argument("--out", default=None, help="where the checkpoint and card go (default: models/smollm2-135m-"
-                                               "draft for a model, models/smollm2-135m-head for a head)")
+    t.add_argument("--out", default=None, help="where the checkpoint and card go (default: models/NAME-draft "
+                                               "or models/NAME-head, NAME the target's, smollm2-135m by default)")
     t.add_argument("--work-dir", default=None, help="data and training state, for resuming (default: "
-                                                    ".cache/train-draft or .cache/train-head)")
+                                                    ".cache/train-draft or .cache/train-head, with -NAME "
+                                                    "for a --model)")
     t.add_argument("--data-minutes", type=float, default=14.0,
                    help="budget for the target's answers (a head's features come with them; a model's teacher "
                         "top-k takes a pass of its own)")
@@ -260,7 +264,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the draft predicts: the corpus's most frequent, mapped back to full ids")
-    t.add_argument("--model", default=None, help="target GGUF (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--model", default=None, help="target: a GGUF or a Hugging Face directory of a supported "
+                                                 "family (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     t.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16", "q4"],
                    help="the target's weights in the data pass (default: bf16 for a model, where the CPU "

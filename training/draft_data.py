@@ -86,6 +86,13 @@ def documented_functions(root: Path, max_source_chars: int) -> list[PythonFuncti
     return found
 
 
+def encode_request(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A user's request in the model's chat template; a model without one (a base model) reads it as raw text."""
+    if tokenizer.chat_template is None:
+        return tokenizer.encode_prompt(text)
+    return tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
 def build_prompts(functions: list[PythonFunction], tokenizer: Tokenizer, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prompts = []
@@ -94,14 +101,12 @@ def build_prompts(functions: list[PythonFunction], tokenizer: Tokenizer, seed: i
         if shape < 0.5:
             doc = fn.docstring.replace('"""', "'''")
             indented = "\n    ".join(doc.splitlines())
-            prompts.append(tokenizer.encode(f'def {fn.name}({fn.args}):\n    """{indented}\n    """\n'))
+            prompts.append(tokenizer.encode_prompt(f'def {fn.name}({fn.args}):\n    """{indented}\n    """\n'))
         elif shape < 0.8:
             first = fn.docstring.split("\n\n")[0].replace("\n", " ")
-            ask = f"Write a Python function `{fn.name}({fn.args})`. {first}"
-            prompts.append(tokenizer.encode_chat([{"role": "user", "content": ask}]))
+            prompts.append(encode_request(tokenizer, f"Write a Python function `{fn.name}({fn.args})`. {first}"))
         else:
-            ask = f"Explain what this Python code does.\n```python\n{fn.source}\n```"
-            prompts.append(tokenizer.encode_chat([{"role": "user", "content": ask}]))
+            prompts.append(encode_request(tokenizer, f"Explain what this Python code does.\n```python\n{fn.source}\n```"))
     rng.shuffle(prompts)
     return prompts
 
@@ -233,7 +238,7 @@ def chat_prompts(tokenizer: Tokenizer, seed: int, prose: list[str], held_out: se
     asks += [rng.choice(PROSE_TASKS).format(text=text) for text in prose] + list(requests)
     asks = [a for a in asks if a not in held_out]
     rng.shuffle(asks)
-    return [tokenizer.encode_chat([{"role": "user", "content": a}]) for a in asks]
+    return [encode_request(tokenizer, a) for a in asks]
 
 
 def module_prose(root: Path, min_chars: int = 200, max_chars: int = 1200) -> list[str]:
@@ -255,10 +260,13 @@ def generated_instructions(target: Llama, tokenizer: Tokenizer, n: int, seed: in
                            max_tokens: int = 64) -> list[str]:
     """User requests the target writes itself (Magpie: given a chat's opening up to the user's turn, an
     instruct model writes a request such as it was trained on): chat topics no template lists. Requests
-    it did not finish within max_tokens, or of under 4 words, are dropped; repeats once."""
+    it did not finish within max_tokens, or of under 4 words, are dropped; repeats once. None from a model
+    without a chat template: it has no user's turn to open."""
+    if tokenizer.chat_template is None:
+        return []
     marker = "\x00"
     opening = tokenizer.apply_chat_template([{"role": "user", "content": marker}]).split(marker)[0]
-    end = tokenizer.encode("<|im_end|>")
+    end = target.config.stop_ids  # the end of the user's turn: <|im_end|>, Llama 3's <|eot_id|>
     found: dict[str, None] = {}
     with tqdm(total=n, desc="generated instructions", unit="req") as bar:
         for batch in range(4 * n // batch_size + 1):  # a bound, should the target keep repeating itself

@@ -20,32 +20,39 @@ from specpool.bench.workloads import CHAT
 from specpool.common.machine import machine_info
 from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.runtime.device import native_bf16
-from specpool.engine.runtime.gguf_loader import load_gguf
+from specpool.engine.runtime.gguf_loader import model_name
+from specpool.engine.runtime.hf_loader import load_model_file
 from specpool.engine.runtime.model import Llama
 from specpool.training.distill import reduced_vocab, train
 from specpool.training.draft_data import (
     build_prompts,
     chat_prompts,
+    documented_functions,
     generated_instructions,
     installed_functions,
     module_prose,
     python_roots,
     stdlib_functions,
 )
-from specpool.training.head import FeatureWindows, HeadLM, export, head_step
+from specpool.training.head import FeatureWindows, HeadLM, export, head_step, output_rows
 from specpool.training.head_data import FeatureCorpus, record_features
 from specpool.training.train_draft import HELD_OUT, acceptance_rows, measure_acceptance, save_report
 
 
-def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated: int = 1200) -> list[list[int]]:
-    """Code prompts (documented functions of the stdlib and the installed packages) and chat prompts
-    (requests the target writes itself, templates, tasks over module docs), alternating while both
+def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated: int = 1200,
+                 roots: tuple[Path, ...] | None = None) -> list[list[int]]:
+    """Code prompts (documented functions of the stdlib and the installed packages, or of `roots`) and chat
+    prompts (requests the target writes itself, templates, tasks over module docs), alternating while both
     last; built once and kept in work_dir."""
     path = work_dir / "prompts.pt"
     if path.exists():
         return torch.load(path)
-    code = build_prompts(stdlib_functions() + installed_functions(), tokenizer, seed)
-    prose = [t for root in python_roots() for t in module_prose(root)]
+    if roots is None:
+        roots, functions = python_roots(), stdlib_functions() + installed_functions()
+    else:
+        functions = [f for root in roots for f in documented_functions(root, max_source_chars=1500)]
+    code = build_prompts(functions, tokenizer, seed)
+    prose = [t for root in roots for t in module_prose(root)]
     held_out = {m["content"] for item in map(json.loads, CHAT.read_text().splitlines()) for m in item["messages"]}
     asks = generated_instructions(target, tokenizer, generated, seed)
     chat = chat_prompts(tokenizer, seed, prose, held_out, asks)
@@ -56,13 +63,14 @@ def head_prompts(target: Llama, tokenizer, work_dir: Path, seed: int, generated:
     return prompts
 
 
-def feature_corpus(target: Llama, tokenizer, work_dir: Path, data_minutes: float, gen_batch: int,
-                   max_new_tokens: int, seed: int) -> tuple[FeatureCorpus, list[list[int]]]:
+def feature_corpus(target: Llama, tokenizer, cfg: TrainHeadConfig) -> tuple[FeatureCorpus, list[list[int]]]:
     """-> (the target's answers to the training prompts with its features, the held-out prompts)."""
-    prompts = head_prompts(target, tokenizer, work_dir, seed)
+    prompts = head_prompts(target, tokenizer, cfg.work_dir, cfg.seed, cfg.generated_requests, cfg.prompt_roots)
+    # Each prompt must leave its answer room in the target's context (a short one, or a long prompt).
+    prompts = [p for p in prompts if len(p) + cfg.max_new_tokens < target.config.max_context]
     held_out, train_prompts = prompts[:HELD_OUT], prompts[HELD_OUT:]
-    corpus = record_features(target, train_prompts, work_dir / "features", data_minutes * 60, gen_batch,
-                             max_new_tokens, seed)
+    corpus = record_features(target, train_prompts, cfg.work_dir / "features", cfg.data_minutes * 60, cfg.gen_batch,
+                             cfg.max_new_tokens, cfg.seed)
     print(f"features: {len(corpus.sequences)} sequences, {corpus.num_tokens} tokens, "
           f"{corpus.tokens_per_hour / 1e6:.2f}M tokens an hour")
     return corpus, held_out
@@ -85,10 +93,26 @@ class TrainHeadConfig:
     lr: float = 1e-3
     seed: int = 0
     dtype: str = "auto"  # the target's in the data pass: the serving default, whose features the head reads
+    generated_requests: int = 1200  # chat requests the target writes itself (draft_data.generated_instructions)
+    prompt_roots: tuple[Path, ...] | None = None  # the prompts' Python sources; None: the stdlib and installed packages
+
+
+def check_work_dir(work_dir: Path, target: Path, config) -> None:
+    """A work dir holds one target's prompts (its token ids) and features: resuming it with another target is
+    refused, naming both. The first run records its target."""
+    path = work_dir / "target.json"
+    ours = {"target": model_name(target), "vocab_size": config.vocab_size, "d_model": config.d_model}
+    if not path.exists():
+        path.write_text(json.dumps(ours) + "\n")
+        return
+    theirs = json.loads(path.read_text())
+    if theirs != ours:
+        raise ValueError(f"{work_dir} holds the data of {theirs}, not of the target {target} ({ours}): "
+                         "pass another --work-dir")
 
 
 @torch.no_grad()
-def heldout_agreement(head: HeadLM, corpus: FeatureCorpus, embed: torch.Tensor, norm: torch.Tensor,
+def heldout_agreement(head: HeadLM, corpus: FeatureCorpus, lm_head: torch.Tensor, norm: torch.Tensor,
                       window: int, steps: int) -> list[float]:
     """Top-1 agreement with the target's full-vocabulary argmax, per drafting step, over every window
     of the corpus: step j drafts from an anchor j-1 positions back."""
@@ -96,7 +120,7 @@ def heldout_agreement(head: HeadLM, corpus: FeatureCorpus, embed: torch.Tensor, 
     hits, counts = [0] * steps, [0] * steps
     for i in range(0, len(windows.windows), 8):
         tokens, feats, nxt, mask = windows.take(windows.windows[i : i + 8])
-        target = (F.rms_norm(nxt, (nxt.shape[-1],), norm.float(), head.config.norm_eps) @ embed.float().T).argmax(-1)
+        target = (F.rms_norm(nxt, (nxt.shape[-1],), norm.float(), head.config.norm_eps) @ lm_head.float().T).argmax(-1)
         for j, predicted in enumerate(head.unrolled(tokens, feats, steps)):
             m = mask.clone()
             m[:, :j] = False
@@ -110,12 +134,16 @@ def run(cfg: TrainHeadConfig) -> dict:
     torch.manual_seed(cfg.seed)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    target, tokenizer = Llama.from_gguf(cfg.target, dtype=cfg.dtype, device="cpu")
-    corpus, held_out = feature_corpus(target, tokenizer, cfg.work_dir, cfg.data_minutes, cfg.gen_batch,
-                                      cfg.max_new_tokens, cfg.seed)
-    full = load_gguf(cfg.target)
-    control = [i for i, t in enumerate(full.token_types) if t == 3]
-    output_ids = reduced_vocab(corpus.sequences, cfg.draft_vocab, always=control)
+    target, tokenizer = Llama.from_path(cfg.target, dtype=cfg.dtype, device="cpu")  # a GGUF or a HF directory
+    if tokenizer is None:
+        raise ValueError(f"{cfg.target} has no vocabulary (a GGUF's tokens, a directory's tokenizer.json): "
+                         "the head's data pass writes its prompts with the target's tokenizer")
+    check_work_dir(cfg.work_dir, cfg.target, target.config)
+    corpus, held_out = feature_corpus(target, tokenizer, cfg)
+    full = load_model_file(cfg.target)
+    # Control tokens (chat turn markers) and stop tokens stay draftable, however rare in the corpus.
+    always = sorted({*target.config.stop_ids, *(i for t in tokenizer.control_tokens for i in tokenizer.encode(t))})
+    output_ids = reduced_vocab(corpus.sequences, cfg.draft_vocab, always=always)
     head = HeadLM.from_target(full.config, full.weights, output_ids)
     eval_corpus, train_corpus = corpus.split(max(1, len(corpus.sequences) // 20))
     bf16 = native_bf16("cpu")  # mixed precision only where the CPU computes bf16 natively
@@ -123,18 +151,21 @@ def run(cfg: TrainHeadConfig) -> dict:
                      bf16_autocast=bf16)
 
     def agreement(corpus: FeatureCorpus) -> list[float]:
-        return heldout_agreement(head, corpus, full.weights["embed"], full.weights["norm"], cfg.window,
-                                 cfg.unrolled_steps)
+        return heldout_agreement(head, corpus, output_rows(full.config, full.weights), full.weights["norm"],
+                                 cfg.window, cfg.unrolled_steps)
 
     curve_corpus, _ = eval_corpus.split(64)  # the learning curve's checkpoints: a quick subset
     state = train(head, step, cfg.train_minutes * 60, cfg.work_dir / "head_train.pt", lr=cfg.lr, desc="head (s)",
                   evaluate=lambda: agreement(curve_corpus))
-    export(head, cfg.out, cfg.target.name)
+    export(head, cfg.out, model_name(cfg.target))
 
-    runtime = Llama.from_draft_checkpoint(cfg.out, full.weights["embed"], dtype="fp32", device="cpu")
-    acceptance = [measure_acceptance(target, HeadDrafter(runtime, 16, 1024), held_out[:16], k, 96) for k in (2, 4, 6)]
+    runtime = Llama.from_draft_checkpoint(cfg.out, full.weights["embed"], dtype="fp32", device="cpu", target=cfg.target)
+    # Half the answer budget (96 tokens by default): held-out prompts fit with room for the drafts.
+    new_tokens = cfg.max_new_tokens // 2
+    acceptance = [measure_acceptance(target, HeadDrafter(runtime, 16, 1024), held_out[:16], k, new_tokens)
+                  for k in (2, 4, 6)]
     report = {
-        "target": cfg.target.name,
+        "target": model_name(cfg.target),
         "kind": "head",
         "draft_vocab": len(output_ids),
         "corpus_sequences": len(corpus.sequences),
@@ -150,8 +181,9 @@ def run(cfg: TrainHeadConfig) -> dict:
         "learning_curve": state.get("evaluations", []),  # (training tokens, agreement by step) at checkpoints
         "bf16_autocast": bf16,
         "heldout_acceptance_greedy": acceptance,
+        "heldout_new_tokens": new_tokens,
         "history": state["history"],
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),  # paths as text
         "wall_seconds_this_run": round(time.monotonic() - started),
     }
     return save_report(report, cfg.out, write_card)
@@ -173,7 +205,7 @@ decoder layer over the token's embedding and the target's last hidden state (its
 a linear layer; it predicts the next feature, and the target's final norm with a reduced head of
 {report['draft_vocab']} tokens (mapped back to full ids) turns that into a draft. Past its first
 draft it reads its own predicted features. It shares the target's tokenizer and input embeddings
-(read from the target GGUF at load time).
+(read from the target's model file at load time).
 
 - **Init**: the target's last layer, final norm and head rows; the fusing layer at random.
 - **Data**: the target's own answers (greedy, and sampled at T=0.8, top-p 0.95), decoded 32 at a
@@ -192,12 +224,12 @@ draft it reads its own predicted features. It shares the target's tokenizer and 
   steps 1-{c['unrolled_steps']}): {curve}.
 - **Machine**: {machine}.
 
-Greedy speculative decoding (chains) on 16 held-out prompts (code and chat), 96 new tokens, the
+Greedy speculative decoding (chains) on 16 held-out prompts (code and chat), {report.get('heldout_new_tokens', 96)} new tokens, the
 target in its default format:
 
 | K | tokens per target step (bonus incl.) | accepted / drafted | output equals AR |
 |---|---|---|---|
 {rows}
 
-Reproduce: `specpool train-draft --kind head --out {c['out']} --data-minutes {c['data_minutes']} --train-minutes {c['train_minutes']}`
+Reproduce: `specpool train-draft --kind head --model {c['target']} --out {c['out']} --data-minutes {c['data_minutes']} --train-minutes {c['train_minutes']}`
 """)
