@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specpool.common.speculation import MIN_GAIN
 from specpool.engine.drafters.trees import TreeShape
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.device import cpu_class, kernel_isa
@@ -329,11 +330,7 @@ class SpeculationPolicy:
     target_costs: StepCosts
     draft_costs: StepCosts | None = None  # None: drafting costs nothing measurable (n-gram)
     max_draft: int = 16
-    # Speculate only when the best length is predicted this much faster than plain decoding: the
-    # cost table is a synthetic forward (no sampling or bookkeeping, uniform contexts), and near
-    # break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16 (measured
-    # on an AVX-512 AMD EPYC only; benchmarks record the margin they ran with).
-    min_gain: float = 1.1
+    min_gain: float = MIN_GAIN
     # A remote drafter's round trip beyond its drafting (wire, serialisation), measured by the caller.
     round_s: float = 0.0
     # The share of rounds whose drafting is on the critical path: SSD's misses (its hits were drafted

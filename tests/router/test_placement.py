@@ -121,12 +121,16 @@ WITH_SSD = ("ssd", "draft_model", "ngram")
     (AUTO, 1.1, 1.3, {}, Decision(NGRAM, PREDICTED_SPEEDUP)),
     (AUTO, 0.8, 0.9, {}, Decision(NONE, NO_SPEEDUP)),
     (AUTO, 0.7, 0.95, {}, Decision(NONE, NO_SPEEDUP)),
+    # Inside the margin the target's policy speculates at (MIN_GAIN): it would draft nothing
+    (AUTO, 1.05, 1.08, {}, Decision(NONE, NO_SPEEDUP)),
+    (AUTO, 1.6, 1.05, {"slot": False}, Decision(NONE, NO_SLOT)),
     # SSD (its figure against plain decoding on all its layout's cores), where the target offers it
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.8}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.4}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.6}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
     (AUTO, 1.1, 1.3, {"methods": WITH_SSD, "ssd": 1.2}, Decision(NGRAM, PREDICTED_SPEEDUP)),
-    (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 1.05}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 1.15}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
+    (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 1.05}, Decision(NONE, NO_SPEEDUP)),  # inside the policy's margin
     (AUTO, 0.9, 0.8, {"methods": WITH_SSD, "ssd": 0.95}, Decision(NONE, NO_SPEEDUP)),  # slower than AR on all cores
     (AUTO, 1.6, 1.2, {"ssd": 2.0}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),  # not offered
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.8, "slot": False}, Decision(NGRAM, NO_SLOT)),

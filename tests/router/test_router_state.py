@@ -149,7 +149,8 @@ def test_a_slot_is_leased_for_the_callers_tenant_else_the_targets(redis_server):
     url = redis_server.url
     Heartbeat(url, "endpoint", "ep", lambda: {"address": "h:9", "models": ["m"], "max_sessions": 4}).beat()
     Heartbeat(url, "target", "h:1", lambda: {"address": "h:1", "model": "m", "tenant": "alpha", "max_batch": 4,
-                                             "spec_endpoint": "h:9", "predicted_speedup_draft": 1.5}).beat()
+                                             "spec_endpoint": "h:9", "predicted_speedup_draft": 1.5,
+                                             "predicted_speedup_ngram": 1.2}).beat()
     registry = Registry(url)
     shares = {"alpha": 1.0, "beta": 1.0}
     router = Router(ClusterView(registry), LeaseKeeper(registry, shares, ttl_s=60), RouterMetrics(),
