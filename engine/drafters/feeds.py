@@ -14,7 +14,7 @@ DraftState per sequence and asks its feed these questions instead of which kind 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class DraftState:
     slot: int
     pending: list[int]  # tokens not yet in the cache, fed first next time
     features: torch.Tensor | None = None  # a head's: the target's features paired with `pending` [n, d]
+    # A head's features of tokens observed since, joined to `features` when taken: appending each outcome's
+    # to one tensor copied all the pending ones every round, quadratic while the policy does not draft.
+    more_features: list[torch.Tensor] = field(default_factory=list)
     fed: int = 0  # this round's drafts whose K/V are in the cache
     drafts: Sequence[int] = ()  # this round's drafts (a tree's: none; its K/V all go at the next outcome)
     kept: int = 0  # a head's: the cached positions made from true features
@@ -115,6 +118,8 @@ class FeatureFeed(TokenFeed):
     def take(self, cache: KVCache, seq: DraftState) -> tuple[list[int], torch.Tensor | None]:
         """The true positions end after the pending pairs."""
         tokens, features = seq.pending, seq.features
+        if seq.more_features:
+            features, seq.more_features = torch.cat([features, *seq.more_features]), []
         if tokens:
             seq.kept, seq.last = cache.lengths[seq.slot] + len(tokens), (tokens[-1], features[-1])
             seq.features = features[:0]
@@ -139,7 +144,8 @@ class FeatureFeed(TokenFeed):
         self.check(len(tokens), features, "emitted tokens")
         cache.truncate(seq.slot, seq.kept)
         seq.pending += tokens
-        seq.features = torch.cat([seq.features, features.to(seq.features)])
+        if tokens:
+            seq.more_features.append(features.to(seq.features))
         if not seq.pending and seq.last is not None:
             seq.kept -= 1
             cache.truncate(seq.slot, seq.kept)
