@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
-from specpool.common.speculation import MIN_GAIN, Method
+from specpool.common.speculation import MIN_GAIN, NO_ESTIMATE, Method
 
 # Reasons, as labelled in metrics and the capacity API.
 REQUESTED = "requested"  # the request named the method and got it
@@ -95,8 +95,9 @@ def _fastest(target: TargetRegistration) -> tuple[Method, float]:
 def _pays(speedup: float) -> bool:
     """Whether the target's policy would speculate at this predicted speedup: only past its margin. A plan
     inside it drafts nothing and still pays its sessions' upkeep (a remote n-gram plan planned at 1.0-1.1x
-    ran 0.90-0.94x plain decoding at batch 16, AMD EPYC 2 cores, default cluster)."""
-    return speedup > MIN_GAIN
+    ran 0.90-0.94x plain decoding at batch 16, AMD EPYC 2 cores, default cluster). A target with no policy
+    (NO_ESTIMATE: a forced draft length) drafts whatever it is planned, so it is planned as before."""
+    return speedup > MIN_GAIN or speedup == NO_ESTIMATE
 
 
 def _without_draft(speedup_ngram: float, reason: str) -> Decision:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpool.common.speculation import Method
+from specpool.common.speculation import NO_ESTIMATE, Method
 from specpool.engine.decoding import Decoder
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
@@ -24,9 +24,9 @@ from specpool.target_service.scheduler import Scheduler
 def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: AcceptanceEstimate) -> float:
     """The policy's own estimate (SpeculationPolicy.speedup) of its best speculative rate over plain
     decoding at this batch size, with the acceptance and fill measured and the slowdown real rounds
-    showed. Below 1, speculating would slow the batch down; 1.0 when there is no policy to ask."""
+    showed. Below 1, speculating would slow the batch down; NO_ESTIMATE when there is no policy to ask."""
     if policy is None:
-        return 1.0
+        return NO_ESTIMATE
     return policy.speedup(batch_size, acceptance.expected_tokens, acceptance.fill)[1]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from specpool.common.errors import FieldError
-from specpool.common.speculation import Method
+from specpool.common.speculation import NO_ESTIMATE, Method
 
 PREFIX = "specpool"
 Kind = Literal["target", "endpoint"]
@@ -120,10 +120,10 @@ class TargetRegistration:
     spec_endpoint: str = _parsed(_optional_address, "")  # address of its speculation endpoint ("" none)
     mean_accept_len: float = _parsed(_accept_len, 0.0)  # tokens per target step, bonus included (0: no data yet)
     # What its own hardware-aware policy predicts at batch size running + 1 (1.0: not known).
-    predicted_speedup_draft: float = _parsed(_speedup, 1.0)
-    predicted_speedup_ngram: float = _parsed(_speedup, 1.0)
+    predicted_speedup_draft: float = _parsed(_speedup, NO_ESTIMATE)
+    predicted_speedup_ngram: float = _parsed(_speedup, NO_ESTIMATE)
     # SSD's, over plain decoding on all the cores of its layout (serve-target --layout-cores).
-    predicted_speedup_ssd: float = _parsed(_speedup, 1.0)
+    predicted_speedup_ssd: float = _parsed(_speedup, NO_ESTIMATE)
     methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
     updated: float = _parsed(_unix_time, 0.0)  # unix seconds of the beat
 

@@ -30,6 +30,9 @@ SPARSE_Q_MAX_K = 256
 # break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16 (measured on an
 # AVX-512 AMD EPYC only; benchmarks record the margin they ran with). Routers plan a method only past it.
 MIN_GAIN = 1.1
+# The predicted speedup of a target with no policy to ask (a draft length forced with --draft-tokens, or a
+# registration without the figure): no estimate, so routers plan as they would from a bare 1.0, margin aside.
+NO_ESTIMATE = 1.0
 
 
 class Method(StrEnum):

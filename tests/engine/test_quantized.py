@@ -164,7 +164,7 @@ def test_tiny_q4_model_runs_its_blocks_and_stays_close_to_fp32(tiny_q4_gguf, tmp
     kwargs = {"batch_sizes": (1,), "draft_lens": (0, 1), "context_len": 8, "repeats": 1}
     cached_step_costs(q4, "tiny", tmp_path, **kwargs)
     cached_step_costs(fp32, "tiny", tmp_path, **kwargs)
-    keys = sorted(json.loads(p.read_text())["key"].split("|")[2] for p in tmp_path.iterdir())
+    keys = sorted(json.loads(p.read_text())["key"].split("|")[3] for p in tmp_path.iterdir())
     assert keys == ["fp32", "q4"]
 
 

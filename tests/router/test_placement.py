@@ -124,6 +124,8 @@ WITH_SSD = ("ssd", "draft_model", "ngram")
     # Inside the margin the target's policy speculates at (MIN_GAIN): it would draft nothing
     (AUTO, 1.05, 1.08, {}, Decision(NONE, NO_SPEEDUP)),
     (AUTO, 1.6, 1.05, {"slot": False}, Decision(NONE, NO_SLOT)),
+    # No estimate (a target whose draft length is forced drafts whatever it is planned): planned as from 1.0
+    (AUTO, 1.0, 1.0, {}, Decision(NGRAM, PREDICTED_SPEEDUP)),
     # SSD (its figure against plain decoding on all its layout's cores), where the target offers it
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.8}, Decision(SSD, PREDICTED_SPEEDUP, **GRANTED)),
     (AUTO, 1.6, 1.2, {"methods": WITH_SSD, "ssd": 1.4}, Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, **GRANTED)),
