@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -55,12 +56,20 @@ class SsdStats:
         r = -sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         return min(max(r, 0.05), 5.0)
 
-    def expected_hit(self, forks: int, k_max: int) -> float:
-        """The hit ratio `forks` per sequence would buy, spread as geometric_fanout spreads them: the chance
-        of each accepted length k (a^k (1-a); a^K for all K) times that its bonus ranks within F_k."""
+    def expected_hits(self, most: int, k_max: int) -> list[float]:
+        """[the hit ratio F forks per sequence would buy, for F = 0..most], spread as geometric_fanout spreads
+        them: the chance of each accepted length k (a^k (1-a); a^K for all K) times that its bonus ranks within
+        F_k. One pass over the curve for every F (it runs after every pre-speculation pass)."""
         a = min(max(self.accept_ema, 1e-3), 1 - 1e-3)
-        fanout = geometric_fanout(forks, k_max, a, self.miss_exponent())
-        return sum((a ** k) * (1 - a if k < k_max else 1.0) * self.p_hit(f) for k, f in enumerate(fanout))
+        r, total = self.miss_exponent(), sum(self.bonus_ranks)
+        below = list(itertools.accumulate(self.bonus_ranks, initial=0))  # below[F]: ranks under F, as p_hit sums
+
+        def p_hit(fanout: int) -> float:
+            return below[min(fanout, len(self.bonus_ranks))] / total if total else 0.5
+
+        chance = [(a ** k) * (1 - a if k < k_max else 1.0) for k in range(k_max + 1)]
+        return [0.0] + [sum(c * p_hit(f) for c, f in zip(chance, geometric_fanout(forks, k_max, a, r)))
+                        for forks in range(1, most + 1)]
 
     def useful_forks(self, k_max: int, most: int) -> int:
         """The fewest forks per sequence that no larger count up to `most` beats by MIN_HIT_GAIN of expected
@@ -70,7 +79,7 @@ class SsdStats:
         unevenly, so a single extra fork may add nothing where the next adds a lot."""
         if sum(self.bonus_ranks) < RANKS_TO_TRUST:
             return most
-        hits = [0.0] + [self.expected_hit(f, k_max) for f in range(1, most + 1)]
+        hits = self.expected_hits(most, k_max)
         for f in range(1, most):
             if all(hits[g] - hits[f] < MIN_HIT_GAIN * (g - f) for g in range(f + 1, most + 1)):
                 return f

@@ -113,7 +113,7 @@ def test_forks_per_sequence_stop_where_the_measured_hits_stop_growing(tiny_model
     ssd._size_forks(0.010, 4)
     cap = ssd.stats.useful_forks(4, 16)
     assert ssd.forks == cap and 5 <= cap < 16
-    hit = [ssd.stats.expected_hit(f, 4) for f in range(cap - 1, 17)]
+    hit = ssd.stats.expected_hits(16, 4)[cap - 1 :]
     assert hit[1] - hit[0] >= 0.01, "the last fork kept was worth a point of hits"
     assert all(h - hit[1] < 0.01 * g for g, h in enumerate(hit[2:], 1)), "no later count repays its forks"
     # A flat curve (the bonus anywhere among 16 candidates) repays about every fork of the budget.
