@@ -23,22 +23,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig, layer_shapes
 from specpool.engine.runtime.draft_pair import embedding_probe
 from specpool.training.distill import StepLoss, add_output_and_rope
 from specpool.training.head_data import FeatureCorpus
-
-BLOCK = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
-
-
-def block_names(config: ModelConfig) -> list[str]:
-    """A layer's weights in this family: Qwen2's q/k/v biases and Qwen3's q/k norms besides Llama's."""
-    names = list(BLOCK)
-    if config.qkv_bias:
-        names += ["bq", "bk", "bv"]
-    if config.qk_norm:
-        names += ["q_norm", "k_norm"]
-    return names
 
 
 def output_rows(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -69,7 +57,7 @@ class HeadLM(nn.Module):
         """One layer initialised from the target's last; norm and head rows from the target's."""
         config = ModelConfig(**(asdict(target_cfg) | {"n_layers": 1, "tie_embeddings": False, "feature_fed": True}))
         last = target_cfg.n_layers - 1
-        block = {n: target_weights[f"layers.{last}.{n}"] for n in block_names(target_cfg)}
+        block = {n: target_weights[f"layers.{last}.{n}"] for n in layer_shapes(target_cfg)}
         lm_head = output_rows(target_cfg, target_weights)[output_ids]
         return cls(config, target_weights["embed"], block, target_weights["norm"], lm_head, output_ids)
 

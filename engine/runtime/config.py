@@ -78,12 +78,9 @@ class ModelConfig:
         return self.sliding_window is not None and self.sliding_window < self.max_context
 
 
-def file_tensors(config: ModelConfig, names: dict[str, str], layer_names: dict[str, str],
-                 layer_prefix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """A model file's tensor name -> (the engine's name, shape [out, in]) of every tensor a model of this
-    config has. `names`: the file's names of embed, norm and lm_head (keyed by the engine's); `layer_names`:
-    the file's name after `layer_prefix.format(i)` -> the engine's after "layers.{i}." (GGUF and Hugging Face
-    directories differ only in these names)."""
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A layer's tensors in this family, by the engine's name after "layers.{i}.", and their shapes [out, in]:
+    Qwen2's q/k/v biases and Qwen3's q/k norms besides Llama's."""
     d, D, H, Hkv, F = config.d_model, config.head_dim, config.n_heads, config.n_kv_heads, config.ffn_dim
     shapes = {"attn_norm": (d,), "wq": (H * D, d), "wk": (Hkv * D, d), "wv": (Hkv * D, d), "wo": (d, H * D),
               "ffn_norm": (d,), "w_gate": (F, d), "w_up": (F, d), "w_down": (d, F)}
@@ -91,6 +88,16 @@ def file_tensors(config: ModelConfig, names: dict[str, str], layer_names: dict[s
         shapes |= {"bq": (H * D,), "bk": (Hkv * D,), "bv": (Hkv * D,)}
     if config.qk_norm:
         shapes |= {"q_norm": (D,), "k_norm": (D,)}
+    return shapes
+
+
+def file_tensors(config: ModelConfig, names: dict[str, str], layer_names: dict[str, str],
+                 layer_prefix: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A model file's tensor name -> (the engine's name, shape [out, in]) of every tensor a model of this
+    config has. `names`: the file's names of embed, norm and lm_head (keyed by the engine's); `layer_names`:
+    the file's name after `layer_prefix.format(i)` -> the engine's after "layers.{i}." (GGUF and Hugging Face
+    directories differ only in these names)."""
+    d, shapes = config.d_model, layer_shapes(config)
     tensors = {names["embed"]: ("embed", (config.vocab_size, d)), names["norm"]: ("norm", (d,))}
     if not config.tie_embeddings:
         tensors[names["lm_head"]] = ("lm_head", (config.vocab_size, d))
