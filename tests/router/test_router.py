@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -27,6 +28,7 @@ import redis
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.registry import Heartbeat, Registry
+from specpool.common.registry_schema import PREFIX, member_acl
 from specpool.common.security import Security
 from specpool.common.serving import METRICS_TOKEN_ENV, build_server
 from specpool.common.speculation import finish_reason_name
@@ -415,51 +417,118 @@ def test_capacity_json_carries_what_cluster_state_does(cluster, fakes, redis_ser
         operators.stop()
 
 
-# Records a member holding the Redis password could write (issue 38.1): a number that overflows a float,
-# nan, inf, a negative count, a key of another type, a missing field, an id or a tenant not its key's.
-POISON = {
-    "specpool:target::10.9.9.9:1": {"id": "10.9.9.9:1", "address": "10.9.9.9:1", "model": "{model}", "max_batch": "1e999"},
-    "specpool:target::10.9.9.9:2": {"id": "10.9.9.9:2", "address": "10.9.9.9:2", "model": "{model}",
-                                    "mean_accept_len": "nan", "max_batch": "8"},
-    "specpool:target::10.9.9.9:3": {"id": "10.9.9.9:3", "address": "10.9.9.9:3", "model": "{model}", "running": "-4"},
-    "specpool:target::10.9.9.9:4": {"id": "10.9.9.9:1", "address": "10.9.9.9:4", "model": "{model}"},
-    "specpool:target::10.9.9.9:5": {"address": "10.9.9.9:5", "model": "{model}"},
-    "specpool:target:alpha:10.9.9.9:6": {"id": "10.9.9.9:6", "address": "10.9.9.9:6", "model": "{model}",
-                                         "tenant": "target-1"},
-    "specpool:endpoint:bad-ep": {"id": "bad-ep", "address": "10.9.9.9:6", "max_sessions": "inf",
-                                 "models": "{model}"},
+# Issue 38.1, as a compromised member does it: `specpool up` gives every member a Redis user of its own
+# that may write only its own record (member_acl; cluster/launcher.py _registry_url), so what one member
+# can poison is its own record. The target member of tenant "mallory" writes these under its tenant's keys:
+# a number that overflows a float (the original attack), nan, a negative count, an id or a tenant not its
+# key's, a missing id; the endpoint member "bad-ep" writes an infinite capacity into its own record.
+MALLORY = "mallory"
+POISON_TARGETS = {
+    "specpool:target:mallory:10.9.9.9:1": {"id": "10.9.9.9:1", "address": "10.9.9.9:1", "model": "{model}",
+                                           "tenant": MALLORY, "max_batch": "1e999"},
+    "specpool:target:mallory:10.9.9.9:2": {"id": "10.9.9.9:2", "address": "10.9.9.9:2", "model": "{model}",
+                                           "tenant": MALLORY, "mean_accept_len": "nan", "max_batch": "8"},
+    "specpool:target:mallory:10.9.9.9:3": {"id": "10.9.9.9:3", "address": "10.9.9.9:3", "model": "{model}",
+                                           "tenant": MALLORY, "running": "-4"},
+    "specpool:target:mallory:10.9.9.9:4": {"id": "10.9.9.9:1", "address": "10.9.9.9:4", "model": "{model}",
+                                           "tenant": MALLORY},
+    "specpool:target:mallory:10.9.9.9:5": {"address": "10.9.9.9:5", "model": "{model}", "tenant": MALLORY},
+    "specpool:target:mallory:10.9.9.9:6": {"id": "10.9.9.9:6", "address": "10.9.9.9:6", "model": "{model}",
+                                           "tenant": "target-1"},
 }
+POISON_ENDPOINT = {"specpool:endpoint:bad-ep": {"id": "bad-ep", "address": "10.9.9.9:6", "max_sessions": "inf",
+                                                "models": "{model}"}}
+# A key of another type takes a command no member's user has (SET): only the password holder can write it.
+NOT_A_HASH = "specpool:target:mallory:10.9.9.9:7"
+
+
+def capacity_status(router: ServerProcess) -> tuple[int, dict | str]:
+    """/capacity's HTTP status and its JSON (or the error body): a 500 is an answer here, not an exception."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/capacity", timeout=5) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")[:200]
+
+
+def capacity_read_after(router: ServerProcess, since: float) -> tuple[int, dict | str]:
+    """/capacity's first answer that comes from a registry read made after `since` (time.monotonic(), the
+    router's clock on this same machine), or its first error. The router reads when asked, at most every
+    0.25 s, and serves the snapshot before in between (after a failed read too): only a fresh read shows
+    what it makes of the registry now. Bounded: 10 s."""
+    def answer():
+        asked = time.monotonic()
+        status, data = capacity_status(router)
+        # An error, Redis taken for away (it was not before), or a snapshot read after `since`, whatever the latency.
+        fresh = status != 200 or not data["registry_reachable"] or data["snapshot_age_s"] < asked - since
+        return fresh and (status, data)
+    return wait_for(answer, timeout_s=10)
 
 
 def test_a_poisoned_registry_record_is_dropped_and_routing_goes_on(cluster, redis_server):
     """Issue 38.1: one record whose max_batch read as '1e999' left 1 request in 20 succeeding (the rest
-    UNKNOWN) and /capacity answering 500. Written with the password (every member holds it), bad records
-    and a key that is not a hash are left out and counted; other tenants' requests keep succeeding."""
+    UNKNOWN) and /capacity answering 500. Written by the members themselves, each through its own Redis
+    user into its own record, bad records are left out and counted and other tenants' requests keep
+    succeeding; so does a key of another type (which only the password can write)."""
     router, model = cluster["routers"][0], cluster["model"]
-    poisoner = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    target_member = redis.Redis.from_url(redis_server.add_user(
+        f"target-{MALLORY}", member_acl(PREFIX, "target", MALLORY)), decode_responses=True, socket_timeout=5)
+    endpoint_member = redis.Redis.from_url(redis_server.add_user(
+        "endpoint-bad-ep", member_acl(PREFIX, "endpoint", "bad-ep")), decode_responses=True, socket_timeout=5)
+    admin = redis.Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=5)
+    dropped_before = {kind: router.metric_total("specpool_router_registry_records_dropped_total", kind=kind)
+                      for kind in ("target", "endpoint")}
+
+    def dropped(kind: str) -> float:
+        return router.metric_total("specpool_router_registry_records_dropped_total", kind=kind) - dropped_before[kind]
+
+    def logged_dropped(key: str) -> bool:  # the router logs each bad record once, when it first reads it
+        return f"dropped the record '{key.removeprefix(PREFIX + ':')}'" in router.logs()
+
     try:
-        for key, fields in POISON.items():
-            poisoner.hset(key, mapping={k: v.format(model=model) for k, v in fields.items()})
-        poisoner.set("specpool:target::10.9.9.9:7", "not a hash")
+        # These users are a member's, not an admin's: another tenant's or member's record is refused.
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            target_member.hset("specpool:target:target-1:10.9.9.9:1", "max_batch", "1e999")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            endpoint_member.hset("specpool:endpoint:spec-1", "max_sessions", "inf")
+        for member, poison in ((target_member, POISON_TARGETS), (endpoint_member, POISON_ENDPOINT)):
+            for key, fields in poison.items():
+                member.hset(key, mapping={k: v.format(model=model) for k, v in fields.items()})
 
-        def dropped_all() -> bool:
-            capacity(router)  # raises HTTPError on a 500
-            return (router.metric_total("specpool_router_registry_records_dropped_total", kind="target") >= 7
-                    and router.metric_total("specpool_router_registry_records_dropped_total", kind="endpoint") >= 1)
-
-        wait_for(dropped_all)
+        # Without the fix, every read that meets '1e999' raises: /capacity answers 500, Generate UNKNOWN.
+        first_status, first = capacity_read_after(router, time.monotonic())
+        failed = []
         for i in range(20):
-            result = generate_result(stub(router, "alpha"), request(model, f"after-poison-{i}", max_tokens=2))
-            assert len(result.completions[0].token_ids) == 2
-        data = capacity(router)
-        assert data["registry_reachable"] is True, "a key of another type once made every read look like an outage"
+            try:
+                result = generate_result(stub(router, "alpha"), request(model, f"after-poison-{i}", max_tokens=2),
+                                         timeout=30)
+                assert len(result.completions[0].token_ids) == 2
+            except grpc.RpcError as e:
+                failed.append(f"{e.code().name}: {e.details()[:120]}")
+        status, data = capacity_read_after(router, time.monotonic())
+        assert (first_status, failed, status) == (200, [], 200), (
+            f"/capacity answered {first_status} and then {status}; {len(failed)} of 20 requests failed",
+            Counter(failed), first if first_status != 200 else data)
+        assert data["registry_reachable"] is True
         listed = [t["id"] for p in data["pools"] for t in p["targets"]] + [e["id"] for e in data["endpoints"]]
         assert not [x for x in listed if x.startswith("10.9.9.9") or x == "bad-ep"], listed
-        assert "dropped the record 'target::10.9.9.9:1': max_batch: not a number" in router.logs()
-        assert router.logs().count("dropped the record 'target::10.9.9.9:1'") == 1, "one line per member"
+        assert all(logged_dropped(key) for key in [*POISON_TARGETS, *POISON_ENDPOINT]), router.logs()[-3000:]
+        assert dropped("target") >= len(POISON_TARGETS) and dropped("endpoint") >= 1, "each is counted"
+        assert "dropped the record 'target:mallory:10.9.9.9:1': max_batch: not a number" in router.logs()
+        assert router.logs().count("dropped the record 'target:mallory:10.9.9.9:1'") == 1, "one line per member"
+
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            target_member.set(NOT_A_HASH, "not a hash")
+        admin.set(NOT_A_HASH, "not a hash")
+        status, data = capacity_read_after(router, time.monotonic())
+        assert status == 200 and data["registry_reachable"] is True, \
+            ("a key of another type once made every read look like an outage", status, data)
+        assert logged_dropped(NOT_A_HASH), router.logs()[-3000:]
+        generate_result(stub(router, "alpha"), request(model, "after-not-a-hash", max_tokens=2), timeout=30)
     finally:
-        poisoner.delete(*POISON, "specpool:target::10.9.9.9:7")
-        poisoner.close()
+        admin.delete(*POISON_TARGETS, *POISON_ENDPOINT, NOT_A_HASH)
+        for client in (target_member, endpoint_member, admin):
+            client.close()
 
 
 # -- leases and a Redis restart, against real tiny targets ----------------------------------------------
