@@ -14,6 +14,13 @@ with the release's namespace.
 Grafana's variables, substituted as Grafana would: $namespace and $tenant by the values their own queries
 (label_values(...)) return from this Prometheus, several joined as a regex "(a|b)"; $__rate_interval by
 the whole run's length, so every event of the load is inside each rate's window.
+
+Beyond "returns data", the panels' values are checked against what the test sent and what the services
+count themselves (their own /metrics, read directly): a panel's expression with its rates read as totals
+("counter form": rate(X[w]) -> X) gives, between the scrape before the main load and the scrape after it,
+exactly the requests and tokens the load's results carry; its ratios equal the services' own counters';
+ratios and shares lie in [0, 1]. Every target drafts a forced length (--draft-tokens), so the SSD panels
+never hang on the policy choosing to draft (under CI load it once chose not to: no cache lookups).
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
-from specpool.common.speculation import method_name
+from specpool.common.speculation import NO_ESTIMATE, method_name
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "helm" / "specpool" / "dashboards" / "specpool.json"
@@ -55,6 +63,13 @@ NEW_PANELS = ("Draft pool utilisation: sessions open over capacity, by endpoint"
               "Requests within the queue-wait SLO (1 s), share, by tenant",
               "Queue depth: requests waiting for a batch slot, by tenant",
               "Prompt and generated tokens per second, by tenant")
+SSD_DRAFT_TOKENS = 3  # every target's forced draft length: each SSD round drafts this many, whatever the policy
+# Panels whose every value is a ratio or a share: in [0, 1].
+FRACTION_PANELS = ("Draft busy ratio (busiest endpoint)", "Draft busy ratio, by endpoint",
+                   "Draft tokens accepted, share of drafted, by tenant", "SSD speculation cache hit ratio, by model",
+                   "SSD bonus-token prediction accuracy, by model", "Shared draft batches, share of all",
+                   "Router requests not served, share of all, by model", NEW_PANELS[0], NEW_PANELS[1],
+                   "Draft acceptance by position", "Requests within the queue-wait SLO (1 s), share, by tenant")
 
 
 def installed_prometheus() -> Path:
@@ -107,6 +122,17 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
+    def series(self, expr: str, at: float | None = None) -> dict[frozenset, float]:
+        """An instant query's result: each series' labels -> its value (at `at`, unix seconds; else now)."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        return {frozenset(r["metric"].items()): float(r["value"][1]) for r in self.get("/api/v1/query", **params)["result"]}
+
+    def scalar(self, expr: str, at: float | None = None) -> float:
+        """The one value of a query that sums to one series; 0 when it has none yet (no such series)."""
+        values = list(self.series(expr, at).values())
+        assert len(values) <= 1, (expr, values)
+        return values[0] if values else 0.0
+
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
@@ -143,23 +169,24 @@ class Prometheus:
 # -- load ----------------------------------------------------------------------------------------------
 
 
-def send_load(cluster) -> dict[str, list[str]]:
-    """Streams of greedy and sampled requests, speculation auto, ssd and none, on both tenants at once; a
-    cancelled one, an expired one and malformed ones. -> what each stream saw: the method each request ran,
-    or its error."""
+def send_load(cluster) -> tuple[dict[str, list[str]], dict[str, list]]:
+    """Streams of greedy and sampled requests, speculation auto, ssd and none, on both tenants at once.
+    -> what each stream saw (the method each request ran, or its error), and each stream's results."""
     from specpool_client import final_result, generate_request
     from specpool_client.v1 import target_pb2_grpc
 
     seen: dict[str, list[str]] = {}
+    results: dict[str, list] = {}
 
     def worker(name: str, tenant: str, plan: list[dict]) -> None:
         stub = target_pb2_grpc.TargetServiceStub(cluster.router_channel(tenant))
-        out = seen.setdefault(name, [])
+        out, done = seen.setdefault(name, []), results.setdefault(name, [])
         for i, kwargs in enumerate(plan):
             request = generate_request(PROMPTS[i % len(PROMPTS)], max_tokens=40, **kwargs)
             try:
                 result = final_result(stub.Generate(request, timeout=120))
                 out.append(f"{kwargs}: {method_name(result.completions[0].speculation.method)}")
+                done.append(result)
             except grpc.RpcError as e:
                 out.append(f"{kwargs}: {e.code()} {e.details()}")
 
@@ -173,15 +200,12 @@ def send_load(cluster) -> dict[str, list[str]]:
                for tenant in ("alpha", "beta") for kind, plan in plans.items()]
     for t in threads:
         t.start()
-    odd = odd_requests(cluster)
     for t in threads:
         t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "load did not finish in 4 minutes"
-    assert odd == {"cancelled": "CANCELLED", "expired": "DEADLINE_EXCEEDED",
-                   "invalid at the router": "INVALID_ARGUMENT", "invalid at the target": "INVALID_ARGUMENT"}, odd
     failed = [line for lines in seen.values() for line in lines if "StatusCode" in line]
     assert not failed, failed
-    return seen
+    return seen, results
 
 
 def odd_requests(cluster) -> dict[str, str]:
@@ -240,6 +264,67 @@ def substitute(expr: str, values: dict[str, str]) -> str:
     return expr
 
 
+def counter_form(expr: str) -> str:
+    """The expression with each rate(X{...}[$__rate_interval]) read as X{...}: the totals it is a rate of."""
+    out = re.sub(r"rate\((\w+\{[^}]*\})\[\$__rate_interval\]\)", r"\1", expr)
+    assert "rate(" not in out, f"a rate this test cannot read as totals: {expr!r}"
+    return out
+
+
+def scrape(servers, token: str) -> list[tuple[str, dict, float]]:
+    """Every sample of the servers' own /metrics, read directly (name, labels, value)."""
+    samples = []
+    for server in servers:
+        req = urllib.request.Request(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        samples += [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+                    for s in family.samples]
+    return samples
+
+
+def direct(samples, name: str, by: tuple[str, ...] = (), **labels: str) -> float | dict[tuple, float]:
+    """The sum of one sample's values over the series with `labels`; with `by`, per values of those labels."""
+    out: dict[tuple, float] = {}
+    for sample, have, value in samples:
+        if sample == name and all(have.get(k) == v for k, v in labels.items()):
+            key = tuple(have.get(b, "") for b in by)
+            out[key] = out.get(key, 0.0) + value
+    return out if by else out.get((), 0.0)
+
+
+# The totals that show Prometheus has caught up with the services: (counter, the servers that count it).
+CAUGHT_UP = (("specpool_target_generated_tokens_total", "targets"), ("specpool_target_prompt_tokens_total", "targets"),
+             ("specpool_target_requests_total", "targets"), ("specpool_target_drafts_offered_total", "targets"),
+             ("specpool_target_decode_tokens_total", "targets"), ("specpool_router_requests_total", "routers"),
+             ("specpool_spec_drafted_tokens_total", "endpoints"), ("specpool_spec_ssd_cache_lookups_total", "endpoints"))
+
+
+def wait_caught_up(prom: Prometheus, groups: dict, token: str, timeout_s: float = 60.0) -> float:
+    """Polls until the targets are idle and Prometheus' newest samples equal the services' own totals, and
+    then until every member was scraped once more (so a series born in the last scrape has the two samples
+    a rate needs). -> the unix time Prometheus' view is complete at. Bounded: AssertionError after timeout_s."""
+    end = time.monotonic() + timeout_s
+    behind: list = []
+    while time.monotonic() < end:
+        targets = scrape(groups["targets"], token)
+        idle = direct(targets, "specpool_target_running_sequences") + direct(targets, "specpool_target_queued_requests")
+        own = {g: targets if g == "targets" else scrape(groups[g], token) for g in ("targets", "routers", "endpoints")}
+        behind = [(name, prom.scalar(f'sum({name}{{namespace="{NAMESPACE}"}})'), direct(own[g], name))
+                  for name, g in CAUGHT_UP]
+        behind = [b for b in behind if b[1] != b[2]]
+        if idle == 0 and not behind:
+            caught = time.time()
+            while time.monotonic() < end:
+                if prom.scalar(f'min(timestamp(up{{namespace="{NAMESPACE}"}}))') > caught:
+                    return time.time()
+                time.sleep(0.2)  # polling Prometheus' next scrape (every 1 s)
+            break
+        time.sleep(0.2)  # polling: the next scrape is at most 1 s away
+    raise AssertionError(f"Prometheus did not catch up with the services in {timeout_s}s: {behind}")
+
+
 @pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_a_live_cluster(tmp_path, monkeypatch):
     from specpool.cluster.config import ClusterConfig
@@ -248,45 +333,137 @@ def test_every_dashboard_query_returns_data_from_a_live_cluster(tmp_path, monkey
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {p["title"] for p in dashboard["panels"]}
     assert set(NEW_PANELS) <= titles, set(NEW_PANELS) - titles
+    assert set(FRACTION_PANELS) <= titles, set(FRACTION_PANELS) - titles
     assert "namespace" in {v["name"] for v in dashboard["templating"]["list"]}
+    panels = {p["title"]: {t["refId"]: t["expr"] for t in p.get("targets", [])} for p in dashboard["panels"]}
     binary = installed_prometheus()
 
     token = secrets.token_urlsafe(24)
     monkeypatch.setenv(METRICS_TOKEN_ENV, token)  # the servers inherit it: /metrics wants it
     started = time.monotonic()
-    # The reference format (fp32): its verify steps cost so little beside a decode step that the targets'
-    # policy drafts for every method asked, SSD included, so each speculation panel has data. (In q4 a
-    # verify step of 8 drafts costs over twice a decode step on 2 cores, and the policy may rightly
-    # draft nothing for a request.)
+    # Every target drafts SSD_DRAFT_TOKENS a round (--draft-tokens): the SSD stream drafts, and its panels have
+    # data, whatever the policy would choose under this machine's load. fp32: cheap verify steps, a short run.
     config = ClusterConfig.load().with_free_ports()
-    cluster = Cluster.start(replace(config, targets=tuple(replace(t, dtype="fp32") for t in config.targets)))
+    forced = ("--draft-tokens", str(SSD_DRAFT_TOKENS))
+    cluster = Cluster.start(replace(config, targets=tuple(replace(t, dtype="fp32", args=(*t.args, *forced))
+                                                          for t in config.targets)))
     prom = None
     try:
         servers = cluster.servers()
+        groups = {"targets": list(cluster.targets.values()), "routers": cluster.routers,
+                  "endpoints": list(cluster.endpoints.values())}
         assert status_without_token(servers[0].metrics_port) == 401
         prom = Prometheus(binary, tmp_path, [s.metrics_port for s in servers], token)
         prom.wait_ready()
         prom.wait_targets_up(len(servers))
 
         load_start = time.monotonic()
-        seen = send_load(cluster)
-        time.sleep(4)  # a few more scrapes: the last counts are in, and each new series has two samples
+        # Requests that end otherwise than ok first, so those outcomes' series exist; how many tokens a
+        # cancelled or expired one made is the target's to know, so the main load's counts start after them.
+        odd = odd_requests(cluster)
+        assert odd == {"cancelled": "CANCELLED", "expired": "DEADLINE_EXCEEDED",
+                       "invalid at the router": "INVALID_ARGUMENT", "invalid at the target": "INVALID_ARGUMENT"}, odd
+        before = wait_caught_up(prom, groups, token)
+        seen, results = send_load(cluster)
+        after = wait_caught_up(prom, groups, token)
         window = f"{math.ceil(time.monotonic() - load_start) + 10}s"
         values = resolve_variables(prom, dashboard)
         assert values["namespace"] == NAMESPACE and values["tenant"] == "(alpha|beta)", values
 
-        empty, checked = [], 0
+        empty, checked, outside = [], 0, []
         for panel in dashboard["panels"]:
             for target in panel.get("targets", []):
                 expr = substitute(target["expr"], values).replace("$__rate_interval", window)
-                result = prom.get("/api/v1/query", query=expr)["result"]
+                result = prom.get("/api/v1/query", query=expr, time=f"{after:.3f}")["result"]
                 checked += 1
                 if not any(math.isfinite(float(r["value"][1])) for r in result):
                     empty.append(f"{panel['title']!r} {target['refId']}: {expr}\n    -> {result}")
+                if panel["title"] in FRACTION_PANELS:  # NaN is 0/0, no data to Grafana (a series born at its
+                    # final count has rate 0: the router's one invalid request, model "unknown")
+                    outside += [(panel["title"], target["refId"], r["metric"], r["value"][1]) for r in result
+                                if math.isfinite(float(r["value"][1])) and not 0.0 <= float(r["value"][1]) <= 1.0]
         assert not empty, (f"{len(empty)} of {checked} queries returned no finite value:\n" + "\n".join(empty)
                            + "\nload:\n" + json.dumps(seen, indent=1))
-        print(f"DASHBOARD {checked} queries returned data; load and rate window {window}, "
-              f"whole test {time.monotonic() - started:.0f} s")
+        problems = [f"a ratio or share outside [0, 1]: {o}" for o in outside]
+
+        def totals(title: str, ref: str = "A", at: float = after, by: tuple[str, ...] = ()) -> dict[tuple, float]:
+            """The panel's query in counter form at `at`, summed per values of the labels `by`."""
+            out: dict[tuple, float] = {}
+            for labels, value in prom.series(counter_form(substitute(panels[title][ref], values)), at).items():
+                key = tuple(dict(labels).get(b, "") for b in by)
+                out[key] = out.get(key, 0.0) + value
+            return out
+
+        def sent(title: str, ref: str = "A", by: tuple[str, ...] = ()) -> dict[tuple, float]:
+            """What the panel's totals grew by over the main load (between the two complete scrapes)."""
+            now, then = totals(title, ref, after, by), totals(title, ref, before, by)
+            return {k: v - then.get(k, 0.0) for k, v in now.items() if v - then.get(k, 0.0)}
+
+        def check(what: str, got, want) -> None:  # what: the panel's meaning, and what it is checked against
+            if got != want:
+                problems.append(f"{what}: {got}, expected {want}")
+
+        # Counts: the requests and tokens the main load's results carry, to the request and the token.
+        done = [r for stream in results.values() for r in stream]
+        generated = sum(len(c.token_ids) for r in done for c in r.completions)
+        check("router requests finished, by outcome, vs the load's", sent("Router requests finished per second, by outcome",
+                                                             by=("outcome",)), {("ok",): float(len(done))})
+        check("target requests finished, by outcome, vs the load's", sent("Requests finished per second, by tenant and outcome",
+                                                             by=("outcome",)), {("ok",): float(len(done))})
+        check("tokens generated vs the load's", sent("Tokens generated per second"), {(): float(generated)})
+        check("prompt tokens vs the load's", sent("Prompt and generated tokens per second, by tenant"),
+              {(): float(sum(r.usage.prompt_tokens for r in done))})
+        # The dashboard's rate itself: the whole run's tokens over its window (a rate extrapolates a little).
+        rate = prom.scalar(substitute(panels["Tokens generated per second"]["A"], values)
+                           .replace("$__rate_interval", window), after)
+        whole = totals("Tokens generated per second")[()]
+        if not 0.9 * whole <= rate * float(window[:-1]) <= 1.1 * whole:
+            problems.append(f"tokens generated per second {rate} x {window} is not the run's {whole} tokens")
+
+        # Ratios: equal to the services' own counters, read directly.
+        own = {g: scrape(groups[g], token) for g in groups}
+        ratio = totals("Draft tokens accepted, share of drafted, by tenant", by=("tenant",))
+        accepted = direct(own["endpoints"], "specpool_spec_accepted_tokens_total", by=("tenant",))
+        drafted = direct(own["endpoints"], "specpool_spec_drafted_tokens_total", by=("tenant",))
+        check("accepted share of drafted, by tenant, vs the endpoint's own counters", ratio,
+              {t: accepted.get(t, 0.0) / n for t, n in drafted.items() if n})
+        lookups = direct(own["endpoints"], "specpool_spec_ssd_cache_lookups_total")
+        hits = direct(own["endpoints"], "specpool_spec_ssd_cache_hits_total")
+        if not lookups > 0:
+            problems.append("the SSD stream made no speculation-cache lookups")
+        check("SSD cache hit ratio vs the endpoint's own counters",
+              sum(totals("SSD speculation cache hit ratio, by model").values()), hits / lookups if lookups else None)
+        offered = direct(own["targets"], "specpool_target_drafts_offered_total", by=("position",))
+        taken = direct(own["targets"], "specpool_target_drafts_accepted_total", by=("position",))
+        check("draft acceptance by position vs the targets' own counters", totals("Draft acceptance by position",
+                                                                              by=("position",)),
+              {p: taken.get(p, 0.0) / n for p, n in offered.items() if n})
+        by_method = ("tenant", "method")
+        tokens = direct(own["targets"], "specpool_target_decode_tokens_total", by=by_method)
+        seconds = direct(own["targets"], "specpool_target_decode_seconds_total", by=by_method)
+        check("decode rate per sequence, by tenant and method, vs the targets' own counters",
+              totals(NEW_PANELS[3], by=by_method), {k: n / seconds[k] for k, n in tokens.items() if seconds.get(k)})
+        # The ssd and none streams' tokens past the first, as the targets count them by method: with every
+        # prediction NO_ESTIMATE, AUTO plans n-gram (a tie goes to it), so only these streams run ssd or none.
+        decoded = {m: float(sum(max(len(c.token_ids) - 1, 0) for name, stream in results.items()
+                                if name.endswith("/" + m) for r in stream for c in r.completions)) for m in ("ssd", "none")}
+        check("targets' own decoded tokens, method ssd and none, vs the ssd and none streams'",
+              {m: direct(own["targets"], "specpool_target_decode_tokens_total", method=m) for m in decoded}, decoded)
+        # The SSD stream drafted the forced length, not the policy's: the targets have no policy (every predicted
+        # speedup on the dashboard is NO_ESTIMATE), every ssd request ran SSD, its rounds reached position N and
+        # none beyond. Without --draft-tokens the predictions are the policy's own, and it may draft nothing.
+        check("predicted speedups (the forced length: no policy)", {
+            v for v in totals("Speedup bought by speculation, by tenant (measured and predicted)", "B",
+                              by=("tenant", "method")).values()}, {NO_ESTIMATE})
+        ssd_runs = [method_name(c.speculation.method) for name, stream in results.items() if name.endswith("/ssd")
+                    for r in stream for c in r.completions]
+        check("what the ssd stream's requests ran", ssd_runs, ["ssd"] * len(ssd_runs))
+        ssd_positions = {int(p) for (p,), n in direct(own["targets"], "specpool_target_drafts_offered_total",
+                                                      by=("position",), method="ssd").items() if n}
+        check("the deepest position the ssd stream's drafts reached", max(ssd_positions, default=0), SSD_DRAFT_TOKENS)
+        assert not problems, "\n".join(problems) + "\nload:\n" + json.dumps(seen, indent=1)
+        print(f"DASHBOARD {checked} queries returned data, their counts and ratios the ones sent; load and rate "
+              f"window {window}, whole test {time.monotonic() - started:.0f} s")
     finally:
         if prom is not None:
             prom.stop()
