@@ -32,6 +32,7 @@ numerics (`--dtype fp32`), whose greedy output equals transformers' reading the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -44,6 +45,7 @@ from typing import TypeVar
 import torch
 from gguf import GGMLQuantizationType
 
+from specpool.engine.runtime import cpu_features
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16, bf16_override
 
 T = TypeVar("T")
@@ -63,7 +65,9 @@ def native_bf16(device: torch.device | str) -> bool:
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or bf16_override():
         return False
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # oneDNN's answer comes from CPUID: it counts only where a bf16 instruction has run (cpu_features).
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and (cpu_features.runs("avx512_bf16") or cpu_features.runs("amx")))
 
 
 def cpu_class() -> dict:
@@ -73,6 +77,8 @@ def cpu_class() -> dict:
         "native_bf16": native_bf16("cpu"),
         "bf16_override": bf16_override(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"),
+        "executes": sorted(name for name, ok in cpu_features.executes().items() if ok),  # probed, not advertised
+        "faults_on": cpu_features.lying(),
     }
 
 
@@ -128,6 +134,25 @@ class WeightFormat:
     @property
     def dense_dtype(self) -> torch.dtype:
         return self.dense or self.dtype
+
+    @property
+    def label(self) -> str:
+        """The name with what carries it: "q4 (engine kernels)", "q4 (torch int4, bf16 dense)", "fp32"."""
+        if not self.int4:
+            return self.name
+        kernels = "engine kernels" if self.own_kernels else "torch int4"
+        return f"q4 ({kernels}, {'bf16' if self.dense_dtype == torch.bfloat16 else 'fp32'} dense)"
+
+    def fallback(self) -> WeightFormat | None:
+        """The next format to try where this one's rows are not the same bits in every step kind on this
+        machine (engine/runtime/row_check.py): bf16 dense matrices become fp32 (the blocks stay), then
+        dense fp32 throughout; None after fp32."""
+        if self.dense_dtype == torch.bfloat16:
+            return dataclasses.replace(self, dense=None, dtype=torch.float32) if self.int4 else WeightFormat(
+                torch.float32)
+        if self.int4:
+            return WeightFormat(torch.float32)
+        return None
 
 
 def int4_kernels(device: torch.device | str) -> bool:
@@ -195,26 +220,19 @@ def draft_format(name: str | None, device: torch.device | str) -> tuple[str, GGM
     return ("bf16" if native_bf16(device) else "fp32"), None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:  # not Linux
-        return set()
-
-
 def kernel_isa() -> str:
     """The instruction set the engine's own CPU kernels are compiled for (engine/runtime/kernels.py):
-    "avx512vnni" where torch runs its AVX-512 kernels and the CPU has VNNI (int8 dot products),
-    "avx2" where it runs AVX2 (or AVX-512 without VNNI; SPECPOOL_NO_NATIVE_BF16 included), else "portable".
+    "avx512vnni" where torch runs its AVX-512 kernels and the CPU executes AVX-512 VNNI (int8 dot
+    products), "avx2" where it runs AVX2 (or AVX-512 without VNNI; SPECPOOL_NO_NATIVE_BF16 included), else
+    "portable". Executes, not advertises: each is probed in a child process first (cpu_features).
     SPECPOOL_KERNEL_ISA names one instead (on a CPU that has it)."""
     forced = os.environ.get("SPECPOOL_KERNEL_ISA", "")
     if forced in ("avx512vnni", "avx2", "portable"):  # an operator's (or a test's) choice
         return forced
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability == "AVX512" and "avx512_vnni" in _cpu_flags():
+    if capability == "AVX512" and cpu_features.runs("avx512") and cpu_features.runs("avx512_vnni"):
         return "avx512vnni"
-    return "avx2" if capability in ("AVX2", "AVX512") else "portable"
+    return "avx2" if capability in ("AVX2", "AVX512") and cpu_features.runs("avx2") else "portable"
 
 
 def distributed_backend(device: torch.device) -> str:

@@ -5,8 +5,12 @@ other device choice.
 
 from __future__ import annotations
 
+import logging
 import os
 
+from specpool.engine.runtime import cpu_features
+
+log = logging.getLogger(__name__)
 NO_NATIVE_BF16 = "SPECPOOL_NO_NATIVE_BF16"
 
 # libgomp's default spin (300k rounds) keeps an idle process's OpenMP threads busy long after their
@@ -28,9 +32,40 @@ def apply() -> None:
 
     Under SPECPOOL_NO_NATIVE_BF16, oneDNN and ATen are limited to AVX2 kernels: on an AVX-512
     machine that reproduces an AVX2 machine's behaviour (oneDNN then refuses bf16 prepacking, as
-    there) and its step costs. It takes effect only if torch has not loaded yet.
+    there) and its step costs. Where the CPU advertises an instruction set it faults on (CPUID lies
+    in VMs), they are limited to what executed in a child process (engine/runtime/cpu_features.py),
+    with one log line. It takes effect only if torch has not loaded yet.
     """
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     if bf16_override():
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
         os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    elif lying := _advertised_but_faulting():
+        onednn, aten = isa_ceilings(cpu_features.runs)
+        log.warning("this CPU advertises %s but faults on executing it: torch is kept to oneDNN %s, ATen %s",
+                    " and ".join(lying), onednn, aten or "as detected")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+        if aten:
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
+
+
+def _advertised_but_faulting() -> list[str]:
+    """The instruction sets this CPU advertises (so torch would pick them from CPUID) and faults on. Probed
+    only where AVX-512 or AMX is advertised, the ones VMs have been seen to grant and then fault on."""
+    if not cpu_features.advertised_flags() & {"amx_tile", "avx512f"}:
+        return []
+    return cpu_features.lying()
+
+
+def isa_ceilings(runs) -> tuple[str, str | None]:
+    """(ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY or None for no ceiling): the highest instruction sets whose
+    probes `runs` (engine/runtime/cpu_features.py) passed, each level needing the ones below it."""
+    if not runs("avx2"):
+        return "SSE41", "default"
+    if not runs("avx512"):
+        return ("AVX2_VNNI" if runs("avx_vnni") else "AVX2"), "avx2"
+    if not runs("avx512_vnni"):
+        return "AVX512_CORE", None
+    if not runs("avx512_bf16"):
+        return "AVX512_CORE_VNNI", None
+    return ("ALL" if runs("amx") else "AVX512_CORE_BF16"), None
