@@ -9,6 +9,7 @@ from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.device import native_bf16
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16
+from tests.harness import add_time_limits, pytest_xdist_make_scheduler  # noqa: F401 - crashes reported once
 from tests.pki import CA
 from tests.stats import FULL_POWER
 
@@ -74,7 +75,8 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_collection_modifyitems(config, items):
     """Outside `make test-full`, the tests marked `full_power` are deselected (tests/stats.py): twins
     placed near the full-power detection limit, which the CI tier's rows would not catch, and variants'
-    twins, whose mechanism's twin runs in both tiers."""
+    twins, whose mechanism's twin runs in both tiers. Every test gets its time limit (tests/harness.py)."""
+    add_time_limits(items)
     if FULL_POWER:
         return
     deselected = [item for item in items if item.get_closest_marker("full_power")]

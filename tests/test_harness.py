@@ -1,0 +1,69 @@
+"""The suite's harness (tests/harness.py) in a child pytest run with `make test`'s options: a test that
+executes an instruction this CPU refuses (SIGILL, as llama.cpp's AMX build died on an Intel VM) and a test
+that never returns each end as a failure naming the test, within their limits, and every other test of
+their files still runs. Before tests/harness.py this run hung: pytest-xdist gave the dying test to each
+replacement worker in turn, and after three the controller and the workers waited on each other."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+DYING = """
+import pytest
+from specpool.engine.runtime.cpu_features import _execute
+
+@pytest.fixture(scope="module")
+def shared():
+    return 1
+
+def test_before(shared):
+    pass
+
+@pytest.mark.parametrize("i", range(3))
+def test_illegal_instruction(shared, i):
+    _execute("ud2", bytes.fromhex("0f0bc3"))  # ud2; ret: SIGILL, the worker process dies
+
+@pytest.mark.timeout(3)
+def test_never_returns(shared):
+    import time
+    while True:
+        time.sleep(1)
+
+def test_after(shared):
+    pass
+"""
+FINE = """
+def test_one():
+    pass
+
+def test_two():
+    pass
+"""
+
+
+def test_a_test_that_kills_its_worker_or_hangs_is_a_failure_and_the_rest_still_runs(tmp_path):
+    (tmp_path / "conftest.py").write_text("from tests.harness import *  # noqa: F403\n")
+    (tmp_path / "test_dying.py").write_text(textwrap.dedent(DYING))
+    (tmp_path / "test_fine.py").write_text(textwrap.dedent(FINE))
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+    took = time.monotonic() - started
+    out = run.stdout + run.stderr
+    failed = sorted(set(re.findall(r"^FAILED \S+::(\S+)", out, re.MULTILINE)))
+    assert run.returncode == 1, out[-3000:]
+    assert failed == ["test_illegal_instruction[0]", "test_illegal_instruction[1]", "test_illegal_instruction[2]",
+                      "test_never_returns"], out[-3000:]
+    for i in range(3):  # each crash reported once, by name: never handed to another worker
+        assert len(re.findall(rf"crashed while running '\S+test_illegal_instruction\[{i}\]'", out)) == 1, out[-3000:]
+    assert "Timeout" in out  # the hung test's stacks were printed before its worker was ended
+    assert re.search(r"\b4 passed\b", out), out[-3000:]  # test_before, test_after and test_fine's two
+    assert took < 120, f"the run took {took:.0f} s"
