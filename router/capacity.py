@@ -86,7 +86,7 @@ def _target(t: TargetRegistration, now_s: float) -> pb.TargetReplica:
         id=t.id, address=t.address, model=t.model, tenant=t.tenant, max_batch=t.max_batch,
         running=t.running, queued=t.queued, spec_endpoint=t.spec_endpoint, mean_accept_len=t.mean_accept_len,
         predicted_speedup_draft=t.predicted_speedup_draft, predicted_speedup_ngram=t.predicted_speedup_ngram,
-        predicted_speedup_ssd=t.predicted_speedup_ssd,
+        predicted_speedup_ssd=t.predicted_speedup_ssd, format=t.format,
         methods=[_method(m) for m in t.methods], heartbeat_age_s=round(max(0.0, now_s - t.updated), 3),
     )
 

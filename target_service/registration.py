@@ -87,6 +87,7 @@ class HeartbeatFields:
     # SSD's policy, wire time included (TargetDraftLength.ssd_policy), and the layout it runs in.
     ssd_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None
     layout: Layout = NO_LAYOUT
+    format: str = ""  # the model's format and its start-up check (Llama.format_label)
 
     def fields(self) -> dict:
         running, queued = self.scheduler.load()
@@ -121,6 +122,7 @@ class HeartbeatFields:
             "predicted_speedup_ssd": speedups[Method.SSD],
             "predicted_speedup_ngram": speedups[Method.NGRAM],
             "methods": [m.value for m in methods],
+            "format": self.format,
         }
 
     def _mean_accept_len(self) -> float:

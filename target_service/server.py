@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
     def load():
         loading = time.perf_counter()
         model, tokenizer = Llama.from_path(path, dtype=args.dtype, device=args.device)
-        log.info("loaded %s as %s%s in %.1f s", name, model.format.name, " (fused kernels)" if model.fused else "",
+        log.info("loaded %s as %s%s in %.1f s", name, model.format_label, " (fused kernels)" if model.fused else "",
                  time.perf_counter() - loading)
         costs = None
         if not args.draft_tokens:
@@ -163,12 +163,13 @@ def main(args: argparse.Namespace) -> int:
         address = f"{args.advertise_host}:{port}"
         fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
                                  draft_length.free, lambda: draft_length.draft_model,
-                                 ssd_policy_fn=draft_length.ssd_policy, layout=layout)
+                                 ssd_policy_fn=draft_length.ssd_policy, layout=layout,
+                                 format=model.format_label)
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
     report_ready("TargetService", port, metrics_server.port,
-                 detail=f"{model.format.name}{' (fused kernels)' if model.fused else ''}, "
+                 detail=f"{model.format_label}{' (fused kernels)' if model.fused else ''}, "
                         f"ready {time.perf_counter() - started:.1f} s after start")
 
     def drain() -> None:

@@ -23,6 +23,9 @@ the dense rule, one log line). Other matrices stay dense (bf16 where native, els
 
 "auto" is the fastest format that stays lossless against its own AR on this machine: q4 on CPU where the
 file has 4-bit blocks and a fast kernel runs them, else bf16 on a GPU that computes it natively, else fp32.
+Whether a format's rows really are the same bits in every step kind depends on this CPU's code paths, so
+every CPU model is checked as it loads (engine/runtime/row_check.py) and an automatic choice that fails
+takes `WeightFormat.fallback`: bf16 dense matrices to fp32, then fp32 throughout.
 Not dense bf16 on CPU: its decode and verify steps round differently (see engine/runtime/model.py), so speculation
 through it would not equal its own decoding. q4's logits sit within ~1-2 of fp32's (int8 or bf16
 activations), so its greedy output can leave fp32's at near-ties (tests/engine/test_quantized.py), while

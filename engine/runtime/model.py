@@ -10,6 +10,7 @@ into a scratch slot, so they never touch a live sequence.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +24,10 @@ from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
 from specpool.engine.runtime.rope import rope_angles
+from specpool.engine.runtime.row_check import row_mismatch
 from specpool.engine.verification.token_tree import attention_layout, is_chain, padded
+
+log = logging.getLogger(__name__)
 
 SHORT_STEP = 16  # batched decode/verify steps (at most this many tokens per row) use _short_attention
 
@@ -55,6 +59,26 @@ class Llama:
         self.device = torch.device(device)
         four_bit = any(b.four_bit for b in (blocks or {}).values())
         self.format = resolve_format(dtype, self.device, four_bit)  # bf16 only where native; q4 where fast
+        self._build(weights, blocks)
+        # Lossless against its own AR on this machine, or the next format (engine/runtime/row_check.py). An
+        # explicit dense dtype is kept and its check reported; the engine's own choices (auto, q4) fall back.
+        self.format_check = "rows not checked off the CPU"
+        if self.device.type == "cpu":
+            while (mismatch := row_mismatch(self)) and dtype in (None, "auto", "q4") and self.format.fallback():
+                log.warning("%s: %s on this CPU, so it runs as %s", self.format.label, mismatch,
+                            self.format.fallback().label)
+                self.format = self.format.fallback()
+                self._build(weights, blocks)
+            self.format_check = f"rows differ: {mismatch}" if mismatch else "decode, verify, tree and batch rows bit-identical"
+
+    @property
+    def format_label(self) -> str:
+        """What a target reports: its format and the start-up check that format passed."""
+        return f"{self.format.label}: {self.format_check}"
+
+    def _build(self, weights: dict[str, torch.Tensor], blocks: dict[str, QuantizedBlocks] | None) -> None:
+        """The model's tensors and matrices in `self.format`."""
+        config = self.config
         self.dtype = dtype = self.format.dtype
         blocks = blocks if self.format.int4 else {}
 

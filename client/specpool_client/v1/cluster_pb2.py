@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import target_pb2 as specpool_dot_v1_dot_target__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpool/v1/cluster.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/target.proto\"\x1b\n\x19GetClusterCapacityRequest\"\xda\x02\n\rTargetReplica\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x15\n\rspec_endpoint\x18\x08 \x01(\t\x12\x17\n\x0fmean_accept_len\x18\t \x01(\x01\x12\x1f\n\x17predicted_speedup_draft\x18\n \x01(\x01\x12\x1f\n\x17predicted_speedup_ngram\x18\x0b \x01(\x01\x12/\n\x07methods\x18\x0c \x03(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x17\n\x0fheartbeat_age_s\x18\r \x01(\x01\x12\x1d\n\x15predicted_speedup_ssd\x18\x0e \x01(\x01\"\x89\x02\n\tModelPool\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x07targets\x18\x02 \x03(\x0b\x32\x1a.specpool.v1.TargetReplica\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x13\n\x0butilization\x18\x06 \x01(\x01\x12\x17\n\x0fmean_accept_len\x18\x07 \x01(\x01\x12\x1f\n\x17predicted_speedup_draft\x18\x08 \x01(\x01\x12\x1f\n\x17predicted_speedup_ngram\x18\t \x01(\x01\x12\x1d\n\x15predicted_speedup_ssd\x18\n \x01(\x01\"B\n\x0cTenantLeases\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06leased\x18\x02 \x01(\x05\x12\x12\n\nguaranteed\x18\x03 \x01(\x05\"\x87\x02\n\x13SpeculationEndpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x18\n\x10\x64raft_busy_ratio\x18\x06 \x01(\x01\x12\x12\n\nacceptance\x18\x07 \x01(\x01\x12\x11\n\thit_ratio\x18\x08 \x01(\x01\x12\x0e\n\x06leased\x18\t \x01(\x05\x12*\n\x07tenants\x18\n \x03(\x0b\x32\x19.specpool.v1.TenantLeases\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\"k\n\rDecisionCount\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x04plan\x18\x02 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xdb\x01\n\x1aGetClusterCapacityResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specpool.v1.ModelPool\x12\x33\n\tendpoints\x18\x02 \x03(\x0b\x32 .specpool.v1.SpeculationEndpoint\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.specpool.v1.DecisionCount\x12\x1a\n\x12registry_reachable\x18\x04 \x01(\x08\x12\x16\n\x0esnapshot_age_s\x18\x05 \x01(\x01\x32|\n\x13\x43lusterStateService\x12\x65\n\x12GetClusterCapacity\x12&.specpool.v1.GetClusterCapacityRequest\x1a\'.specpool.v1.GetClusterCapacityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpool/v1/cluster.proto\x12\x0bspecpool.v1\x1a\x18specpool/v1/target.proto\"\x1b\n\x19GetClusterCapacityRequest\"\xea\x02\n\rTargetReplica\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x11\n\tmax_batch\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x15\n\rspec_endpoint\x18\x08 \x01(\t\x12\x17\n\x0fmean_accept_len\x18\t \x01(\x01\x12\x1f\n\x17predicted_speedup_draft\x18\n \x01(\x01\x12\x1f\n\x17predicted_speedup_ngram\x18\x0b \x01(\x01\x12/\n\x07methods\x18\x0c \x03(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x17\n\x0fheartbeat_age_s\x18\r \x01(\x01\x12\x1d\n\x15predicted_speedup_ssd\x18\x0e \x01(\x01\x12\x0e\n\x06\x66ormat\x18\x0f \x01(\t\"\x89\x02\n\tModelPool\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x07targets\x18\x02 \x03(\x0b\x32\x1a.specpool.v1.TargetReplica\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x13\n\x0butilization\x18\x06 \x01(\x01\x12\x17\n\x0fmean_accept_len\x18\x07 \x01(\x01\x12\x1f\n\x17predicted_speedup_draft\x18\x08 \x01(\x01\x12\x1f\n\x17predicted_speedup_ngram\x18\t \x01(\x01\x12\x1d\n\x15predicted_speedup_ssd\x18\n \x01(\x01\"B\n\x0cTenantLeases\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06leased\x18\x02 \x01(\x05\x12\x12\n\nguaranteed\x18\x03 \x01(\x05\"\x87\x02\n\x13SpeculationEndpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x18\n\x10\x64raft_busy_ratio\x18\x06 \x01(\x01\x12\x12\n\nacceptance\x18\x07 \x01(\x01\x12\x11\n\thit_ratio\x18\x08 \x01(\x01\x12\x0e\n\x06leased\x18\t \x01(\x05\x12*\n\x07tenants\x18\n \x03(\x0b\x32\x19.specpool.v1.TenantLeases\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\"k\n\rDecisionCount\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x04plan\x18\x02 \x01(\x0e\x32\x1e.specpool.v1.SpeculationMethod\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xdb\x01\n\x1aGetClusterCapacityResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specpool.v1.ModelPool\x12\x33\n\tendpoints\x18\x02 \x03(\x0b\x32 .specpool.v1.SpeculationEndpoint\x12-\n\tdecisions\x18\x03 \x03(\x0b\x32\x1a.specpool.v1.DecisionCount\x12\x1a\n\x12registry_reachable\x18\x04 \x01(\x08\x12\x16\n\x0esnapshot_age_s\x18\x05 \x01(\x01\x32|\n\x13\x43lusterStateService\x12\x65\n\x12GetClusterCapacity\x12&.specpool.v1.GetClusterCapacityRequest\x1a\'.specpool.v1.GetClusterCapacityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCLUSTERCAPACITYREQUEST']._serialized_start=68
   _globals['_GETCLUSTERCAPACITYREQUEST']._serialized_end=95
   _globals['_TARGETREPLICA']._serialized_start=98
-  _globals['_TARGETREPLICA']._serialized_end=444
-  _globals['_MODELPOOL']._serialized_start=447
-  _globals['_MODELPOOL']._serialized_end=712
-  _globals['_TENANTLEASES']._serialized_start=714
-  _globals['_TENANTLEASES']._serialized_end=780
-  _globals['_SPECULATIONENDPOINT']._serialized_start=783
-  _globals['_SPECULATIONENDPOINT']._serialized_end=1046
-  _globals['_DECISIONCOUNT']._serialized_start=1048
-  _globals['_DECISIONCOUNT']._serialized_end=1155
-  _globals['_GETCLUSTERCAPACITYRESPONSE']._serialized_start=1158
-  _globals['_GETCLUSTERCAPACITYRESPONSE']._serialized_end=1377
-  _globals['_CLUSTERSTATESERVICE']._serialized_start=1379
-  _globals['_CLUSTERSTATESERVICE']._serialized_end=1503
+  _globals['_TARGETREPLICA']._serialized_end=460
+  _globals['_MODELPOOL']._serialized_start=463
+  _globals['_MODELPOOL']._serialized_end=728
+  _globals['_TENANTLEASES']._serialized_start=730
+  _globals['_TENANTLEASES']._serialized_end=796
+  _globals['_SPECULATIONENDPOINT']._serialized_start=799
+  _globals['_SPECULATIONENDPOINT']._serialized_end=1062
+  _globals['_DECISIONCOUNT']._serialized_start=1064
+  _globals['_DECISIONCOUNT']._serialized_end=1171
+  _globals['_GETCLUSTERCAPACITYRESPONSE']._serialized_start=1174
+  _globals['_GETCLUSTERCAPACITYRESPONSE']._serialized_end=1393
+  _globals['_CLUSTERSTATESERVICE']._serialized_start=1395
+  _globals['_CLUSTERSTATESERVICE']._serialized_end=1519
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class GetClusterCapacityRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetReplica(_message.Message):
-    __slots__ = ("id", "address", "model", "tenant", "max_batch", "running", "queued", "spec_endpoint", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "methods", "heartbeat_age_s", "predicted_speedup_ssd")
+    __slots__ = ("id", "address", "model", "tenant", "max_batch", "running", "queued", "spec_endpoint", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "methods", "heartbeat_age_s", "predicted_speedup_ssd", "format")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class TargetReplica(_message.Message):
     METHODS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SPEEDUP_SSD_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     model: str
@@ -41,7 +42,8 @@ class TargetReplica(_message.Message):
     methods: _containers.RepeatedScalarFieldContainer[_target_pb2.SpeculationMethod]
     heartbeat_age_s: float
     predicted_speedup_ssd: float
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., max_batch: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., spec_endpoint: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ..., methods: _Optional[_Iterable[_Union[_target_pb2.SpeculationMethod, str]]] = ..., heartbeat_age_s: _Optional[float] = ..., predicted_speedup_ssd: _Optional[float] = ...) -> None: ...
+    format: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., max_batch: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., spec_endpoint: _Optional[str] = ..., mean_accept_len: _Optional[float] = ..., predicted_speedup_draft: _Optional[float] = ..., predicted_speedup_ngram: _Optional[float] = ..., methods: _Optional[_Iterable[_Union[_target_pb2.SpeculationMethod, str]]] = ..., heartbeat_age_s: _Optional[float] = ..., predicted_speedup_ssd: _Optional[float] = ..., format: _Optional[str] = ...) -> None: ...
 
 class ModelPool(_message.Message):
     __slots__ = ("model", "targets", "capacity", "running", "queued", "utilization", "mean_accept_len", "predicted_speedup_draft", "predicted_speedup_ngram", "predicted_speedup_ssd")
