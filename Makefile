@@ -51,9 +51,11 @@ run: setup
 # or drafter.
 # Two workers (pytest-xdist, one test file per worker at a time) keep two cores busy: alone, the suite
 # used about one, its tests waiting on server processes as much as computing. The tests marked `serial`
-# time a stream against its own pace, so they run afterwards, alone; the first run's status is kept.
+# time a stream against its own pace, so they run afterwards, alone (one worker: a test that kills its
+# process is a failure there too, and the rest still run); the first run's status is kept. Every test
+# has a time limit and a crashed worker's test is reported once (tests/harness.py).
 PYTEST_PARALLEL = $(BIN)/pytest -q -n 2 --dist loadfile -m "not serial" --durations=30
-PYTEST_SERIAL = $(BIN)/pytest -q -m serial --durations=5
+PYTEST_SERIAL = $(BIN)/pytest -q -n 1 --dist loadfile -m serial --durations=5
 test: setup test-deps
 	$(PYTEST_PARALLEL); status=$$?; $(PYTEST_SERIAL) && exit $$status
 
@@ -70,18 +72,12 @@ bench: bench-deps
 		--json bench/results/humaneval_q4_llamacpp.json
 
 # llama.cpp for the bench's llamacpp-* modes and ar_speed's row (bench/llamacpp_peer.py). PyPI has its
-# source only: pip builds the library for this CPU (about 5 minutes on 2 cores, once: pip keeps the
-# wheel); its tools and examples are not needed.
-LLAMACPP            := llama-cpp-python==0.3.36
-LLAMACPP_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-	-DLLAMA_BUILD_SERVER=OFF -DMTMD_BUILD=OFF -DLLAVA_BUILD=OFF
-# Built once per pin: the stamp names it.
-LLAMACPP_STAMP      := $(VENV)/.$(subst ==,-,$(LLAMACPP))
-bench-deps: setup $(LLAMACPP_STAMP)
-
-$(LLAMACPP_STAMP): | $(STAMP)
-	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet '$(LLAMACPP)'
-	touch $@
+# source only: bench/llamacpp_build.py builds llama-cpp-python for the instruction sets this CPU executes
+# (probed in child processes, never -march=native: a VM that advertises AMX and faults on it killed that
+# build), about 5 minutes on 2 cores once per machine class, cached under ~/.cache/specpool/llamacpp;
+# a no-op when the installed build is this machine's.
+bench-deps: setup
+	$(BIN)/python -m specpool.bench.llamacpp_build
 
 # What the slow tests run beyond the project's own packages, each installed once and cached: llama.cpp
 # (tests/bench/test_llamacpp_peer.py) and a Prometheus server (tests/cluster/test_dashboard_prometheus.py;
