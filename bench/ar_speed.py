@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from specpool.bench import llamacpp_build
 from specpool.common.machine import machine_info, machine_line, memory_read_gbps
 from specpool.engine.decoding import generate
 from specpool.engine.runtime import kernels
@@ -224,6 +225,7 @@ def main() -> None:
 
     report = {
         "machine": machine_info() | {"memory_read_gbps": round(gbps, 1)},
+        "llamacpp_build": llamacpp_build.installed() if llm else None,  # its ISA flags (bench/llamacpp_build.py)
         "model": path.name,
         "prompt": PROMPT,
         "new_tokens": args.tokens,

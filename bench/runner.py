@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specpool.bench import llamacpp_build
 from specpool.bench.modes import PEERS, BenchConfig, ModeTotals, build_runners, mode_hardware
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
 from specpool.common.machine import machine_info
@@ -76,6 +77,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         "model": cfg.model_path.name,
         "dtype": str(model.dtype).removeprefix("torch."),
         "weight_format": model.format.name,  # q4: the GGUF's 4-bit blocks (engine/runtime/linear.py)
+        "format_check": model.format_label,  # which kernels carry it, and its start-up row check
+        # The llama.cpp build the llamacpp-* modes ran (bench/llamacpp_build.py: its ISA flags, AMX off).
+        "llamacpp_build": llamacpp_build.installed() if any(m.startswith("llamacpp") for m in cfg.modes) else None,
         "draft_format": _draft_format(cfg.draft_dtype, model.device),
         "policy_min_gain": SpeculationPolicy.min_gain,
         "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,
