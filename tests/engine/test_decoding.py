@@ -282,7 +282,10 @@ def test_speculative_sampling_is_lossless_on_the_default_format(tmp_path):
     assert result.passed, result
 
 
-MIXED = [PATHS["dense q"][0], PATHS["sparse top-k q"][0], SamplingParams(temperature=2.5, top_p=0.9)]
+# The fourth class cuts q with min-p (tokens under 0.2 of the most probable's mass): the drafter's dense q
+# and the target's p are both taken after the cut, as engine/verification/sampling.py composes the four.
+MIXED = [PATHS["dense q"][0], PATHS["sparse top-k q"][0], SamplingParams(temperature=2.5, top_p=0.9),
+         SamplingParams(temperature=3.0, min_p=0.2)]
 MIXED_TWIN_ROWS = 5000  # a class: a group verified under another's parameters is far off
 
 
@@ -301,7 +304,7 @@ def mixed_batch(rows: int) -> list:
 
 @pytest.mark.slow
 def test_a_batch_mixing_sampling_parameters_is_lossless_per_row():
-    """Three sampling classes in one batch with one drafter (dense q, sparse top-k q, top-p q): the
+    """Four sampling classes in one batch with one drafter (dense q, sparse top-k q, top-p q, min-p q): the
     decoder verifies each group under its own parameters, so each class matches its exact joint."""
     for result, shares in mixed_batch(N // len(MIXED)):
         report(result, **shares)
