@@ -192,3 +192,44 @@ def cells(tokens: list[list[int]], first: int, last: int, vocab: int) -> Tensor:
     """Each row's t_first..t_last as one cell index into exact_joint's output."""
     window = torch.tensor([row[first:last + 1] for row in tokens])
     return (window * vocab ** torch.arange(last - first, -1, -1)).sum(-1)
+
+
+# -- through the path: one bound for every SSD test's shares ------------------------------------------
+
+PATH_SHARE = 0.25
+
+
+def assert_through_the_path(shares: dict[str, float], n: int, path: str = "cache hit",
+                            forgiven_late_rows: int = 0) -> None:
+    """The one bound on the shares a lossless test reports for the path it names (SSD: the cache hit
+    share), and, through the servers, on the rows that left the path (the fallback share).
+
+    The path's share h >= PATH_SHARE = 1/4. A bias confined to a path carrying a share h of the scored
+    rows moves their distribution by h times its size (the other rows are exact), so the test catches
+    it once it is 1/h times the limit tests/README.md's table gives for the test: the path is proven as
+    h^2 n rows through it alone would prove it. h >= 1/4 keeps that within 4x of the table's limit
+    (n/16 rows). 4x is what the tests' own cache-path twin still clears: engine/test_ssd's twin nearest
+    its limit (only cache hits misreport q, 0.15) is caught at 1.45x its threshold with 0.31 of its rows
+    through the cache, so down to a share of about 0.31 / 1.45 = 0.21 < 1/4. The floor is the same for
+    every test (in-process, on the real head, through the servers, push or pull); a test whose
+    configuration gives less has its configuration changed, never its bound or its prompt picked. The
+    path is the one the test names, for a twin the one its bias lives on: the cache hits for SSD's
+    lossless tests and cache twins, every draft SSD's model sampled (`drafted`: a hit or a neural miss)
+    for the top-32 cut and the unrescaled Saguaro q, which bias the drafts wherever they are sampled.
+
+    The fallback share (rows with a round drafted by the target's own n-gram index because the
+    endpoint's reply came late, through the servers) <= forgiven_late_rows / n. The target's
+    DeadlineBreaker treats up to trip_after - 1 late rounds in a row as a healthy endpoint's noise and
+    opens on the next; a round covers at most the target's batch of rows. So forgiven_late_rows =
+    (trip_after - 1) x rows a round: a run may be as late, over all its rows, as the breaker forgives
+    before acting; more is an endpoint (or a deadline) the breaker would act on, not the path the
+    test names. Tests without an endpoint report no fallback share; where they do, it is 0 here."""
+    failures = []
+    if shares[path] < PATH_SHARE:
+        failures.append(f"{path} share {shares[path]:.3f} < {PATH_SHARE} of the scored rows: a bias confined to "
+                        f"the path would be caught only at {1 / shares[path] if shares[path] else float('inf'):.1f}x "
+                        f"the test's limit")
+    if "fallback" in shares and shares["fallback"] > forgiven_late_rows / n:
+        failures.append(f"fallback share {shares['fallback']:.3f} > {forgiven_late_rows} rows / {n} = "
+                        f"{forgiven_late_rows / n:.3f}: later than the deadline breaker forgives")
+    assert not failures, "; ".join(failures) + f" ({shares})"

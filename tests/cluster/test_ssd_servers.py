@@ -15,6 +15,7 @@ from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.gguf_loader import save_gguf
 from specpool.engine.runtime.model import Llama, random_weights
 from specpool.engine.verification.sampling import SamplingParams
+from specpool.target_service.remote.fallback import DeadlineBreaker
 from specpool.training.distill import DraftLM, export
 from specpool_client import generate_result
 from specpool_client.v1 import target_pb2 as pb
@@ -29,7 +30,7 @@ from tests.cluster.test_disaggregation import (
     stub_for,
 )
 from tests.cluster.test_head_servers import tiny_head
-from tests.stats import cells, check_tv, exact_joint, report
+from tests.stats import assert_through_the_path, cells, check_tv, exact_joint, report
 
 SSD = pb.SpeculationPreference(method=pb.SPECULATION_METHOD_SSD)
 
@@ -92,6 +93,9 @@ def test_ssd_greedy_equals_ar_and_hits_the_cache(tmp_path, mode):
 FORKS, SAGUARO_C = 4, 0.5
 NEW = 6  # with 2 drafts a round the second round always has room to draft: a cache lookup
 SCORED = (3, 4)  # generated tokens 4-5 (0-based 3, 4): every row's come (mostly) from its second round
+# A late round falls back for every row of the target's batch (PER_REQUEST: one request at a time); the breaker
+# forgives trip_after - 1 of them in a row (tests/stats.assert_through_the_path).
+FORGIVEN_LATE_ROWS = (DeadlineBreaker(1.0).trip_after - 1) * PER_REQUEST
 
 
 def ssd_server_check(name: str, files: tuple[Path, ...], mode: str, samples: int = SAMPLES,
@@ -145,10 +149,8 @@ def ssd_files(tmp_path_factory):
 def test_ssd_sampling_through_the_servers_is_lossless(ssd_files, mode):
     result, shares = ssd_server_check(f"SSD {mode}, T=0.7, Saguaro C=0.5", ssd_files, mode)
     report(result, **shares)
-    # Fallback rounds (the target's own n-gram drafts) follow the machine's load: a round whose reply comes
-    # later than twice the recent round trips falls back. A contended CI run saw pull mode at 0.10; the
-    # bound keeps the SSD paths the bulk of what is scored.
-    assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.2, shares
+    assert_through_the_path(shares, result.n, forgiven_late_rows=FORGIVEN_LATE_ROWS)
+    assert shares["miss"] > 0.05, shares
     assert result.passed, result
 
 
@@ -158,7 +160,7 @@ def test_the_harness_catches_a_biased_ssd_endpoint(ssd_files, mode):
     twin, shares = ssd_server_check(f"SSD {mode}, misreported-cache-q 0.5", ssd_files, mode, STRONG_TWIN_SAMPLES,
                                     twin=("misreported-cache-q", 0.5))
     report(twin, twin=True, at_n=SAMPLES, **shares)
-    assert shares["cache hit"] > 0.2, shares
+    assert_through_the_path(shares, twin.n, forgiven_late_rows=FORGIVEN_LATE_ROWS)
     assert not twin.passed, f"biased twin slipped through: {twin}"
 
 
@@ -173,7 +175,8 @@ def test_ssd_on_the_head_through_the_servers_is_lossless(ssd_head_files):
     # A variant of SSD push through the servers (the cache's q is the same mechanism; the head grows the forks).
     result, shares = ssd_server_check("SSD on the head, push, T=0.7, Saguaro C=0.5", ssd_head_files, "push")
     report(result, **shares)
-    assert shares["cache hit"] > 0.2 and shares["miss"] > 0.05 and shares["fallback"] < 0.1, shares
+    assert_through_the_path(shares, result.n, forgiven_late_rows=FORGIVEN_LATE_ROWS)
+    assert shares["miss"] > 0.05, shares
     assert result.passed, result
 
 
@@ -183,5 +186,5 @@ def test_the_harness_catches_a_biased_ssd_head_endpoint(ssd_head_files):
     twin, shares = ssd_server_check("SSD on the head, push, misreported-cache-q 0.5", ssd_head_files, "push",
                                     STRONG_TWIN_SAMPLES, twin=("misreported-cache-q", 0.5))
     report(twin, twin=True, at_n=SAMPLES, **shares)
-    assert shares["cache hit"] > 0.2, shares
+    assert_through_the_path(shares, twin.n, forgiven_late_rows=FORGIVEN_LATE_ROWS)
     assert not twin.passed, f"biased twin slipped through: {twin}"
