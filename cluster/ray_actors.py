@@ -91,7 +91,8 @@ class MemberServer:
 
 
 class RedisServer:
-    """The registry's Redis as a member: on this node's address, with the cluster's password."""
+    """The registry's Redis as a member: on this node's address, with the cluster's password and each
+    member's own user (the state actor's redis_users: a restarted one makes them again)."""
 
     def __init__(self, port: int, password: str, data_dir: str | None, namespace: str):
         import ray
@@ -106,6 +107,8 @@ class RedisServer:
             port = last["ports"]["--port"]
             _end(last["pid"], port)  # redis-server outlives a killed parent (the servers drain by themselves)
         self.redis = start_redis(port, Path(data_dir) if data_dir else None, host=self.node_ip, password=password)
+        for user, (secret, rules) in ray.get(state.get.remote()).get("redis_users", {}).items():
+            self.redis.add_user(user, rules, password=secret)
         state.remember.remote("redis", {"node_ip": self.node_ip, "ports": {"--port": self.redis.port},
                                         "pid": self.redis.proc.pid})
         self._draining = False
@@ -115,6 +118,10 @@ class RedisServer:
         self.redis.proc.wait()
         if not self._draining:
             os._exit(1)
+
+    def add_user(self, name: str, password: str, rules: list[str]) -> None:
+        """A member's Redis user (specpool.common.registry_schema.member_acl's rules), made now."""
+        self.redis.add_user(name, rules, password=password)
 
     def info(self) -> dict:
         return {"name": "redis", "role": "redis", "address": f"{self.node_ip}:{self.redis.port}", "metrics_port": 0,

@@ -26,6 +26,11 @@ An endpoint scales by instances: the file's, endpoint:NAME, and more, endpoint:N
 server (id NAME-I, its own draft slots). A target starts drafting on the instance the fewest targets
 use, and keeps it: an instance that drains first has its targets replaced by ones drafting elsewhere.
 
+Each member logs in to the cluster's Redis as a user of its own (as `specpool up`'s do: its role's
+ACL, specpool.common.registry_schema.member_acl): the launcher makes the user on the Redis actor and
+records it in the state actor, so a restarted Redis gets its users back and `scale` reuses a tenant's.
+On an operator's Redis (redis.url) every member gets that URL.
+
 Secure by default as `specpool up`: one throwaway CA; its directory (certificate, key, tokens) travels
 to each actor in its arguments (held by Ray's GCS, to restart it) and the cluster's state actor,
 which `scale` and clients in other processes read. Run with --insecure only on a private network.
@@ -40,6 +45,7 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
+import urllib.parse
 from collections import Counter
 from dataclasses import replace
 from typing import Self
@@ -57,6 +63,7 @@ from specpool.cluster.ray_actors import ClusterState, MemberServer, RedisServer
 from specpool.cluster.ray_members import RayMembers, _named_actors, connect
 from specpool.cluster.ray_plan import NAMESPACE, STATE, _free, _index, actor_name, placement_groups, resources
 from specpool.common.logs import LOG_FORMAT_ENV
+from specpool.common.registry_schema import PREFIX, member_acl
 from specpool.common.security import LocalCA
 from specpool.common.serving import REDIS_URL_ENV
 
@@ -88,6 +95,7 @@ class RayCluster(RayMembers):
             for tenant in [t.tenant for t in config.targets] + list(config.routers.tenant_weights):
                 ca.token(tenant)
         spec = {"config": config, "insecure": insecure, "log_format": log_format, "redis_url": config.redis.url or "",
+                "redis_users": {},  # user -> (password, ACL rules): each member's own, on the Redis started here
                 "ca_files": {p.name: p.read_bytes() for p in ca.dir.iterdir() if p.is_file()} if ca else {}}
         cluster = cls(namespace, spec, ca)
         try:
@@ -138,7 +146,8 @@ class RayCluster(RayMembers):
         if r.count:
             say(f"routers: starting {r.count}")
         self._wait({router_name(r, i): self._member(
-            actor_name("router", router_name(r, i)), "router", router_command(r, i), r.ray, None, r.cpus, True, None)
+            actor_name("router", router_name(r, i)), "router", router_command(r, i), r.ray, None, r.cpus, True, None,
+            router_name(r, i))
             for i in range(r.count)}, timeout_s, say)
 
     def _endpoint(self, e: EndpointSpec, strategies: dict, index: int = 0):
@@ -147,7 +156,7 @@ class RayCluster(RayMembers):
         name = actor_name("endpoint", e.name, index or None)
         spec = replace(e, name=f"{e.name or 'endpoint'}-{index}", port=0, metrics_port=0) if index else e
         return self._member(name, "endpoint", endpoint_command(spec), e.ray, e.threads, e.cpus, True,
-                            strategies.get(name))
+                            strategies.get(name), spec.name)
 
     def _target(self, t: TargetSpec, index: int, strategy=None, avoid: tuple[str, ...] = ()):
         """The index-th replica of t, drafting on the instance of its endpoint with the fewest targets
@@ -163,7 +172,7 @@ class RayCluster(RayMembers):
                 strategy = NodeAffinitySchedulingStrategy(info["node_id"], soft=False)
         strategy = strategy or (None if t.ray.placement == "with_endpoint" else "SPREAD")
         return self._member(actor_name("target", t.tenant, index), "target", target_command(t, address), t.ray,
-                            t.threads, t.cpus, False, strategy)
+                            t.threads, t.cpus, False, strategy, t.tenant)
 
     def _least_loaded(self, endpoint: str, avoid: tuple[str, ...] = ()) -> dict:
         """The info of the endpoint's instance (not in `avoid`) the fewest targets draft on; the first on a tie."""
@@ -176,8 +185,8 @@ class RayCluster(RayMembers):
         return min(instances, key=lambda i: load[i["address"]])
 
     def _member(self, name: str, role: str, args: list[str], ray_spec: RaySpec, threads, cpus, keep_ports: bool,
-                strategy):
-        env = {REDIS_URL_ENV: self.spec["redis_url"]}
+                strategy, registers_as: str):
+        env = {REDIS_URL_ENV: self._registry_url(role, registers_as)}
         if self.spec["log_format"]:
             env[LOG_FORMAT_ENV] = self.spec["log_format"]
         if threads:
@@ -186,6 +195,25 @@ class RayCluster(RayMembers):
             args = args + ["--insecure"]
         return _remote(MemberServer).options(name=name, **self._actor_options(ray_spec, threads, strategy)).remote(
             name, role, args, env, self.spec["ca_files"], list(cpus) if cpus else None, keep_ports, self.namespace)
+
+    def _registry_url(self, role: str, name: str) -> str:
+        """A member's registry URL: on the Redis started here, a user of its own that may write only its
+        role's keys (a target's: its tenant's), as `specpool up` makes; on an operator's Redis, that URL.
+        A user is made once (a tenant's replicas share theirs) and kept in the state actor, whence a
+        restarted Redis actor makes it again."""
+        import ray
+
+        if self.config.redis.url or not self.spec["redis_url"]:
+            return self.spec["redis_url"]
+        user = f"{role}-{name}".replace(" ", "_")
+        users = self.spec.setdefault("redis_users", {})
+        if user not in users:
+            users[user] = (secrets.token_urlsafe(24), member_acl(PREFIX, role, name))
+            ray.get(self._state().update.remote(redis_users=users))  # first: a Redis restarting now reads it
+            redis = ray.get_actor(actor_name("redis", "registry"), namespace=self.namespace)
+            ray.get(redis.add_user.remote(user, *users[user]))
+        address = urllib.parse.urlsplit(self.spec["redis_url"]).netloc.rpartition("@")[2]
+        return f"redis://{urllib.parse.quote(user, safe='')}:{users[user][0]}@{address}/0"
 
     def _actor_options(self, spec: RaySpec, threads, strategy) -> dict:
         options = {"namespace": self.namespace, "lifetime": "detached", "max_restarts": spec.max_restarts,

@@ -74,13 +74,13 @@ class RedisProcess:
         password, _ = self.users[name]
         return f"redis://{urllib.parse.quote(name, safe='')}:{password}@{self.host}:{self.port}/0"
 
-    def add_user(self, name: str, rules: list[str]) -> str:
-        """A user of its own with a fresh password, allowed only `rules`
+    def add_user(self, name: str, rules: list[str], password: str | None = None) -> str:
+        """A user of its own with a fresh password (or `password`), allowed only `rules`
         (specpool.common.registry_schema.member_acl); its URL. Kept across restarts (the users are in the
         config each start reads)."""
         if not name or any(c.isspace() for c in name):
             raise ValueError(f"a Redis user name has no spaces and is not empty, got {name!r}")
-        self.users[name] = (secrets.token_urlsafe(24), list(rules))
+        self.users[name] = (password or secrets.token_urlsafe(24), list(rules))
         if self.alive():
             with redis.Redis.from_url(self.url, socket_timeout=5) as admin:
                 admin.execute_command("ACL", "SETUSER", *self._user_rules(name))

@@ -398,3 +398,109 @@ def test_placement_groups_pair_and_spread(ray_nodes, tmp_path):
     finally:
         cluster.down()
     assert _leftovers("placed") == ([], [])
+
+
+def _records(admin) -> list[str]:
+    """The members' registry records (leases left out: they come and go)."""
+    return sorted(k.decode() for pattern in ("specpool:target:*", "specpool:endpoint:*")
+                  for k in admin.scan_iter(pattern))
+
+
+def _server_env(pid: int, name: str) -> str:
+    """A variable of a running server's environment (what it was started with)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.split(b"=", 1)[1].decode() for e in entries if e.startswith(name.encode() + b"="))
+
+
+@pytest.mark.slow
+def test_each_ray_member_logs_in_to_redis_as_its_own_user(ray_nodes, tmp_path):
+    """As `specpool up`: every target, endpoint and router gets a Redis user of its own (member_acl's
+    rules), never the default password; it writes its own record and is refused another member's. A
+    Redis actor that Ray restarts gets the users back (the members register again), and a replica
+    added by `scale` shares its tenant's user."""
+    import ray
+    import redis as redis_py
+
+    from specpool.cluster.ray_launcher import RayCluster
+    from specpool.common.serving import REDIS_URL_ENV
+    from specpool.engine.runtime.gguf_loader import model_name
+    from tests.cluster.test_disaggregation import tiny_files
+
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
+    light = {"num_cpus": 0.5}
+    target = {"model": str(gguf), "max_batch": 2, "max_context": 64, "datastore": "", "threads": 1, "ray": light}
+    config = ClusterConfig.from_dict({
+        "redis": {"ray": light},
+        "routers": {"count": 1, "tenant_weights": {"alpha": 1, "beta": 1}, "ray": light},
+        "endpoints": [{"name": "spec", "drafters": [f"{model_name(gguf)}={gguf},draft={draft}"], "threads": 1,
+                       "ray": light}],
+        "targets": [{"tenant": "alpha", **target}, {"tenant": "beta", **target}],
+    })
+    cluster = RayCluster.start(config, namespace="users", timeout_s=240)
+    try:
+        admin_url = cluster.spec["redis_url"]
+        password = redis_py.Redis.from_url(admin_url).connection_pool.connection_kwargs["password"]
+        urls = {name: _server_env(info["server_pid"], REDIS_URL_ENV)
+                for name, info in cluster.infos().items() if name != "redis:registry"}
+        users = {name: redis_py.Redis.from_url(url).connection_pool.connection_kwargs for name, url in urls.items()}
+        assert {n: u.get("username") for n, u in users.items()} == {
+            "endpoint:spec": "endpoint-spec", "router:router": "router-router",
+            "target:alpha:0": "target-alpha", "target:beta:0": "target-beta"}, users
+        assert all(password not in url for url in urls.values()), "a member holds the default password"
+
+        own = {"target:alpha:0": ("specpool:target:alpha:x", "specpool:target:beta:x"),
+               "target:beta:0": ("specpool:target:beta:x", "specpool:target:alpha:x"),
+               "endpoint:spec": ("specpool:endpoint:spec", "specpool:endpoint:other")}
+
+        def check_acls() -> None:
+            for name, (mine, theirs) in own.items():
+                with redis_py.Redis.from_url(urls[name], socket_timeout=5) as r:
+                    assert r.hset(mine, "probe", "1") == 1, name  # a field routers ignore
+                    if mine.endswith(":x"):
+                        assert r.delete(mine) == 1
+                    with pytest.raises(redis_py.exceptions.NoPermissionError):
+                        r.hset(theirs, "id", "x")
+                    with pytest.raises(redis_py.exceptions.NoPermissionError):
+                        r.flushall()
+            with redis_py.Redis.from_url(urls["router:router"], socket_timeout=5) as r:
+                assert "specpool:endpoint:spec" in {k.decode() for k in r.scan_iter("specpool:*")}  # routers read
+                for refused in (("FLUSHALL",), ("ACL", "LIST"), ("CONFIG", "GET", "requirepass")):
+                    with pytest.raises(redis_py.exceptions.NoPermissionError):
+                        r.execute_command(*refused)
+
+        check_acls()
+
+        # Ray restarts a killed Redis actor (empty: no data_dir): its users come back, and every member
+        # registers again under its own.
+        with redis_py.Redis.from_url(admin_url, socket_timeout=5) as admin:
+            registered = _records(admin)
+        assert any(k.startswith("specpool:target:alpha:") for k in registered), registered
+        old = cluster.infos("redis")["redis:registry"]
+        os.kill(old["actor_pid"], signal.SIGKILL)
+        deadline, new, again = time.monotonic() + 120, None, []
+        while time.monotonic() < deadline:  # the old redis-server lives on until the new actor ends it
+            new = cluster.infos("redis").get("redis:registry")
+            if new is not None and new["actor_pid"] != old["actor_pid"]:
+                break
+            time.sleep(0.5)
+        assert new is not None and new["server_pid"] != old["server_pid"], "Redis was not restarted"
+        while time.monotonic() < deadline:
+            try:
+                with redis_py.Redis.from_url(admin_url, socket_timeout=2) as admin:
+                    again = _records(admin)
+                if again == registered:
+                    break
+            except redis_py.RedisError:
+                pass
+            time.sleep(0.5)
+        assert again == registered, (again, registered)
+        check_acls()
+
+        # A replica added later logs in as its tenant's user, with the same URL.
+        assert cluster.scale("alpha", 2) == (["target:alpha:1"], [])
+        replica = cluster.infos("target:alpha")["target:alpha:1"]
+        assert _server_env(replica["server_pid"], REDIS_URL_ENV) == urls["target:alpha:0"]
+    finally:
+        cluster.down()
+    assert _leftovers("users") == ([], [])
+    assert ray.is_initialized()
