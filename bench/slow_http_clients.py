@@ -18,7 +18,9 @@ import json
 import selectors
 import socket
 import ssl
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,14 @@ SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\nx-slow: 
 SLOW_BODY = b"POST /v1/completions HTTP/1.1\r\nhost: router.specpool\r\ncontent-length: 100000\r\n\r\n{"
 OPENINGS = {"head": SLOW_HEAD, "body": SLOW_BODY, "silent": b""}
 TIMED_OUT = b"HTTP/1.1 408 Request Timeout"
+
+
+def opening(kind: str, token: str | None = None) -> bytes:
+    """What a slow client of `kind` sends first: a body's head carries `token` when given (a tenant's
+    slow upload); a head that never ends carries none (its token would never be read)."""
+    if kind == "body" and token:
+        return SLOW_BODY.replace(b"content-length:", f"authorization: Bearer {token}\r\ncontent-length:".encode())
+    return OPENINGS[kind]
 
 
 def connect(port: int, client: str, tls: ssl.SSLContext | None) -> socket.socket:
@@ -86,17 +96,19 @@ def trickle_until_closed(clients: list[SlowClient], within_s: float) -> list[Slo
 
 
 def open_slow_clients(port: int, count: int, per_address: int, first_address: int,
-                      tls: ssl.SSLContext | None) -> tuple[dict[str, list[SlowClient]], int]:
-    """`count` slow clients, the kinds in turn, `per_address` from each of 127.0.0.<first_address>...;
-    also how many the server let go before their opening was sent (a loaded machine)."""
-    clients: dict[str, list[SlowClient]] = {kind: [] for kind in OPENINGS}
+                      tls: ssl.SSLContext | None, kinds: tuple[str, ...] = tuple(OPENINGS),
+                      token: str | None = None) -> tuple[dict[str, list[SlowClient]], int]:
+    """`count` slow clients, `kinds` in turn, `per_address` from each of 127.0.0.<first_address>... (the
+    bodies under `token`, when given); also how many the server let go before their opening was sent
+    (a loaded machine)."""
+    clients: dict[str, list[SlowClient]] = {kind: [] for kind in kinds}
     let_go = 0
     for i in range(count):
-        kind = list(OPENINGS)[i % len(OPENINGS)]
+        kind = kinds[i % len(kinds)]
         opened_at = time.monotonic()
         try:
             sock = connect(port, f"127.0.0.{first_address + i // per_address}", tls)
-            sock.sendall(OPENINGS[kind])
+            sock.sendall(opening(kind, token))
         except OSError:
             let_go += 1
             continue
@@ -104,18 +116,52 @@ def open_slow_clients(port: int, count: int, per_address: int, first_address: in
     return clients, let_go
 
 
-def timed_request(port: int, tls: ssl.SSLContext, token: str) -> tuple[float, bytes]:
-    """GET /v1/models as a tenant: seconds to its whole reply, and the reply's status line."""
+def timed_request(port: int, tls: ssl.SSLContext, token: str, client: str = "127.0.0.1") -> tuple[float, bytes]:
+    """GET /v1/models as a tenant from `client`: seconds to its whole reply, and the reply's status line
+    (empty: the connection was refused or reset without one)."""
     began = time.monotonic()
-    sock = connect(port, "127.0.0.1", tls)
-    sock.sendall(f"GET /v1/models HTTP/1.1\r\nhost: router.specpool\r\nauthorization: Bearer {token}\r\n"
-                 f"connection: close\r\n\r\n".encode())
+    try:
+        sock = connect(port, client, tls)
+    except OSError:
+        return time.monotonic() - began, b""
     reply = b""
-    with contextlib.suppress(ConnectionResetError, ssl.SSLEOFError):
+    with contextlib.suppress(OSError):  # a refusal may close the connection before the request is sent
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nhost: router.specpool\r\nauthorization: Bearer {token}\r\n"
+                     f"connection: close\r\n\r\n".encode())
+    with contextlib.suppress(OSError):
         while data := sock.recv(65536):
             reply += data
     sock.close()
     return time.monotonic() - began, reply.split(b"\r\n", 1)[0]
+
+
+def same_address(port: int, tls: ssl.SSLContext, mallory: str, alpha: str, count: int = 150, requests: int = 8,
+                 within_s: float = 75.0, address: str = "127.0.0.1") -> dict:
+    """Issue 52.1: `count` slow connections from `address`, half trickling bodies under mallory's token and
+    half trickling heads without one, while alpha, from the same address, sends `requests` requests
+    (GET /v1/models) a quarter second apart. Alpha's statuses, what mallory's connections were answered,
+    and how many of them were still open after `within_s`."""
+    clients, let_go = open_slow_clients(port, count, count, int(address.rsplit(".", 1)[1]), tls,
+                                        kinds=("body", "head"), token=mallory)
+    every = [c for group in clients.values() for c in group]
+    served: list[tuple[float, bytes]] = []
+
+    def alpha_requests() -> None:
+        for _ in range(requests):
+            served.append(timed_request(port, tls, alpha, address))
+            time.sleep(0.25)
+
+    alpha_thread = threading.Thread(target=alpha_requests, daemon=True)
+    alpha_thread.start()
+    still_open = trickle_until_closed(every, within_s)
+    alpha_thread.join(within_s)
+    answers = Counter(c.received.split(b"\r\n", 1)[0].decode(errors="replace") or "closed" for c in every)
+    return {"connections": count, "address": address, "let_go_before_opening": let_go,
+            "still_open_after_s": {"seconds": within_s, "connections": len(still_open)},
+            "mallory_answers": dict(answers),
+            "alpha": {"requests": requests, "served": sum(s.startswith(b"HTTP/1.1 200") for _, s in served),
+                      "statuses": [s.decode(errors="replace") for _, s in served],
+                      "seconds_max": round(max((t for t, _ in served), default=0.0), 3)}}
 
 
 def measure(count: int, per_address: int, router_args: list[str], within_s: float) -> dict:

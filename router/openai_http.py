@@ -50,7 +50,13 @@ from specpool.common import outcomes
 from specpool.common.http_limits import DEFAULT_LIMITS, HttpLimits
 from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import MAX_MESSAGE_BYTES
-from specpool.router.http_guard import HandshakeBoundLoop, guarded_protocol
+from specpool.router.http_guard import (
+    DEFAULT_TENANT_LIMITS,
+    SHARE,
+    HandshakeBoundLoop,
+    TenantLimits,
+    guarded_protocol,
+)
 from specpool.router.openai_generation import Generation, RouterApi, _error
 from specpool.router.openai_responses import ChatShape, CompletionShape
 from specpool.router.openai_schema import (
@@ -106,13 +112,18 @@ def build_app(grpc_address: str, credentials: Security,
         return JSONResponse(OpenAIError(500, f"internal error ({type(e).__name__})").body(), status_code=500)
 
     async def accepted(request: Request, schema: type[R]) -> tuple[R, tuple[tuple[str, str], ...]]:
-        """The request's body and credentials, or its refusal (counted)."""
+        """The request's body and credentials, or its refusal (counted). A stream takes one of its
+        tenant's streams (router/http_guard.py; past them 429, counted there)."""
         try:
-            return parse(schema, await _json(request)), _metadata(request)
+            body, metadata = parse(schema, await _json(request)), _metadata(request)
         except OpenAIError as e:
             if on_refused is not None:
                 on_refused(outcomes.UNAUTHENTICATED if e.status == 401 else outcomes.INVALID)
             raise
+        share = request.scope.get(SHARE)  # none: no token the front knows (the router refuses it)
+        if body.stream and share is not None and (refused := share.take_stream()) is not None:
+            raise refused
+        return body, metadata
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -266,14 +277,15 @@ def loopback_address(host: str, port: int) -> str:
 
 class HttpFront:
     """uvicorn serving build_app on a thread with its own event loop, beside the router's gRPC server,
-    held to `limits` (router/http_guard.py)."""
+    held to `limits` and each tenant to `tenant_limits` (router/http_guard.py)."""
 
     def __init__(self, credentials: Security, grpc_port: int, host: str, port: int, grace_s: float = 10.0,
-                 on_refused: Callable[[str], None] | None = None, limits: HttpLimits = DEFAULT_LIMITS):
+                 on_refused: Callable[[str], None] | None = None, limits: HttpLimits = DEFAULT_LIMITS,
+                 tenant_limits: TenantLimits = DEFAULT_TENANT_LIMITS):
         if port < 0:
             raise ValueError(f"--http-port must be >= 0 (or -1: no HTTP front), got {port}")
         self.credentials, self.host, self.requested_port = credentials, host, port
-        self.grace_s, self.limits = grace_s, limits
+        self.grace_s, self.limits, self.tenant_limits, self.on_refused = grace_s, limits, tenant_limits, on_refused
         self.app = build_app(loopback_address(host, grpc_port), credentials, on_refused)
         self.port = 0
         self.scheme = "https" if credentials.enabled else "http"
@@ -333,7 +345,8 @@ class HttpFront:
     def _config(self) -> uvicorn.Config:
         common = {"log_config": None, "log_level": "warning", "access_log": False, "lifespan": "on", "ws": "none",
                   "proxy_headers": False, "timeout_graceful_shutdown": max(1, math.ceil(self.grace_s)),
-                  "http": guarded_protocol(self.limits), "timeout_keep_alive": self.limits.idle_timeout_s}
+                  "http": guarded_protocol(self.limits, self.tenant_limits, self.credentials, self.on_refused),
+                  "timeout_keep_alive": self.limits.idle_timeout_s}
         if not self.credentials.enabled:
             config = uvicorn.Config(self.app, **common)
             config.load()

@@ -14,6 +14,7 @@ import redis
 from specpool.common import http_limits, logs, outcomes, serving
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.registry import Registry, redacted
+from specpool.router import http_guard
 from specpool.router.capacity import capacity_json, cluster_capacity, visible_to
 from specpool.router.leases import LEASE_TTL_S, LeaseKeeper
 from specpool.router.member_channels import TargetChannels
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="endpoint draft busy ratio from which AUTO requests stop choosing the draft model")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests this router forwards at once; more get RESOURCE_EXHAUSTED with a retry hint")
+    http_guard.add_arguments(p)
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_argument("--check-interval-s", type=float, default=1.0,
                    help="while Redis is unreachable, the router health-checks the members it knew this often "
@@ -99,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
     serving.setup_logging(args.log_level, args.log_format)
     config = config_from(args)
     limits = http_limits.from_args(args)
+    tenant_limits = http_guard.from_args(args)
     credentials = serving.security_from(args, "router", args.name, tokens_file=args.tokens)
     if credentials.enabled and credentials.tokens is None:
         raise SystemExit("the router needs a tokens file to know its callers: --tokens FILE or SPECPOOL_TOKENS_FILE")
@@ -143,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
     # The HTTP front forwards each request to this gRPC port: it only translates (and counts what it
     # refuses itself, before forwarding).
     http = (HttpFront(credentials, port, config.host, args.http_port, config.grace_s, on_refused=metrics.count,
-                      limits=limits) if args.http_port != -1 else None)
+                      limits=limits, tenant_limits=tenant_limits) if args.http_port != -1 else None)
     target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
     cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [

@@ -23,7 +23,9 @@ class HttpLimits:
     body_timeout_s: float = 30.0  # a request's body: from the end of its head (4 MiB at 140 KB/s)
     idle_timeout_s: float = 5.0  # a keep-alive connection between requests
     max_connections: int = 1024  # open at once on one surface
-    max_connections_per_client: int = 64  # open at once from one client address
+    # open at once from one client address: a coarse outer bound, high enough for a proxy or NAT that all
+    # tenants share (the OpenAI front caps each tenant, router/http_guard.py)
+    max_connections_per_client: int = 512
 
     def __post_init__(self):
         for flag, value in (("--http-header-timeout-s", self.header_timeout_s),
@@ -52,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
                    help="connections one HTTP port holds at once; past it a new one gets 503 and is closed")
     p.add_argument("--http-max-connections-per-client", type=int, default=defaults.max_connections_per_client,
-                   help="connections one client address holds on one HTTP port; past it 429 and close")
+                   help="connections one client address holds on one HTTP port; past it 429 and close (a coarse "
+                        "outer bound: behind a proxy every client has its address; the OpenAI front also caps "
+                        "each tenant, --http-max-connections-per-tenant)")
 
 
 def from_args(args: argparse.Namespace) -> HttpLimits:

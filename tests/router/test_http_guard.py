@@ -3,31 +3,42 @@
 
 - at its total, a connection already open is still served, and the next one gets 503;
 - a request answered before its body arrived (an unknown path) is closed once the body is late,
-  without a second answer.
+  without a second answer;
+- on a router process over TLS (issue 52.1): a tenant is served while another tenant on the same
+  client address holds 150 slow connections.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 
 import pytest
 
-from specpool.bench.slow_http_clients import connect
+from specpool.bench.slow_http_clients import connect, same_address
+from specpool.cluster.processes import start_server
+from specpool.cluster.redis_server import start_redis
 from specpool.common.http_limits import HttpLimits
 from specpool.common.security import Security
+from specpool.router.http_guard import TenantLimits
 from specpool.router.openai_http import HttpFront
+from tests.pki import CA
 
 LIMITS = HttpLimits(header_timeout_s=5.0, body_timeout_s=0.5, idle_timeout_s=5.0, max_connections=4,
                     max_connections_per_client=4)
 WITHIN_S = 10.0  # a bounded wait for what the limits must bring about
 
 
+def unused_port() -> int:
+    """The gRPC port a front would forward to: these requests never get there."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        return unused.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def front():
-    with socket.socket() as unused:  # the gRPC port it would forward to: these requests never get there
-        unused.bind(("127.0.0.1", 0))
-        grpc_port = unused.getsockname()[1]
-    front = HttpFront(Security.insecure(), grpc_port, "127.0.0.1", 0, grace_s=1.0, limits=LIMITS)
+    front = HttpFront(Security.insecure(), unused_port(), "127.0.0.1", 0, grace_s=1.0, limits=LIMITS)
     front.start()
     yield front
     front.stop()
@@ -60,3 +71,57 @@ def test_a_request_answered_before_its_body_is_closed_when_the_body_is_late(fron
     reply = exchange(connect(front.port, "127.0.0.92", None),
                      b"POST /v1/nothing-here HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
     assert reply.startswith(b"HTTP/1.1 404 ") and b"408" not in reply, reply
+
+
+def test_when_too_many_wait_for_a_token_the_oldest_gives_way():
+    """A connection that has not shown a token waits in a small pool; a new one pushes out the oldest, so a
+    client that sends its request at once is served however many silent ones came before it."""
+    tight = HttpFront(Security.insecure(), unused_port(), "127.0.0.1", 0, grace_s=1.0, limits=LIMITS,
+                      tenant_limits=TenantLimits(max_unauthenticated=2))
+    tight.start()
+    try:
+        oldest = connect(tight.port, "127.0.0.93", None)
+        second = connect(tight.port, "127.0.0.94", None)
+        served = exchange(connect(tight.port, "127.0.0.95", None),
+                          b"GET /v1/nothing-here HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert served.startswith(b"HTTP/1.1 404 "), served
+        gave_way = exchange(oldest, b"")
+        assert gave_way.startswith(b"HTTP/1.1 503 ") and b"--http-max-unauthenticated-connections 2" in gave_way
+        second.close()
+    finally:
+        tight.stop()
+
+
+# -- one address, many tenants (issue 52.1), on a router process over TLS -----------------------------------
+
+SAME_ADDRESS_LIMITS = ["--http-header-timeout-s", "4", "--http-body-timeout-s", "8", "--http-idle-timeout-s", "1"]
+
+
+@pytest.fixture(scope="module")
+def router():
+    """Redis and a serve-router with its HTTPS front, its per-address and per-tenant caps at their defaults."""
+    redis = start_redis()
+    router = None
+    try:
+        router = start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0", "--redis", redis.url,
+                                         *SAME_ADDRESS_LIMITS])
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        redis.close()
+    assert "Traceback" not in router.logs(), router.logs()
+
+
+def test_a_tenant_is_served_while_another_on_its_address_trickles_150_connections(router):
+    """Issue 52.1: behind one proxy or NAT every tenant has one address. Mallory opens 150 slow connections
+    from 127.0.0.1, 75 trickling bodies under its valid token and 75 trickling heads without one; alpha,
+    from 127.0.0.1 too, is served 8 requests of 8 meanwhile. (Before, the per-address cap of 64 held
+    mallory's connections and alpha's together: alpha got 429.)"""
+    tls = ssl.create_default_context(cafile=str(CA.dir / "ca.crt"))
+    figures = same_address(router.http_port, tls, CA.token("mallory"), CA.token("alpha"), within_s=30.0)
+    print(figures)
+    assert figures["alpha"]["served"] == 8, (figures["alpha"], figures["mallory_answers"])
+    assert figures["still_open_after_s"]["connections"] == 0, figures
+    # mallory's own share held: past 64 requests in flight (--http-max-requests-per-tenant) its bodies got 429
+    assert "HTTP/1.1 429 Too Many Requests" in figures["mallory_answers"], figures
