@@ -17,7 +17,8 @@ each server a certificate naming it, every target's tenant and every weighted te
 token (`cluster.token(tenant)`, `cluster.router_channel(tenant)`), and Redis gets a random password.
 Each server logs in to Redis as a user of its own, whose ACL lets it write only its role's keys
 (specpool.common.registry_schema.member_acl); the default user (the password) stays the
-operator's.
+operator's. /metrics wants $SPECPOOL_METRICS_TOKEN when it is set (the servers inherit it); else, on
+loopback, they serve it with --metrics-open (cluster/processes.start_server).
 Servers read the CA's directory and the Redis URL from the environment, so no secret is in a
 process's arguments. `insecure=True` (`specpool up --insecure`) runs plaintext and open.
 """

@@ -3,13 +3,20 @@
 A launched server finds a file path in its environment (SPECPOOL_READY_FILE) and writes its bound
 ports there once it serves (specpool.common.serving.report_ready), so port 0 works; it counts as up
 once its /readyz answers 200 as well.
+
+/metrics refuses every scrape without $SPECPOOL_METRICS_TOKEN unless the server has --metrics-open. A
+server started here with neither (nor --insecure; an env that sets the token empty counts as one that
+chose) gets --metrics-open when it listens on loopback, where only this machine reaches it, and a fresh
+token otherwise; ServerProcess.metric_total and metrics_text send its token when it has one.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpool.common.metrics_http import METRICS_TOKEN_ENV
 from specpool.common.serving import LAUNCHER_PID, READY_FILE
 
 
@@ -89,13 +97,24 @@ class ServerProcess:
     def metric_total(self, sample: str, **labels: str) -> float:
         """The sum of one sample name's values (e.g. specpool_target_generated_tokens_total) over the
         series on the server's /metrics whose labels include `labels`; OSError when it does not answer."""
-        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = self.metrics_text()
         total = 0.0
         for m in re.finditer(rf"^{re.escape(sample)}(?:{{(.*)}})? (\S+)$", text, re.MULTILINE):
             if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
                 total += float(m.group(2))
         return total
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The token its /metrics wants (None: it has none)."""
+        return self.env.get(METRICS_TOKEN_ENV) or None
+
+    def metrics_text(self) -> str:
+        """Its /metrics, read with its metrics token; OSError when it does not answer."""
+        headers = {"Authorization": f"Bearer {self.metrics_token}"} if self.metrics_token else {}
+        request = urllib.request.Request(f"http://{self.host}:{self.metrics_port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return r.read().decode()
 
     def ready(self) -> bool:
         """Whether its /readyz (the metrics port, plain HTTP: no credentials needed) answers 200: the
@@ -124,9 +143,33 @@ def start_server(
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid()), **(env or {})}
+    if (METRICS_TOKEN_ENV not in env and not {"--metrics-open", "--insecure"} & set(args)
+            and {"serve-router", "serve-target", "serve-spec"} & set(args)):
+        if _on_loopback(_flag(args, "--metrics-host") or _flag(args, "--host") or "127.0.0.1"):
+            cmd.append("--metrics-open")  # only this machine reaches it
+        else:
+            env[METRICS_TOKEN_ENV] = secrets.token_urlsafe(24)
     server = ServerProcess(name, None, env=env, host=host)
     _launch(server, cmd, timeout_s, echo)
     return server
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The last value given to a flag (`--name V` or `--name=V`), as argparse takes it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _on_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool) -> None:

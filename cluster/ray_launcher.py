@@ -31,7 +31,9 @@ ACL, specpool.common.registry_schema.member_acl): the launcher makes the user on
 records it in the state actor, so a restarted Redis gets its users back and `scale` reuses a tenant's.
 On an operator's Redis (redis.url) every member gets that URL.
 
-Secure by default as `specpool up`: one throwaway CA; its directory (certificate, key, tokens) travels
+Secure by default as `specpool up`: every member's /metrics wants the cluster's metrics token (the
+state actor's metrics_token: $SPECPOOL_METRICS_TOKEN when set, else a fresh one); one throwaway CA;
+its directory (certificate, key, tokens) travels
 to each actor in its arguments (held by Ray's GCS, to restart it) and the cluster's state actor,
 which `scale` and clients in other processes read. Run with --insecure only on a private network.
 The parts: ray_plan.py works out names, flags, resources and placement groups without Ray;
@@ -43,6 +45,7 @@ module starts, scales and stops them (RayCluster).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import urllib.parse
@@ -63,6 +66,7 @@ from specpool.cluster.ray_actors import ClusterState, MemberServer, RedisServer
 from specpool.cluster.ray_members import RayMembers, _named_actors, connect
 from specpool.cluster.ray_plan import NAMESPACE, STATE, _free, _index, actor_name, placement_groups, resources
 from specpool.common.logs import LOG_FORMAT_ENV
+from specpool.common.metrics_http import METRICS_TOKEN_ENV
 from specpool.common.registry_schema import PREFIX, member_acl
 from specpool.common.security import LocalCA
 from specpool.common.serving import REDIS_URL_ENV
@@ -95,6 +99,7 @@ class RayCluster(RayMembers):
             for tenant in [t.tenant for t in config.targets] + list(config.routers.tenant_weights):
                 ca.token(tenant)
         spec = {"config": config, "insecure": insecure, "log_format": log_format, "redis_url": config.redis.url or "",
+                "metrics_token": None if insecure else os.environ.get(METRICS_TOKEN_ENV) or secrets.token_urlsafe(24),
                 "redis_users": {},  # user -> (password, ACL rules): each member's own, on the Redis started here
                 "ca_files": {p.name: p.read_bytes() for p in ca.dir.iterdir() if p.is_file()} if ca else {}}
         cluster = cls(namespace, spec, ca)
@@ -191,6 +196,8 @@ class RayCluster(RayMembers):
             env[LOG_FORMAT_ENV] = self.spec["log_format"]
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
+        if self.spec.get("metrics_token"):
+            env[METRICS_TOKEN_ENV] = self.spec["metrics_token"]
         if self.spec["insecure"]:
             args = args + ["--insecure"]
         return _remote(MemberServer).options(name=name, **self._actor_options(ray_spec, threads, strategy)).remote(

@@ -157,7 +157,8 @@ def main(args: argparse.Namespace) -> int:
     metrics_server = MetricsHttpServer(
         metrics.registry, config.metrics_port, host=args.metrics_host or config.host, health=health,
         json_routes={"/capacity": lambda operator: capacity_json(
-            visible_to(capacity(), None if operator else ""))}, limits=limits)
+            visible_to(capacity(), None if operator else ""))}, limits=limits,
+        open_metrics=serving.metrics_open_from(args))
     metrics_server.start()
     server.start()
     if http is not None:

@@ -228,7 +228,7 @@ VALUES = closed({
     }),
     "podAnnotations": STRING_MAP,
     "podLabels": STRING_MAP,
-    "metrics": closed({"podAnnotations": BOOL, "requireToken": BOOL}),
+    "metrics": closed({"podAnnotations": BOOL, "open": BOOL, "requireToken": BOOL}),
     "serviceMonitor": closed({"enabled": BOOL, "interval": DURATION, "scrapeTimeout": DURATION, "labels": STRING_MAP}),
     "dashboard": closed({"enabled": BOOL, "labels": STRING_MAP, "annotations": STRING_MAP}),
     "probes": closed({"startup": PROBE, "liveness": PROBE, "readiness": PROBE}),

@@ -276,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
     health = add_to_server(server, endpoint, credentials)
     metrics = MetricsHttpServer(endpoint.metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
                                 health=health, json_routes={"/capacity": capacity_route(endpoint)},
-                                limits=http_limits.from_args(args))
+                                limits=http_limits.from_args(args), open_metrics=serving.metrics_open_from(args))
     metrics.start()
     endpoint.start()
     server.start()

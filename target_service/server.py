@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specpool.cli import DTYPE_HELP, MODEL_HELP
-from specpool.common import http_limits, logs, outcomes
+from specpool.common import http_limits, logs, outcomes, serving
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.serving import (
     Admission,
@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service.full_name])
     metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.metrics_host or args.host,
-                                       health=health, limits=http_limits.from_args(args))
+                                       health=health, limits=http_limits.from_args(args),
+                                       open_metrics=serving.metrics_open_from(args))
     metrics_server.start()
     server.start()
     if args.spec_endpoint:

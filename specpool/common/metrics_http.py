@@ -31,6 +31,10 @@ if TYPE_CHECKING:  # serving.py imports this module: the type only
 log = logging.getLogger(__name__)
 
 METRICS_TOKEN_ENV = "SPECPOOL_METRICS_TOKEN"
+# What a refused /metrics scrape is told: /metrics names every tenant, so it is open only when asked to be.
+NO_TOKEN_MESSAGE = (f"/metrics needs the metrics token, and this server has none: set {METRICS_TOKEN_ENV} "
+                    f"in its environment and send 'Authorization: Bearer <token>', or start it with "
+                    f"--metrics-open where a NetworkPolicy admits only the scraper to this port")
 
 
 class MetricsHttpServer:
@@ -38,7 +42,9 @@ class MetricsHttpServer:
     probes /healthz, /livez, /readyz (kubelet's gRPC probes cannot speak TLS).
 
     With a token (default: $SPECPOOL_METRICS_TOKEN) /metrics and the JSON routes require
-    "Authorization: Bearer <token>"; the probes stay open (they tell nothing).
+    "Authorization: Bearer <token>"; the probes stay open (they tell nothing). Without one, /metrics
+    (every tenant's figures) answers 401 unless open_metrics (--metrics-open: the in-cluster scrape where
+    a NetworkPolicy guards the port), and the JSON routes answer as to a caller without the token.
     A JSON route may take the caller's standing: route(authorized) gets True when a token is set and
     was presented, so it can leave out what only operators may read.
     """
@@ -52,6 +58,7 @@ class MetricsHttpServer:
         health: HealthState | None = None,
         token: str | None = None,
         limits: HttpLimits = DEFAULT_LIMITS,
+        open_metrics: bool = False,
     ):
         self.registry = registry
         self.host = host
@@ -60,6 +67,7 @@ class MetricsHttpServer:
         self.health = health
         self.token = (token if token is not None else os.environ.get(METRICS_TOKEN_ENV)) or None
         self.limits = limits
+        self.open_metrics = open_metrics
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -72,7 +80,13 @@ class MetricsHttpServer:
             target=self._httpd.serve_forever, name=f"metrics-http:{self.port}", daemon=True
         )
         self._thread.start()
-        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        if self.token:
+            access = "requires the metrics token"
+        elif self.open_metrics:
+            access = f"is open to whoever reaches the port (--metrics-open, no {METRICS_TOKEN_ENV})"
+        else:
+            access = f"refuses every scrape: set {METRICS_TOKEN_ENV}, or pass --metrics-open"
+        log.info("metrics on http://%s:%d/metrics: /metrics %s", self.host, self.port, access)
 
     def stop(self) -> None:
         if self._httpd is None:
@@ -90,6 +104,7 @@ class MetricsHttpServer:
         health = self.health
         token = self.token
         limits = self.limits
+        open_metrics = self.open_metrics
 
         class Handler(BaseHTTPRequestHandler):
             timeout = limits.header_timeout_s  # each read and write: a client that stops reading is let go too
@@ -139,6 +154,9 @@ class MetricsHttpServer:
                 if not security.check_metrics_token(self.headers.get("Authorization"), token):
                     self._reply(401, "application/json",
                                 b'{"error": "send Authorization: Bearer <the metrics token>"}')
+                    return
+                if path == "/metrics" and not token and not open_metrics:
+                    self._reply(401, "application/json", json.dumps({"error": NO_TOKEN_MESSAGE}).encode())
                     return
                 if path == "/metrics":
                     body = prometheus_client.generate_latest(registry)

@@ -66,6 +66,10 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default=None,
                    help=f"address /metrics and /capacity listen on (default: --host); with "
                         f"${METRICS_TOKEN_ENV} set they require 'Authorization: Bearer <token>'")
+    p.add_argument("--metrics-open", action="store_true",
+                   help=f"without ${METRICS_TOKEN_ENV}, serve /metrics (every tenant's figures) to whoever "
+                        f"reaches the port: for an in-cluster scrape where a NetworkPolicy guards it (default: "
+                        f"/metrics refuses every scrape without the token)")
     p.add_argument("--redis", default=None, metavar="URL",
                    help=f"register in the cluster registry at this Redis (default: ${REDIS_URL_ENV}, else none; "
                         f"prefer the variable: a password in an argument shows in `ps`)")
@@ -78,6 +82,11 @@ def security_from(args: argparse.Namespace, role: str, name: str, tokens_file: s
         return security.Security.load(args.tls_dir, role, name, insecure=args.insecure, tokens_file=tokens_file)
     except security.SecurityError as e:
         raise SystemExit(str(e)) from e
+
+
+def metrics_open_from(args: argparse.Namespace) -> bool:
+    """Whether /metrics is served without a token: --metrics-open, or --insecure (which turns every check off)."""
+    return bool(args.metrics_open or args.insecure)
 
 
 def redis_url_from(args: argparse.Namespace) -> str | None:

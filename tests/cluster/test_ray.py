@@ -147,9 +147,13 @@ def _ray_cli(cluster, *args: str, ok: bool = True) -> subprocess.CompletedProces
 
 
 def _metric(info: dict, sample: str = "specpool_target_generated_tokens_total") -> float:
-    """A member's sample summed over its series."""
-    with urllib.request.urlopen(f"http://{info['address'].rpartition(':')[0]}:{info['metrics_port']}/metrics",
-                                timeout=5) as r:
+    """A member's sample summed over its series (read with the cluster's metrics token)."""
+    from specpool.cluster.ray_launcher import RayCluster
+
+    token = RayCluster.attach().spec["metrics_token"]
+    request = urllib.request.Request(f"http://{info['address'].rpartition(':')[0]}:{info['metrics_port']}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=5) as r:
         text = r.read().decode()
     return sum(float(v) for v in re.findall(rf"^{sample}(?:{{.*}})? (\S+)$", text, re.MULTILINE))
 

@@ -175,7 +175,7 @@ def _get(url: str, authorization: str | None = None) -> tuple[int, str, bytes]:
 
 def test_metrics_http_server_routes(monkeypatch):
     """A JSON route hears whether its caller is an operator (presented the metrics token); without
-    a token configured nobody is, and every route is open."""
+    a token configured nobody is, every JSON route is open, and /metrics only with open_metrics."""
     registry = prometheus_client.CollectorRegistry()
     prometheus_client.Counter("specpool_test_requests", "test counter", registry=registry).inc(3)
 
@@ -184,7 +184,14 @@ def test_metrics_http_server_routes(monkeypatch):
 
     routes = {"/capacity": lambda operator: {"slots": 4, "operator": operator}, "/broken": broken}
     monkeypatch.delenv(METRICS_TOKEN_ENV, raising=False)
-    http = MetricsHttpServer(registry, 0, host="127.0.0.1", json_routes=routes)
+    closed = MetricsHttpServer(registry, 0, host="127.0.0.1", json_routes=routes)
+    closed.start()
+    try:  # no token and not opened: /metrics (every tenant's figures) answers nobody, saying what to set
+        code, _, body = _get(f"http://127.0.0.1:{closed.port}/metrics")
+        assert code == 401 and METRICS_TOKEN_ENV in body.decode() and "--metrics-open" in body.decode()
+    finally:
+        closed.stop()
+    http = MetricsHttpServer(registry, 0, host="127.0.0.1", json_routes=routes, open_metrics=True)
     http.start()
     try:
         base = f"http://127.0.0.1:{http.port}"

@@ -305,11 +305,12 @@ cert-manager writes), one per component instance (arg: dict "root" $ "role" rout
 {{- if .Values.security.tokens.existingSecret.name }}{{ .Values.security.tokens.existingSecret.key | default "tokens.yaml" }}{{ else }}tokens.yaml{{ end }}
 {{- end }}
 
-{{/* The metrics token's Secret (empty: /metrics and /capacity need no token) and its key. */}}
+{{/* The metrics token's Secret and its key: existingSecret, else a generated one unless metrics.open
+(then, without requireToken, none: /metrics and /capacity need no token, the servers get --metrics-open). */}}
 {{- define "specpool.metricsTokenSecret" -}}
 {{- if .Values.security.metricsToken.existingSecret.name }}
 {{- .Values.security.metricsToken.existingSecret.name }}
-{{- else if .Values.metrics.requireToken }}
+{{- else if or .Values.metrics.requireToken (not .Values.metrics.open) }}
 {{- printf "%s-metrics-token" (include "specpool.fullname" .) }}
 {{- end }}
 {{- end }}
@@ -415,10 +416,11 @@ flags. */}}
 {{- end }}
 {{- end }}
 
-{{/* Pod annotations: Prometheus scraping (arg: dict "root" $ "metricsPort" N). */}}
+{{/* Pod annotations: Prometheus scraping (arg: dict "root" $ "metricsPort" N), only where /metrics
+needs no token (metrics.open): an annotation-based scrape cannot send one. */}}
 {{- define "specpool.podAnnotations" -}}
 {{- $root := .root }}
-{{- if $root.Values.metrics.podAnnotations }}
+{{- if and $root.Values.metrics.podAnnotations (not (include "specpool.metricsTokenSecret" $root)) }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .metricsPort | quote }}
 prometheus.io/path: /metrics
