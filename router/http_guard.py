@@ -42,9 +42,10 @@ from specpool.router.openai_schema import OpenAIError
 
 log = logging.getLogger("specpool.router.http")
 
-# The kernel's send buffer of each connection: fixed (not autotuned to megabytes), so that a client that
-# stops reading fills it, and the stall timer starts, within a few hundred kilobytes of a stream.
-SEND_BUFFER_BYTES = 64 * 1024
+# The kernel's send buffer of each connection, and the transport's (and TLS layer's) before it pauses the
+# response: fixed and small (not autotuned to megabytes), so that a client that stops reading fills them,
+# and the stall timer starts, within some tens of kilobytes of a stream.
+SEND_BUFFER_BYTES = 16 * 1024
 
 # The scope key under which a request that names a tenant carries its RequestShare (to take a stream).
 SHARE = "specpool.share"
@@ -201,6 +202,7 @@ class GuardedH11Protocol(H11Protocol):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
         refused = self.counter.admit(self._address)
         self._counted = refused is None
         if refused is not None:

@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; more get RESOURCE_EXHAUSTED with a retry hint")
+    p.add_argument("--max-requests-per-tenant", type=int, default=0,
+                   help="requests one tenant (its router-named tenant, or its certificate's) holds here at once, "
+                        "queued, running or still sending; more get RESOURCE_EXHAUSTED, so one tenant cannot fill "
+                        "this target (0: three quarters of --max-batch, at least 1; a target that serves one tenant alone "
+                        "may set --max-batch + --max-queue)")
     p.add_argument("--max-context", type=int, default=2048, help="KV positions per sequence")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="fixed draft length (0: chosen per step by the hardware-aware policy)")
@@ -94,6 +99,9 @@ def main(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     if args.max_queue < 0:
         raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_requests_per_tenant < 0:
+        raise SystemExit(f"--max-requests-per-tenant must be >= 0, got {args.max_requests_per_tenant}")
+    per_tenant = args.max_requests_per_tenant or max(1, 3 * args.max_batch // 4)
     if args.layout_cores is not None and args.layout_cores < 1:
         raise SystemExit(f"--layout-cores must be >= 1, got {args.layout_cores}")
     if args.threads:
@@ -145,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
     server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials,
                                 on_refused=counting(generate, metrics.count))
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
-                              credentials)
+                              credentials, max_per_tenant=per_tenant)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service.full_name])
     metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.metrics_host or args.host,

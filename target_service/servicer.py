@@ -7,7 +7,9 @@ scheduler, the engine's Decoder and the RemoteDrafter.
 
 from __future__ import annotations
 
+import collections
 import queue
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -45,8 +47,12 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
                  tenant: str, max_context: int, max_batch: int, client: RemoteDrafter,
-                 credentials: Security | None = None):
+                 credentials: Security | None = None, max_per_tenant: int = 0):
         self.credentials = credentials or Security.insecure()
+        # Generate calls one owner holds here at once, queued, running or still sending (0: no cap).
+        self.max_per_tenant = max_per_tenant
+        self._held: collections.Counter[str] = collections.Counter()
+        self._held_lock = threading.Lock()
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
@@ -61,7 +67,34 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     @logs.request_scoped
     def Generate(self, request, context):
-        logs.tag(request_id=request.request_id, tenant=_tenant_of(self._owner(context)))
+        owner = self._owner(context)
+        logs.tag(request_id=request.request_id, tenant=_tenant_of(owner))
+        if not self._hold(owner):
+            self.scheduler.metrics.count(outcomes.REJECTED)
+            abort_with_retry(context, f"request: this tenant holds {self.max_per_tenant} requests here, queued, "
+                             f"running or sending (--max-requests-per-tenant {self.max_per_tenant}); retry in 1 s "
+                             "or on another replica", 1.0)
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._release(owner)
+
+    def _hold(self, owner: str) -> bool:
+        """Counts a call of `owner`'s, unless it already holds its share of this target (issue 52.2: one
+        tenant's streams, read or not, must leave room for the others)."""
+        with self._held_lock:
+            if self.max_per_tenant and self._held[owner] >= self.max_per_tenant:
+                return False
+            self._held[owner] += 1
+            return True
+
+    def _release(self, owner: str) -> None:
+        with self._held_lock:
+            self._held[owner] -= 1
+            if self._held[owner] <= 0:
+                del self._held[owner]
+
+    def _generate(self, request, context):
         try:
             req = self._submit(request, context)
         except Exception:  # refused before the scheduler took it (it counts the requests it takes)
