@@ -28,28 +28,30 @@ def row_mismatch(model) -> str | None:
     probe = copy.copy(model)
     probe.config = dataclasses.replace(model.config, n_layers=min(CHECK_LAYERS, model.config.n_layers))
     probe.layers = model.layers[: probe.config.n_layers]
-    vocab = model.config.vocab_size
-    prompt = [(17 + 31 * i) % vocab for i in range(PROMPT)]
-    drafts = [(5 + 13 * i) % vocab for i in range(DRAFTS + 1)]
+    vocab, context = model.config.vocab_size, model.config.max_context
+    n_drafts = min(DRAFTS, context // 2 - 1)  # a model of a short context checks a shorter sequence
+    n_prompt = min(PROMPT, context - n_drafts - 1)
+    prompt = [(17 + 31 * i) % vocab for i in range(n_prompt)]
+    drafts = [(5 + 13 * i) % vocab for i in range(n_drafts + 1)]
 
-    features = _features(probe, PROMPT + DRAFTS + 1)
+    features = _features(probe, n_prompt + n_drafts + 1)
 
     def prefilled(batch: int):
-        cache = probe.new_cache(batch, PROMPT + DRAFTS + 2)
+        cache = probe.new_cache(batch, n_prompt + n_drafts + 1)
         slots = [cache.allocate() for _ in range(batch)]
-        probe.forward(cache, slots, [prompt] * batch, prefill=True, **_fed(features, 0, PROMPT, batch))
+        probe.forward(cache, slots, [prompt] * batch, prefill=True, **_fed(features, 0, n_prompt, batch))
         return cache, slots
 
     cache, [slot] = prefilled(1)
-    decoded = torch.stack([probe.forward(cache, [slot], [[t]], **_fed(features, PROMPT + i, 1))[0]
+    decoded = torch.stack([probe.forward(cache, [slot], [[t]], **_fed(features, n_prompt + i, 1))[0]
                            for i, t in enumerate(drafts)])
     cache, [slot] = prefilled(1)
-    verified = probe.forward(cache, [slot], [drafts], all_logits=True, **_fed(features, PROMPT, len(drafts)))[0]
+    verified = probe.forward(cache, [slot], [drafts], all_logits=True, **_fed(features, n_prompt, len(drafts)))[0]
     if not torch.equal(verified, decoded):
         return f"a verify step's {len(drafts)} rows differ from decode steps' by up to {_gap(verified, decoded)}"
     cache, slots = prefilled(BATCH)
     batched = probe.forward(cache, slots, [drafts] * BATCH, all_logits=True,
-                            **_fed(features, PROMPT, len(drafts), BATCH))
+                            **_fed(features, n_prompt, len(drafts), BATCH))
     if not all(torch.equal(rows, decoded) for rows in batched):
         return (f"a batch of {BATCH} verify rows each ({BATCH * len(drafts)} rows) differs from decode steps by up "
                 f"to {max(_gap(rows, decoded) for rows in batched)}")
