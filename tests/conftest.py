@@ -9,7 +9,11 @@ from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.device import native_bf16
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16
-from tests.harness import add_time_limits, pytest_xdist_make_scheduler  # noqa: F401 - crashes reported once
+from tests.harness import (  # noqa: F401 - every test's time limit, crashes reported once
+    add_time_limits,
+    pytest_runtest_protocol,
+    pytest_xdist_make_scheduler,
+)
 from tests.pki import CA
 from tests.stats import FULL_POWER
 

@@ -9,29 +9,64 @@ other with no CPU use until CI's wall. tests/test_harness.py reproduces both in 
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
+
 import pytest
 
 # Per-test limits by mark, in seconds: over 3x the slowest such test seen in a loaded CI run (an unmarked
 # test takes under 10 s; test_dashboard_prometheus, the slowest slow one, 179 s). A test's own
-# @pytest.mark.timeout wins. pytest-timeout's thread method: on expiry it prints every thread's stack and
-# ends the process, which works even where the test waits in C code that a signal would not interrupt;
-# the worker's death is then reported as the test's failure (below) and a new worker takes the rest.
+# @pytest.mark.timeout wins. At its limit pytest-timeout's signal method fails the test where it waits, so
+# its own handlers still run (the server tests print their servers' logs) and the worker goes on. A test
+# that does not come back from that (signals blocked, a C call that never returns) is ended by the backstop
+# a quarter of its limit later: every thread's stack, then the process exits, and the worker's death is
+# reported as that test's failure (below) while a new worker takes the rest of its file.
 TIMEOUT_S = {"slow": 600, "serial": 600}
 DEFAULT_TIMEOUT_S = 120
 
 
-def timeout_for(item: pytest.Item) -> int:
+def timeout_for(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
     return max([TIMEOUT_S[mark] for mark in TIMEOUT_S if item.get_closest_marker(mark)], default=DEFAULT_TIMEOUT_S)
+
+
+def backstop_after(limit_s: float) -> float:
+    return 1.25 * limit_s + 5
 
 
 def add_time_limits(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(timeout_for(item), method="thread"))
+            item.add_marker(pytest.mark.timeout(timeout_for(item), method="signal"))
 
 
 def pytest_collection_modifyitems(config, items):
     add_time_limits(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    def end_the_process() -> None:
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:  # write past pytest's capture of the running test, as pytest-timeout does
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.write(f"\n{item.nodeid} outlived its time limit by a quarter and did not stop: every thread's "
+                         f"stack, then this process ends\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        os._exit(1)
+
+    backstop = threading.Timer(backstop_after(timeout_for(item)), end_the_process)
+    backstop.daemon = True
+    backstop.start()
+    try:
+        return (yield)
+    finally:
+        backstop.cancel()
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -1,7 +1,7 @@
 """The suite's harness (tests/harness.py) in a child pytest run with `make test`'s options: a test that
 executes an instruction this CPU refuses (SIGILL, as llama.cpp's AMX build died on an Intel VM) and a test
-that never returns each end as a failure naming the test, within their limits, and every other test of
-their files still runs. Before tests/harness.py this run hung: pytest-xdist gave the dying test to each
+that never returns (one of them with the alarm blocked) each end as a failure naming the test, within
+their limits, and every other test of their files still runs. Before tests/harness.py this run hung: pytest-xdist gave the dying test to each
 replacement worker in turn, and after three the controller and the workers waited on each other."""
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ def test_never_returns(shared):
     while True:
         time.sleep(1)
 
+@pytest.mark.timeout(2)
+def test_never_returns_and_ignores_the_alarm(shared):
+    import signal, time
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)  # as a wait in C code that never comes back to Python
+    while True:
+        time.sleep(1)
+
 def test_after(shared):
     pass
 """
@@ -61,9 +68,11 @@ def test_a_test_that_kills_its_worker_or_hangs_is_a_failure_and_the_rest_still_r
     failed = sorted(set(re.findall(r"^FAILED \S+::(\S+)", out, re.MULTILINE)))
     assert run.returncode == 1, out[-3000:]
     assert failed == ["test_illegal_instruction[0]", "test_illegal_instruction[1]", "test_illegal_instruction[2]",
-                      "test_never_returns"], out[-3000:]
-    for i in range(3):  # each crash reported once, by name: never handed to another worker
-        assert len(re.findall(rf"crashed while running '\S+test_illegal_instruction\[{i}\]'", out)) == 1, out[-3000:]
-    assert "Timeout" in out  # the hung test's stacks were printed before its worker was ended
+                      "test_never_returns", "test_never_returns_and_ignores_the_alarm"], out[-3000:]
+    for test in ["test_illegal_instruction[0]", "test_illegal_instruction[1]", "test_illegal_instruction[2]",
+                 "test_never_returns_and_ignores_the_alarm"]:  # each death reported once, by name: never rerun
+        assert len(re.findall(rf"crashed while running '\S+{re.escape(test)}'", out)) == 1, out[-3000:]
+    assert "Failed: Timeout" in out  # the alarm failed the hung test where it waited; its worker went on
+    assert "did not stop: every thread's stack" in out  # the backstop ended the one that ignored it
     assert re.search(r"\b4 passed\b", out), out[-3000:]  # test_before, test_after and test_fine's two
     assert took < 120, f"the run took {took:.0f} s"
