@@ -140,7 +140,8 @@ class WeightFormat:
 
     @property
     def label(self) -> str:
-        """The name with what carries it: "q4 (engine kernels)", "q4 (torch int4, bf16 dense)", "fp32"."""
+        """The name with what carries it: "q4 (engine kernels, bf16 dense)", "q4 (torch int4, fp32 dense)",
+        "fp32"."""
         if not self.int4:
             return self.name
         kernels = "engine kernels" if self.own_kernels else "torch int4"
@@ -150,10 +151,9 @@ class WeightFormat:
         """The next format to try where this one's rows are not the same bits in every step kind on this
         machine (engine/runtime/row_check.py): bf16 dense matrices become fp32 (the blocks stay), then
         dense fp32 throughout; None after fp32."""
-        if self.dense_dtype == torch.bfloat16:
-            return dataclasses.replace(self, dense=None, dtype=torch.float32) if self.int4 else WeightFormat(
-                torch.float32)
-        if self.int4:
+        if self.int4 and self.dense_dtype == torch.bfloat16:
+            return dataclasses.replace(self, dense=None)  # (q4's own dtype, of activations, is fp32)
+        if self.int4 or self.dtype != torch.float32:
             return WeightFormat(torch.float32)
         return None
 

@@ -64,12 +64,13 @@ class Llama:
         # explicit dense dtype is kept and its check reported; the engine's own choices (auto, q4) fall back.
         self.format_check = "rows not checked off the CPU"
         if self.device.type == "cpu":
-            while (mismatch := row_mismatch(self)) and dtype in (None, "auto", "q4") and self.format.fallback():
-                log.warning("%s: %s on this CPU, so it runs as %s", self.format.label, mismatch,
-                            self.format.fallback().label)
-                self.format = self.format.fallback()
+            while (mismatch := row_mismatch(self)) and dtype in (None, "auto", "q4") and (
+                    fallback := self.format.fallback()):
+                log.warning("%s: %s on this CPU, so it runs as %s", self.format.label, mismatch, fallback.label)
+                self.format = fallback
                 self._build(weights, blocks)
-            self.format_check = f"rows differ: {mismatch}" if mismatch else "decode, verify, tree and batch rows bit-identical"
+            self.format_check = (f"rows differ: {mismatch}" if mismatch
+                                 else "decode, verify, tree and batch rows bit-identical")
 
     @property
     def format_label(self) -> str:
