@@ -6,7 +6,7 @@ Speculation equals AR only if they are: a verify step that rounds a row differen
 would part greedy output at near-ties and bias sampled output. Whether a format's kernels work row by row
 is a property of this CPU's code paths, not of the format. On an Intel Xeon VM with AMX, oneDNN's bf16
 matmul (the dense LM head beside torch's int4 kernel) runs more than 32 rows through other AMX blocking
-than one row, and its logits differed by up to 0.03 (issue 53); on an AMD EPYC the same code agreed. So
+than one row, and its logits differed by 0.03-0.125 (issue 53); on an AMD EPYC the same code agreed. So
 every model is checked as loaded, on this machine, on its first layers and its head, and a format whose
 rows differ is replaced by the next one (engine/runtime/device.py `WeightFormat.fallback`).
 """
