@@ -79,8 +79,9 @@ def _execute(name: str, code: bytes) -> None:
 
 def _run_probes(probes: dict[str, bytes]) -> dict[str, bool]:
     """Each probe (name -> its code) in a child of its own, all at once (a fault ends only that child)."""
-    children = {name: subprocess.Popen([sys.executable, "-S", "-c", _CHILD, name, code.hex()], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
+    children = {name: subprocess.Popen([sys.executable, "-S", "-c", _CHILD, name, code.hex()],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       env={"PATH": os.environ.get("PATH", "")})
                 for name, code in probes.items()}
     results = {}
     for name, child in children.items():
@@ -109,7 +110,7 @@ def executes() -> dict[str, bool]:
     inherited = _parse(os.environ.get(CACHE_ENV, ""))
     if inherited is not None:
         return inherited
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86():
         results = dict.fromkeys(PROBES, False)
     else:
         flags = advertised_flags()
@@ -128,6 +129,11 @@ def _parse(value: str) -> dict[str, bool] | None:
     if set(pairs) != set(PROBES) or not set(pairs.values()) <= {"0", "1"}:
         return None
     return {name: pairs[name] == "1" for name in PROBES}
+
+
+def is_x86() -> bool:
+    """Whether these probes apply: they are x86-64 machine code."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def runs(name: str) -> bool:

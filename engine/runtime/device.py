@@ -68,9 +68,9 @@ def native_bf16(device: torch.device | str) -> bool:
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or bf16_override():
         return False
-    # oneDNN's answer comes from CPUID: it counts only where a bf16 instruction has run (cpu_features).
+    # oneDNN's answer comes from CPUID: on x86 it counts only where a bf16 instruction has run (cpu_features).
     return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            and (cpu_features.runs("avx512_bf16") or cpu_features.runs("amx")))
+            and (not cpu_features.is_x86() or cpu_features.runs("avx512_bf16") or cpu_features.runs("amx")))
 
 
 def cpu_class() -> dict:
