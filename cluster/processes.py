@@ -28,6 +28,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from weakref import WeakValueDictionary
 
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
 from specpool.common.serving import LAUNCHER_PID, READY_FILE
@@ -46,13 +47,15 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.05):
 
 @dataclass
 class ServerProcess:
+    """A server this process started (`start_server`), its log kept; LIVE holds those still referenced."""
+
     name: str
     proc: subprocess.Popen
     port: int = 0
     metrics_port: int = 0
     http_port: int = 0  # a router's OpenAI-compatible HTTP front (0: none)
     detail: str = ""  # what the server reported of itself when ready (a target: its format, its start)
-    log_tail: deque = field(default_factory=lambda: deque(maxlen=200))
+    log_tail: deque = field(default_factory=lambda: deque(maxlen=400))
     command: list[str] = field(default_factory=list)  # what started it, for restart()
     env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"  # the address it listens on (--host; a Ray node's own on Ray)
@@ -93,6 +96,14 @@ class ServerProcess:
 
     def logs(self) -> str:
         return "".join(self.log_tail)
+
+    def stacks(self, wait_s: float = 1.0) -> str:
+        """Its log after asking it for every thread's stack (SIGUSR1, specpool/common/serving.py): where a
+        server that stopped answering waits."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(wait_s)
+        return self.logs()
 
     def metric_total(self, sample: str, **labels: str) -> float:
         """The sum of one sample name's values (e.g. specpool_target_generated_tokens_total) over the
@@ -172,12 +183,18 @@ def _on_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+# pid -> the ServerProcess this process started, while anything still holds it: a test past its time limit
+# asks each for its stacks (tests/harness.py).
+LIVE: WeakValueDictionary[int, ServerProcess] = WeakValueDictionary()
+
+
 def _launch(server: ServerProcess, cmd: list[str], timeout_s: float, echo: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="specpool-ready-") as directory:
         ready_file = Path(directory) / "ready.json"  # fresh each launch: a restart reports anew
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**server.env, READY_FILE: str(ready_file)})
         server.proc, server.command = proc, cmd
+        LIVE[proc.pid] = server
         log = threading.Thread(target=_keep_log, args=(server, echo), daemon=True, name=f"log-{server.name}")
         log.start()
         end = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 from tests.harness import (  # noqa: F401 - every test's time limit, crashes reported once
     add_time_limits,
+    pytest_runtest_makereport,
     pytest_runtest_protocol,
     pytest_xdist_make_scheduler,
 )

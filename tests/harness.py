@@ -24,6 +24,10 @@ import pytest
 # a quarter of its limit later: every thread's stack, then the process exits, and the worker's death is
 # reported as that test's failure (below) while a new worker takes the rest of its file.
 TIMEOUT_S = {"slow": 600, "serial": 600}
+# The servers a test started are asked for their stacks this long before its limit (a test's cleanup, run
+# by the limit's failure, may stop them first), and the report of a test that failed there carries them.
+STACKS_BEFORE_S = 2.0
+SERVER_STACKS = pytest.StashKey[list]()
 DEFAULT_TIMEOUT_S = 120
 
 
@@ -60,13 +64,33 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.dump_traceback(sys.stderr, all_threads=True)
         os._exit(1)
 
-    backstop = threading.Timer(backstop_after(timeout_for(item)), end_the_process)
-    backstop.daemon = True
-    backstop.start()
+    def ask_servers_for_stacks() -> None:  # just before the limit: the test's own cleanup may stop them
+        from specpool.cluster.processes import LIVE
+
+        item.stash[SERVER_STACKS] = [(f"{s.name} (pid {pid}) at the time limit", s.stacks()[-20000:])
+                                     for pid, s in list(LIVE.items()) if s.alive()]
+
+    limit = timeout_for(item)
+    timers = [threading.Timer(max(0.0, limit - STACKS_BEFORE_S), ask_servers_for_stacks),
+              threading.Timer(backstop_after(limit), end_the_process)]
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
     try:
         return (yield)
     finally:
-        backstop.cancel()
+        for timer in timers:
+            timer.cancel()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed at its time limit carries the stacks of the servers it started (cluster/processes.py
+    LIVE, each asked by SIGUSR1 just before): where the wait it was stuck in came from."""
+    report = yield
+    if report.when == "call" and report.failed and "Timeout" in str(report.longrepr):
+        report.sections += item.stash.get(SERVER_STACKS, [])
+    return report
 
 
 def pytest_xdist_make_scheduler(config, log):

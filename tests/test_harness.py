@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 DYING = """
@@ -76,3 +78,34 @@ def test_a_test_that_kills_its_worker_or_hangs_is_a_failure_and_the_rest_still_r
     assert "did not stop: every thread's stack" in out  # the backstop ended the one that ignored it
     assert re.search(r"\b4 passed\b", out), out[-3000:]  # test_before, test_after and test_fine's two
     assert took < 120, f"the run took {took:.0f} s"
+
+
+STUCK_BESIDE_A_SERVER = """
+import time
+
+import pytest
+
+from tests.cluster.test_disaggregation import start_endpoint, tiny_files
+
+@pytest.mark.timeout(15)
+def test_waits_on_a_server(tmp_path):
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3)
+    endpoint = start_endpoint(gguf, draft)
+    try:
+        time.sleep(120)
+    finally:
+        endpoint.stop()  # the limit's failure runs this: the stacks were asked for before it
+"""
+
+
+@pytest.mark.slow
+def test_a_test_failed_at_its_limit_carries_its_servers_stacks(tmp_path):
+    (tmp_path / "conftest.py").write_text("from tests.harness import *  # noqa: F403\n")
+    (tmp_path / "test_stuck.py").write_text(textwrap.dedent(STUCK_BESIDE_A_SERVER))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                          "-c", "/dev/null", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                         check=False)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1 and "Failed: Timeout (>15.0s)" in out, out[-3000:]
+    section = out[out.index("at the time limit"):]
+    assert "Thread 0x" in section and "spec_endpoint/server.py" in section, section[:3000]

@@ -9,6 +9,7 @@ register their servicers, call `add_health_and_reflection`, start a `MetricsHttp
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -51,8 +52,10 @@ CONTROL_WORKERS = 16
 
 
 def setup_logging(level: str = "INFO", log_format: str | None = None) -> None:
-    """Text or JSON lines on stderr (specpool/common/logs.py); log_format None: $SPECPOOL_LOG_FORMAT, else text."""
+    """Text or JSON lines on stderr (specpool/common/logs.py); log_format None: $SPECPOOL_LOG_FORMAT, else text.
+    SIGUSR1 writes every thread's stack to stderr too (`kill -USR1 PID`: where a stuck server waits)."""
     logs.setup(level, log_format)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
