@@ -162,8 +162,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except RuntimeError as e:
             abort_invalid(context, "request", str(e), grpc.StatusCode.UNAVAILABLE)
         # A client that goes away (cancels, or its deadline passes) frees the slots; harmless once the
-        # request is done.
-        context.add_callback(lambda: self._client_gone(req, context))
+        # request is done. One already gone (a short deadline that passed while this thread waited to run:
+        # seen on a loaded CI machine) gets no callback: its request would wait in the queue and then run
+        # for nobody, counted as anything but expired.
+        if not context.add_callback(lambda: self._client_gone(req, context)):
+            self._client_gone(req, context)
         return req
 
     def _client_gone(self, req: Request, context) -> None:
