@@ -6,10 +6,11 @@ with SIGILL in its AMX matmul (issue 48). Here every x86 extension is named expl
 from engine/runtime/cpu_features.py's probes, and AMX is never built in: on that very VM a child process
 executes a tile load cleanly (the probe passes, and torch's oneDNN runs its bf16 matmuls on AMX), yet
 llama.cpp's AMX path still dies at `tilezero %tmm4`. ggml loads the tile configuration once per thread
-and relies on it persisting across calls; in a process that also runs torch (the bench's, the tests'),
-a oneDNN AMX matmul in between releases it, and the next tile instruction faults (reproduced with the
-two in one process). No probe of this CPU can promise ggml's assumption, so the peer runs AVX-512 VNNI
-where it would have run AMX (ggml's own single-row path is AVX-512 VNNI either way). The wheel is cached per set of flags
+and relies on it persisting across calls. One way it does not: in a process that also runs torch (the
+bench's, the tests'), a oneDNN AMX matmul in between releases it, and the next tile instruction faults
+(reproduced with the two in one process). llama.cpp also died in a process where oneDNN ran nothing, so
+that is not the whole cause, and no probe of this CPU can promise ggml's assumption: the peer runs
+AVX-512 VNNI where it would have run AMX (ggml's own single-row path is AVX-512 VNNI either way). The wheel is cached per set of flags
 (~/.cache/specpool/llamacpp/<key>/), so a machine of another class builds its own (about 5 minutes on
 2 cores, once) and switching back reinstalls in seconds. BUILD_RECORD, beside the installed package,
 says which build runs; the bench records it with every llama.cpp figure.
