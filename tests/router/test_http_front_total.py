@@ -5,33 +5,16 @@ the flag, `retry-after: 1`, and closed as it is made; once one is let go, a new 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import ssl
 
 import pytest
 
 from specpool.bench.slow_http_clients import connect
 from specpool.cluster.processes import start_server
 from specpool.cluster.redis_server import start_redis
-from tests.pki import CA
+from tests.router.test_openai_http import reply_until_closed, tls
 
 TOTAL = 6
-
-
-def _tls() -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=str(CA.dir / "ca.crt"))
-
-
-def _reply_until_closed(sock: socket.socket, within_s: float = 10.0) -> bytes:
-    sock.settimeout(within_s)
-    data = b""
-    with contextlib.suppress(ConnectionResetError, ssl.SSLEOFError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    sock.close()
-    return data
 
 
 @pytest.mark.slow  # Redis and a router process
@@ -45,8 +28,8 @@ def test_the_front_past_its_total_answers_503_with_retry_after_and_closes():
             "--http-header-timeout-s", "30", "--http-idle-timeout-s", "30"])
         port = router.http_port
         assert port, "the router reports its HTTP port"
-        held = [connect(port, f"127.0.0.{80 + i}", _tls()) for i in range(TOTAL)]  # TLS done: each counted
-        refused = _reply_until_closed(connect(port, "127.0.0.99", _tls()))
+        held = [connect(port, f"127.0.0.{80 + i}", tls()) for i in range(TOTAL)]  # TLS done: each counted
+        refused = reply_until_closed(connect(port, "127.0.0.99", tls()), within_s=10.0)
         head, _, body = refused.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 Service Unavailable"), refused
         headers = {k.strip().lower(): v.strip() for k, _, v in
@@ -59,9 +42,9 @@ def test_the_front_past_its_total_answers_503_with_retry_after_and_closes():
 
         held.pop().close()  # one let go: the next connection is admitted (and answered for itself)
         for _ in range(50):
-            sock = connect(port, "127.0.0.98", _tls())
+            sock = connect(port, "127.0.0.98", tls())
             sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: router.specpool\r\nconnection: close\r\n\r\n")
-            reply = _reply_until_closed(sock)
+            reply = reply_until_closed(sock, within_s=10.0)
             if not reply.startswith(b"HTTP/1.1 503"):
                 break
         assert reply.startswith(b"HTTP/1.1 401 "), reply  # admitted: refused only for want of a token

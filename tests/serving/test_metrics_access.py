@@ -6,24 +6,13 @@ behind a NetworkPolicy); with a token it serves that token alone. The probes sta
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.cluster.redis_server import start_redis
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
-
-
-def _get(server: ServerProcess, path: str, token: str | None = None) -> tuple[int, bytes]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{server.metrics_port}{path}", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+from tests.cluster.test_figure_visibility import http_get
 
 
 @pytest.mark.slow  # Redis and three router processes
@@ -36,27 +25,27 @@ def test_metrics_wants_the_token_unless_opened_explicitly():
         servers["open"] = start_server("router-open", [*router, "--metrics-open"], env={METRICS_TOKEN_ENV: ""})
         servers["token"] = start_server("router-token", router, env={METRICS_TOKEN_ENV: "operators-metrics-1"})
 
-        code, body = _get(servers["closed"], "/metrics")
+        code, body = http_get(servers["closed"], "/metrics", None)
         message = json.loads(body)["error"]
         assert code == 401 and METRICS_TOKEN_ENV in message and "--metrics-open" in message, (code, body)
-        assert _get(servers["closed"], "/metrics", "anything")[0] == 401
+        assert http_get(servers["closed"], "/metrics", "anything")[0] == 401
         assert "refuses every scrape" in servers["closed"].logs()
 
-        code, body = _get(servers["open"], "/metrics")
+        code, body = http_get(servers["open"], "/metrics", None)
         assert code == 200 and b"specpool_router_" in body, body[:200]
         assert "--metrics-open" in servers["open"].logs() and "open to whoever reaches the port" in \
             servers["open"].logs()
 
-        assert _get(servers["token"], "/metrics")[0] == 401
-        assert _get(servers["token"], "/metrics", "operators-metrics-2")[0] == 401
-        code, body = _get(servers["token"], "/metrics", "operators-metrics-1")
+        assert http_get(servers["token"], "/metrics", None)[0] == 401
+        assert http_get(servers["token"], "/metrics", "operators-metrics-2")[0] == 401
+        code, body = http_get(servers["token"], "/metrics", "operators-metrics-1")
         assert code == 200 and b"specpool_router_" in body
         assert "requires the metrics token" in servers["token"].logs()
 
         for server in servers.values():  # kubelets' probes need no token
-            assert _get(server, "/readyz") == (200, b"ok")
+            assert http_get(server, "/readyz", None) == (200, b"ok")
         for name in ("closed", "open"):  # without a token /capacity answers as before: no tenant's figures
-            assert _get(servers[name], "/capacity")[0] == 200
+            assert http_get(servers[name], "/capacity", None)[0] == 200
     finally:
         for server in servers.values():
             server.stop()
