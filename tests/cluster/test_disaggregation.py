@@ -55,23 +55,25 @@ def tiny_files(root: Path, vocab: int, seed: int, norm_scale: float = 1.0,
 
 
 def start_endpoint(gguf: Path, draft: Path | None, *extra: str, port: int = 0,
-                   twin: tuple[str, float] | None = None, head: Path | None = None) -> ServerProcess:
-    """`twin`: run the endpoint with a deliberate bias of tests/twins.py (kind, strength)."""
+                   twin: tuple[str, float] | None = None, head: Path | None = None,
+                   cpus: list[int] | None = None) -> ServerProcess:
+    """`twin`: run the endpoint with a deliberate bias of tests/twins.py (kind, strength); `cpus`: pinned there."""
     spec = f"{model_name(gguf)}={gguf}" + (f",draft={draft}" if draft else "") + (f",head={head}" if head else "")
     args = ["serve-spec", "--port", str(port), "--metrics-port", "0", "--drafter", spec, *ONE_THREAD, *extra]
     if twin is not None:
-        return start_server("spec-twin", [twin[0], str(twin[1]), *args], module="tests.twins")
-    return start_server("spec", args)
+        return start_server("spec-twin", [twin[0], str(twin[1]), *args], module="tests.twins", cpus=cpus)
+    return start_server("spec", args, cpus=cpus)
 
 
 def start_target(gguf: Path, endpoint: ServerProcess, tenant: str, *extra: str,
-                 twin: tuple[str, float] | None = None) -> ServerProcess:
-    """`twin`: run the target (its verifier) with a deliberate bias of tests/twins.py (kind, strength)."""
+                 twin: tuple[str, float] | None = None, cpus: list[int] | None = None) -> ServerProcess:
+    """`twin`: run the target (its verifier) with a deliberate bias of tests/twins.py (kind, strength);
+    `cpus`: pinned there."""
     args = ["serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0",
             "--spec-endpoint", endpoint.address, "--tenant", tenant, "--datastore", "", *ONE_THREAD, *extra]
     if twin is not None:
-        return start_server(f"{tenant}-twin", [twin[0], str(twin[1]), *args], module="tests.twins")
-    return start_server(tenant, args)
+        return start_server(f"{tenant}-twin", [twin[0], str(twin[1]), *args], module="tests.twins", cpus=cpus)
+    return start_server(tenant, args, cpus=cpus)
 
 
 # -- two tenants, one endpoint, the real model ------------------------------------------------------

@@ -12,15 +12,16 @@ registered in a real Redis, and a router in front of it.
   is tokenized as text;
 - (slow) the endpoint SIGSTOPped, or its link slowed 300 ms each way, for 8 s: the target's breaker opens,
   steps stop waiting for drafts, and speculation resumes within 2 s of recovery;
-- the endpoint SIGSTOPped under a drafted stream: a plain stream beside it keeps within 1.5x of its
-  solo cadence (issue 38), the breaker closes again beside a plain stream, and drafted output equals AR.
+- (slow) the endpoint SIGSTOPped under a drafted stream on the real target: a plain request sent then
+  takes at most 1.5x its solo time (issue 38), the breaker closes again beside a plain stream, and
+  drafted output equals AR.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import signal
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+import torch
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -306,90 +308,101 @@ def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recove
 
 
 @pytest.fixture(scope="module")
-def drafted_pair(tmp_path_factory):
-    """A tiny endpoint and a target drafting on it (a model whose greedy text repeats one token, as a
-    looping answer does: the target's n-gram index then matches at every position)."""
-    from tests.cluster.test_disaggregation import start_endpoint, start_target, tiny_files
+def drafted_pair():
+    """The real target (the default model, its default format, one thread, on core 1) drafting on an
+    endpoint with its trained draft model (on core 0): the default cluster's layout."""
+    from tests.cluster.test_disaggregation import REPO as ROOT
+    from tests.cluster.test_disaggregation import start_endpoint, start_target
 
-    gguf, draft = tiny_files(tmp_path_factory.mktemp("grey"), vocab=64, seed=3, max_context=4096)
-    endpoint = start_endpoint(gguf, draft, "--max-len", "4096")
-    target = start_target(gguf, endpoint, "t-grey", "--draft-tokens", "3", "--max-context", "4096",
-                          "--spec-deadline-ms", "500")
+    gguf, draft = default_model_path(), ROOT / "models" / "smollm2-135m-draft"
+    cpus = ([0], [1]) if {0, 1} <= os.sched_getaffinity(0) else (None, None)
+    endpoint = start_endpoint(gguf, draft, "--max-len", "4096", cpus=cpus[0])
+    target = start_target(gguf, endpoint, "t-grey", "--draft-tokens", "4", "--max-context", "4096",
+                          "--spec-deadline-ms", "500", cpus=cpus[1])
     yield {"gguf": gguf, "endpoint": endpoint, "target": target}
     for server in (target, endpoint):
         server.proc.send_signal(signal.SIGCONT)  # a failed test may leave it stopped
         assert server.stop() == 0, server.logs()
 
 
+@pytest.mark.slow
 @pytest.mark.serial
-def test_a_plain_stream_keeps_its_solo_pace_while_the_drafters_endpoint_hangs(drafted_pair):
+def test_a_plain_request_pays_only_a_plain_row_beside_it_while_the_drafters_endpoint_hangs(drafted_pair):
     """Issue 38: a plain request beside drafted ones, the endpoint SIGSTOPped, took 2-3x its solo time:
     the drafted rows drafted locally on the target's step (an n-gram lookup that sliced every earlier
-    match, ~50 ms a row at 3000 tokens of a loop) and verified those drafts in the plain row's forward.
-    Now the plain stream's cadence (median time between tokens) beside a drafted one while the endpoint
-    hangs stays within 1.5x of its cadence alone, measured side by side here (bench/grey_failure.py
-    measures the issue's figure on the real model); the breaker still closes after recovery with a
-    plain stream running, and what the drafted streams sent equals AR."""
-    from specpool.bench.grey_failure import BREAKER, Hang, RecordedStream
+    match, ~15 ms a draft in a 3000-token loop) and verified those drafts in the plain row's forward.
 
-    OFFERED = "specpool_target_drafts_offered_total"
+    Now, while the endpoint hangs, the drafted sequence decodes plainly beside the plain one, so the plain
+    request owes what a second plain row costs it, and no more. The bound, from row costs measured here:
+    a plain request sent as the endpoint hangs, beside a drafted stream in a loop (n-grams match at every
+    position), takes at most 1.25x what it takes beside a plain stream on the same prompt, from send to its
+    last token: the whole hang, the late rounds before the breaker opens included. Issue 38's 1.5x of the
+    solo time cannot hold on this target, where a second row alone costs that: 1.4x a one-row step at 200
+    tokens, 1.9x beside a row at 600 (its q4 step is compute-bound, and the fp32 KV cache's reads grow with
+    the context); served, 1.46-1.57x solo. The test prints each ratio. With the fixes reverted (local drafts
+    beside the plain row, every n-gram match sliced) the hung request took 3.0-3.1x solo, 2.1x beside plain:
+    five verify positions at 600 tokens cost 4.7-5.3x a one-row step.
+    The breaker closes again after recovery with a plain stream running, and the drafted streams equal AR."""
+    from specpool.bench.grey_failure import BREAKER, Hang, RecordedStream
 
     target = drafted_pair["target"]
     s = stub(target)
-    prompt, drafted_tokens, plain_tokens = [3, 7, 9, 11, 3, 7], 2500, 800
+    model, tokenizer = Llama.from_gguf(drafted_pair["gguf"], device="cpu")  # the target's own format
+    plain_prompt = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    loop = tokenizer.encode("for i in range(10):\n    print(i)\n" * 20)
+    plain_tokens, beside_tokens = 200, 3000
 
-    def request(method: int, max_tokens: int) -> pb.GenerateRequest:
+    def request(prompt: list[int], method: int, max_tokens: int) -> pb.GenerateRequest:
         return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
                                   speculation=pb.SpeculationPreference(method=method))
 
-    def plain_cadence(windows: int = 3) -> float:
-        """The seconds between a plain stream's tokens (a step each): the median of a stream, so the
-        machine's other load lengthens a few steps, not the figure; the best of a few streams, so a
-        window that other jobs slowed throughout does not decide it either."""
-        paces = []
-        for _ in range(windows):
-            plain = RecordedStream(s, request(pb.SPECULATION_METHOD_NONE, plain_tokens))
-            plain.join(120)
-            assert plain.count() == plain_tokens, plain.error
-            paces.append(statistics.median(b - a for (a, _), (b, _) in itertools.pairwise(plain.stamps)))
-        return min(paces)
+    def plain_request_s() -> float:
+        """A plain request's seconds from send to its last token."""
+        start = time.monotonic()
+        plain = RecordedStream(s, request(plain_prompt, pb.SPECULATION_METHOD_NONE, plain_tokens))
+        plain.join(300)
+        assert plain.count() == plain_tokens and plain.final is not None, plain.error
+        return plain.stamps[-1][0] - start
 
-    solo = plain_cadence()
-    # What sharing the forward with a second plain row costs (on a tiny model, per-row overhead: about
-    # 1.3x): the pace a plain stream beside a sequence that drafts nothing is owed.
-    companion = RecordedStream(s, request(pb.SPECULATION_METHOD_NONE, 4000))  # outlasts the windows
-    wait_for(lambda: companion.count() >= 10, timeout_s=60)
-    beside_plain = plain_cadence()
-    companion.cancel()
-    companion.join(30)
+    def beside_a_plain_stream_s() -> float:
+        companion = RecordedStream(s, request(loop, pb.SPECULATION_METHOD_NONE, beside_tokens))
+        wait_for(lambda: companion.count() >= 40, timeout_s=120)
+        took = plain_request_s()
+        companion.cancel()
+        companion.join(30)
+        return took
+
+    # Each the better of two: a window that other jobs slowed does not decide the bound.
+    solo = min(plain_request_s() for _ in range(2))
+    beside_plain = min(beside_a_plain_stream_s() for _ in range(2))
+    drafted = [RecordedStream(s, request(loop, pb.SPECULATION_METHOD_DRAFT_MODEL, beside_tokens))]
+    wait_for(lambda: drafted[0].count() >= 40, timeout_s=120)
     hang = Hang(drafted_pair["endpoint"])
-    drafted = [RecordedStream(s, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens))]
-    wait_for(lambda: drafted[0].count() >= 200, timeout_s=60)
     hang.start()
     try:
         before_the_hang = drafted[0].count()
-        offered = target.metric_total(OFFERED)
-        hung = plain_cadence()
-        # Beside the plain stream the failed sequence drafts nothing locally: no verify positions
-        # widen the plain row's forward. It drafts alone between the windows, and at their edges.
-        offered = target.metric_total(OFFERED) - offered
+        hung = plain_request_s()
+        drafted_during = drafted[0].count() - before_the_hang
         assert target.metric_total(BREAKER) == 1
         # Probes ride on drafted rounds, and still go out beside a plain stream: the breaker closes.
-        plain = RecordedStream(s, request(pb.SPECULATION_METHOD_NONE, drafted_tokens))
-        drafted.append(RecordedStream(s, request(pb.SPECULATION_METHOD_DRAFT_MODEL, drafted_tokens)))
+        plain = RecordedStream(s, request(plain_prompt, pb.SPECULATION_METHOD_NONE, beside_tokens))
+        drafted.append(RecordedStream(s, request(loop, pb.SPECULATION_METHOD_DRAFT_MODEL, beside_tokens)))
     finally:
         hang.end()
     wait_for(lambda: target.metric_total(BREAKER) == 0, timeout_s=10)
     for stream_ in (plain, *drafted):  # greedy: what they streamed so far must be AR's prefix
         stream_.cancel()
         stream_.join(30)
-    assert drafted[0].count() > before_the_hang + plain_tokens // 2  # it kept decoding beside the plain ones
-    model, _ = Llama.from_gguf(drafted_pair["gguf"], dtype="fp32", device="cpu")
-    [want] = generate(model, [prompt], SamplingParams(), drafted[0].count(), stop_ids=[])
+    print(f"a plain request of {plain_tokens} tokens: {solo:.2f} s alone, {beside_plain:.2f} s beside a plain "
+          f"stream ({beside_plain / solo:.2f}x), {hung:.2f} s beside a drafted one while the endpoint hung "
+          f"({hung / solo:.2f}x solo, {hung / beside_plain:.2f}x beside plain)")
+    assert drafted_during >= plain_tokens // 4  # it kept decoding beside the plain one, once the breaker opened
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the target serves: its prefill's bf16 roundings follow the thread count
+    try:
+        [want] = generate(model, [loop], SamplingParams(), max(d.count() for d in drafted), stop_ids=[])
+    finally:
+        torch.set_num_threads(threads)
     for stream_ in drafted:
         assert stream_.tokens == want.token_ids[: stream_.count()]
-    print(f"plain stream: a token every {solo * 1e3:.2f} ms alone, {beside_plain * 1e3:.2f} ms beside a plain "
-          f"stream, {hung * 1e3:.2f} ms beside a drafted one while the endpoint hung ({offered:.0f} drafts verified)")
-    # Drafting beside the plain stream verified 3 drafts at nearly every one of its 3 x 800 steps.
-    assert offered < plain_tokens, f"{offered:.0f} local drafts verified while the plain streams ran"
-    assert hung <= 1.5 * beside_plain, (solo, beside_plain, hung)
+    assert hung <= 1.25 * beside_plain, (solo, beside_plain, hung)
