@@ -13,8 +13,8 @@ registered in a real Redis, and a router in front of it.
 - (slow) the endpoint SIGSTOPped, or its link slowed 300 ms each way, for 8 s: the target's breaker opens,
   steps stop waiting for drafts, and speculation resumes within 2 s of recovery;
 - (slow) the endpoint SIGSTOPped under a drafted stream on the real target: a plain request sent then
-  takes at most 1.5x its solo time (issue 38), the breaker closes again beside a plain stream, and
-  drafted output equals AR.
+  pays only for the drafted row decoding plainly beside it (issue 38), the breaker closes again beside a
+  plain stream, and drafted output equals AR.
 """
 
 from __future__ import annotations
