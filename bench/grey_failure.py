@@ -40,8 +40,9 @@ from specpool.cluster.launcher import endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server, wait_for
 from specpool.common.machine import machine_info, machine_line
 from specpool.common.security import LocalCA
-from specpool.common.speculation import Method, method_to_pb
+from specpool.common.speculation import method_to_pb
 from specpool.engine.decoding import generate
+from specpool.engine.method import Method
 from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams

@@ -19,7 +19,7 @@ from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
 from specpool.engine.verification.sampling import SamplingParams

@@ -27,7 +27,8 @@ from specpool.cluster.config import ClusterConfig, EndpointSpec, TargetSpec
 from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.common.security import CA_CERT, LocalCA, Security, server_name
-from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+from specpool.common.speculation import method_to_pb, sampling_to_pb
+from specpool.engine.method import Method
 from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result

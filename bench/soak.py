@@ -41,8 +41,9 @@ from specpool.cluster.launcher import Cluster
 from specpool.cluster.processes import ServerProcess
 from specpool.common.machine import machine_info, machine_line
 from specpool.common.registry import Registry
-from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+from specpool.common.speculation import method_to_pb, sampling_to_pb
 from specpool.engine.decoding import generate
+from specpool.engine.method import Method
 from specpool.engine.runtime.gguf_loader import default_model_path
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams

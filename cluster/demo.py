@@ -24,7 +24,8 @@ from pathlib import Path
 from specpool.cluster.config import ClusterConfig
 from specpool.cluster.launcher import Cluster, format_members
 from specpool.common.machine import machine_line
-from specpool.common.speculation import Method, method_name, method_to_pb, sampling_to_pb
+from specpool.common.speculation import method_name, method_to_pb, sampling_to_pb
+from specpool.engine.method import Method
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.common.speculation import Method
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
+from specpool.engine.method import Method
 from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (

@@ -1,4 +1,5 @@
-"""A sequence's speculation plan: how it speculates, carried with it into the decoder.
+"""A sequence's speculation plan: how it speculates, carried with it into the decoder; and the shape of
+a round's draft trees (TreeShape).
 
 The target's servicer makes one per request from what it asked (its method, where it drafts, its cap,
 chains or trees); the decoder keeps it in the sequence's record and hands it on: to the draft-length
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specpool.common.speculation import Method
+from specpool.engine.method import Method
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,21 @@ class SpeculationPlan:
     def label(self) -> str:
         """Its name in metrics and SpeculationStats: the method, or ngram_local for the target's own."""
         return "ngram_local" if self.method is Method.NGRAM and not self.remote else self.method.value
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """The shape of a round's draft trees (engine/drafters/trees.py grows them)."""
+
+    branch: int = 4  # candidate children per expanded node
+    beam: int = 4  # nodes expanded per level
+    max_depth: int = 8
+
+    @property
+    def fed_room(self) -> int:
+        """Draft-cache positions a growing tree may take past the sequence: the beam fed per level
+        below the first (the last level's candidates are never fed)."""
+        return self.beam * (self.max_depth - 1)
 
 
 LOCAL_NGRAM = SpeculationPlan(Method.NGRAM, remote=False)

@@ -25,9 +25,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specpool.common.speculation import MIN_GAIN
-from specpool.engine.drafters.trees import TreeShape
-from specpool.engine.plan import SpeculationPlan
+from specpool.engine.method import MIN_GAIN
+from specpool.engine.plan import SpeculationPlan, TreeShape
 from specpool.engine.runtime.device import cpu_class, kernel_isa
 from specpool.engine.runtime.model import Llama
 

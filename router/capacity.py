@@ -12,7 +12,8 @@ from google.protobuf.json_format import MessageToDict
 
 from specpool.common.registry_leases import guarantees
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
-from specpool.common.speculation import Method, method_to_pb
+from specpool.common.speculation import method_to_pb
+from specpool.engine.method import Method
 from specpool.router.view import Snapshot
 from specpool_client.v1 import cluster_pb2 as pb
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
-from specpool.common.speculation import MIN_GAIN, NO_ESTIMATE, Method
+from specpool.engine.method import MIN_GAIN, NO_ESTIMATE, Method
 
 # Reasons, as labelled in metrics and the capacity API.
 REQUESTED = "requested"  # the request named the method and got it

@@ -18,7 +18,8 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method, method_to_pb
+from specpool.common.speculation import method_to_pb
+from specpool.engine.method import MAX_DRAFT_TOKENS, Method
 from specpool_client.v1 import target_pb2 as pb
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

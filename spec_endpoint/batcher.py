@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafters.base import Drafter
+from specpool.engine.method import MAX_DRAFT_TOKENS, Method
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint import prespeculation
 from specpool.spec_endpoint.channels import TenantChannels

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specpool.common.speculation import Method
 from specpool.engine.drafters import registry
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.method import Method
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.draft_pair import TargetMismatch, VocabularyMismatch, load_draft
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
 from specpool.engine.runtime.hf_config import read_json

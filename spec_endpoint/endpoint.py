@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from specpool.common.errors import FieldError, StatusCode
-from specpool.common.speculation import Method, q_travels_dense
+from specpool.common.speculation import q_travels_dense
 from specpool.common.tensor_channel import ChannelError
+from specpool.engine.method import Method
 from specpool.spec_endpoint.batcher import Batcher
 from specpool.spec_endpoint.channels import TenantChannels
 from specpool.spec_endpoint.drafters import HostedDrafters, ModelDrafters

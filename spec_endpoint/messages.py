@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specpool.common.speculation import Method
+    from specpool.engine.method import Method
     from specpool.engine.speculation_policy import StepCosts
     from specpool.engine.verification.sampling import SamplingParams
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS
+from specpool.engine.method import MAX_DRAFT_TOKENS
 from specpool.spec_endpoint.messages import OutcomeTable, RoundResult, SequenceRound
 from specpool.spec_endpoint.streams import RoundStream
 
 if TYPE_CHECKING:
-    from specpool.common.speculation import Method
     from specpool.engine.drafters.base import Drafter
+    from specpool.engine.method import Method
     from specpool.spec_endpoint.drafters import HostedDrafters
     from specpool.spec_endpoint.metrics import EndpointMetrics
     from specpool.spec_endpoint.sessions import Session, SessionTable

@@ -20,7 +20,7 @@ from specpool.common import http_limits, logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.security import Security
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.spec_endpoint import wire
 from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig

@@ -17,7 +17,7 @@ from specpool.engine.drafters.base import accepted_prefix
 from specpool.engine.verification import token_tree
 
 if TYPE_CHECKING:
-    from specpool.common.speculation import Method
+    from specpool.engine.method import Method
     from specpool.engine.verification.sampling import SamplingParams
 
 

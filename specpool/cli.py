@@ -10,6 +10,8 @@ import shlex
 import sys
 from collections.abc import Collection
 
+from specpool.common.model_args import add_model_args
+
 # Servers and cluster tools: subcommand -> (module bringing add_arguments(parser) and main(args), help).
 # Nothing heavy is imported to build the parser: a subcommand's modules (torch, the servers) load only
 # when that subcommand runs or shows its help, so `specpool --help` answers at once.
@@ -42,23 +44,6 @@ def version() -> str:
         return importlib.metadata.version("specpool")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed: pip install -e .)"
-
-
-# The --model flag's help, for every command that loads a target.
-MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
-              "(default: SmolLM2-135M-Instruct)")
-# The --dtype flag's help, for every command that loads a target.
-DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
-              "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
-              "device computes it natively, else fp32; fp32: the reference numerics)")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help=DTYPE_HELP)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
 
 def _set_threads(threads: int | None) -> None:
@@ -207,7 +192,7 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                    help="keep the tokens at least this share as likely as the most likely one (0: all)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (unset: a fresh random one)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_model_args(g)
+    add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
     b = add_command("bench", "measure every mode on a workload, side by side in one run")
@@ -241,7 +226,7 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
                    help="n-gram datastore (empty string: per-request index only)")
     b.add_argument("--json", default=None, help="write the report here")
-    _add_model_args(b)
+    add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
     d = add_command("build-datastore", "suffix-array datastore of model-generated text for n-gram drafting")

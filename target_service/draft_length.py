@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from specpool.common.speculation import Method
+from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specpool.common import outcomes
-from specpool.common.speculation import MAX_DRAFT_TOKENS
+from specpool.engine.method import MAX_DRAFT_TOKENS
 from specpool.target_service.remote.fallback import Fallback
 
 if TYPE_CHECKING:

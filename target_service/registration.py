@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpool.common.speculation import NO_ESTIMATE, Method
 from specpool.engine.decoding import Decoder
+from specpool.engine.method import NO_ESTIMATE, Method
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import (
     AcceptanceEstimate,

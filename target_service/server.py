@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from specpool.cli import DTYPE_HELP, MODEL_HELP
 from specpool.common import http_limits, logs, outcomes, serving
 from specpool.common.metrics_http import MetricsHttpServer
+from specpool.common.model_args import add_model_args
 from specpool.common.serving import (
     Admission,
     add_health_and_reflection,
@@ -55,11 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port (0 picks)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address gRPC and /metrics listen on (default loopback; 0.0.0.0: every interface)")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"],
-                   help=DTYPE_HELP)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_model_args(p)
     p.add_argument("--layout-cores", type=int, default=None,
                    help="CPU cores of the whole layout (this target plus the drafter it shares hardware with), "
                         "which plain decoding could use instead: SSD is planned only if predicted faster than "

@@ -21,15 +21,10 @@ from specpool.common import logs, outcomes
 from specpool.common.errors import FieldError
 from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import abort_invalid, abort_with_retry
-from specpool.common.speculation import (
-    MAX_DRAFT_TOKENS,
-    Method,
-    finish_reason_to_pb,
-    method_to_pb,
-    sampling_from_pb,
-)
+from specpool.common.speculation import finish_reason_to_pb, method_to_pb, sampling_from_pb
 from specpool.common.target_api import check_generate_request
 from specpool.engine.decoding import GenerationResult
+from specpool.engine.method import MAX_DRAFT_TOKENS, Method
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ endpoint) plugs into `specpool.engine.decoding.Decoder` through this interface.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,7 +17,6 @@ from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.verification.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from specpool.engine.drafters.ssd import Fork
     from specpool.engine.plan import SpeculationPlan
 
 
@@ -58,6 +57,20 @@ class Drafts:
         tokens = [list(self.tokens[r]) if r is not None else [] for r in rows]
         parents = None if self.parents is None else [list(self.parents[r]) if r is not None else [] for r in rows]
         return Drafts(tokens, pick(self.probs), pick(self.topk_ids), pick(self.topk_probs), parents)
+
+
+@dataclass
+class Fork:
+    """SSD's drafts prepared for one likely outcome, in a KV slot of their own (`outcome_table`)."""
+
+    slot: int
+    bonus: int  # the outcome's bonus token, its first fed token
+    drafts: list[int]
+    rows: list[torch.Tensor]  # candidate ids of rows 0..K-1 (row j: after its bonus and d'1..d'j)
+    topk_ids: torch.Tensor | None  # [K, k] the sparse q each draft was sampled from
+    topk_probs: torch.Tensor | None
+    # The feature predicted after the bonus and after each fed draft (a head's d'_j input).
+    predicted: list[torch.Tensor] = field(default_factory=list)
 
 
 class Drafter(Protocol):

@@ -9,7 +9,7 @@ drafts), each paired with the token that followed it.
 from __future__ import annotations
 
 from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.model import Llama
 
 

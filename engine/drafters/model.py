@@ -10,7 +10,8 @@ import torch
 from specpool.engine.drafters.base import Drafter, Drafts
 from specpool.engine.drafters.feeds import DraftState, feed_for
 from specpool.engine.drafters.loop import DraftPicker, after_last, draft_steps
-from specpool.engine.drafters.trees import Candidates, TreeShape, grow_trees, tree_logprobs
+from specpool.engine.drafters.trees import Candidates, grow_trees, tree_logprobs
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from specpool.engine.drafters.base import Drafter, Drafts
 from specpool.engine.drafters.lookup import NgramIndex, SuffixArrayDatastore
 from specpool.engine.drafters.suffix_store import SuffixStore
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.engine.verification import token_tree
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from specpool.common.speculation import Method
 from specpool.engine.drafters import head, model, ngram, ssd
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.method import Method
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.model import Llama
 
 
@@ -32,10 +32,14 @@ class DraftSources:
     ssd: Mapping[str, object] = field(default_factory=dict)  # SsdDrafter options
 
 
+def _ssd(sources: DraftSources) -> Drafter | None:
+    return ssd.build(sources, fast=ngram.build(sources))  # n-gram drafts are its fast backup
+
+
 BUILDERS: dict[Method, Callable[[DraftSources], Drafter | None]] = {
     Method.DRAFT_MODEL: model.build,
     Method.HEAD: head.build,
-    Method.SSD: ssd.build,
+    Method.SSD: _ssd,
     Method.NGRAM: ngram.build,
 }
 

@@ -31,29 +31,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
-from specpool.engine.drafters.base import Drafter, Drafts, accepted_prefix
+from specpool.engine.drafters.base import Drafter, Drafts, Fork, accepted_prefix
 from specpool.engine.drafters.feeds import DraftState, feed_for
 from specpool.engine.drafters.loop import draft_steps, sample_top_k
 from specpool.engine.drafters.ssd_stats import SsdStats, ema, geometric_fanout
+from specpool.engine.method import MAX_DRAFT_TOKENS
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
 
 Outcome = tuple[int, int]  # (accepted drafts k, bonus token b)
-
-
-@dataclass
-class Fork:
-    """The drafts prepared for one likely outcome, in a KV slot of their own."""
-
-    slot: int
-    bonus: int  # the outcome's bonus token, its first fed token
-    drafts: list[int]
-    rows: list[torch.Tensor]  # candidate ids of rows 0..K-1 (row j: after its bonus and d'1..d'j)
-    topk_ids: torch.Tensor | None  # [K, k] the sparse q each draft was sampled from
-    topk_probs: torch.Tensor | None
-    # The feature predicted after the bonus and after each fed draft (a head's d'_j input).
-    predicted: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -428,18 +414,16 @@ def _stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
     return torch.stack(ids), torch.stack(probs)
 
 
-def build(sources) -> SsdDrafter | None:
+def build(sources, fast: Drafter | None) -> SsdDrafter | None:
     """The registry's SSD drafter (drafters/registry.py): on the head where there is one (its forks grow
-    from the head's predicted features), else on the draft model; the registry's n-gram drafter, if
-    any, is its fast backup. SSD sequences hold forks too, so they get a cache of their own: a sequence
+    from the head's predicted features), else on the draft model; `fast` (the registry's n-gram drafter,
+    if any) is its backup. SSD sequences hold forks too, so they get a cache of their own: a sequence
     holds up to max_len tokens, pre-speculation feeds its drafts on top, and a fork a bonus token and
     its own drafts (without that room, a sequence near max_len failed the pre-speculation of every SSD
     sequence in its step)."""
-    from specpool.engine.drafters import registry  # (the registry imports this module)
-
     model = sources.head or sources.draft
     if model is None:
         return None
     options = {"max_sequences": 16, "fork_slots": 128} | dict(sources.ssd)
     return SsdDrafter(model, max_len=sources.max_len + 2 * MAX_DRAFT_TOKENS + 1,
-                      fast=registry.build(Method.NGRAM, sources), **options)
+                      fast=fast, **options)

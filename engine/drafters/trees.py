@@ -16,20 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpool.engine.plan import TreeShape
 from specpool.engine.verification.sampling import SamplingParams, logits_to_probs
-
-
-@dataclass(frozen=True, slots=True)
-class TreeShape:
-    branch: int = 4  # candidate children per expanded node
-    beam: int = 4  # nodes expanded per level
-    max_depth: int = 8
-
-    @property
-    def fed_room(self) -> int:
-        """Draft-cache positions a growing tree may take past the sequence: the beam fed per level
-        below the first (the last level's candidates are never fed)."""
-        return self.beam * (self.max_depth - 1)
 
 
 @dataclass(slots=True)

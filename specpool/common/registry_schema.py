@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from specpool.common.errors import FieldError
-from specpool.common.speculation import NO_ESTIMATE, Method
+from specpool.engine.method import NO_ESTIMATE, Method
 
 PREFIX = "specpool"
 Kind = Literal["target", "endpoint"]

@@ -1,18 +1,19 @@
-"""The speculation vocabulary both ends share, and the only place it is spelled: which drafter, the
-limits of a round, and the protobuf forms of sampling params and of q.
+"""The speculation vocabulary on the wire: the protobuf forms of a method, a finish reason, a tensor
+backend, sampling params and q, and the only place they are mapped.
 
 The Target API (target.proto, SpeculationMethod) and the Speculation API (speculation.proto,
-DrafterKind) name drafters with enums of their own; in Python there is one `Method`, and a request
-that names none (UNSPECIFIED) carries `None`: the server's default.
+DrafterKind) name drafters with enums of their own; in Python there is one `Method`
+(specpool/engine/method.py, with the limits of a round), and a request that names none (UNSPECIFIED)
+carries `None`: the server's default.
 """
 
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from specpool.common.errors import FieldError
+from specpool.engine.method import Method
 from specpool_client.v1 import speculation_pb2 as spec_pb
 from specpool_client.v1 import target_pb2
 
@@ -21,33 +22,9 @@ if TYPE_CHECKING:  # the router speaks this vocabulary too, and never loads torc
 
     from specpool.engine.verification.sampling import SamplingParams
 
-MAX_DRAFT_TOKENS = 32  # per sequence and round
 # Sparse q (a top-k sampler's draft distribution) travels inline in gRPC rounds up to this many tokens a
 # row: 8 drafts x 256 x 8 bytes is 16 KB a sequence. A wider support goes dense on the tensor channel.
 SPARSE_Q_MAX_K = 256
-# A target's policy speculates only where the best length is predicted this much faster than plain
-# decoding: the cost table is a synthetic forward (no sampling or bookkeeping, uniform contexts), and near
-# break-even its error decides. Without a margin a draft model ran 0.97x AR at batch 16 (measured on an
-# AVX-512 AMD EPYC only; benchmarks record the margin they ran with). Routers plan a method only past it.
-MIN_GAIN = 1.1
-# The predicted speedup of a target with no policy to ask (a draft length forced with --draft-tokens, or a
-# registration without the figure): no estimate, so routers plan as they would from a bare 1.0, margin aside.
-NO_ESTIMATE = 1.0
-
-
-class Method(StrEnum):
-    """How a request speculates. The values label metrics, plans and registrations."""
-
-    NONE = "none"  # plain decoding
-    DRAFT_MODEL = "draft_model"  # the endpoint's trained draft model
-    NGRAM = "ngram"  # n-gram drafting (SSSD), on the endpoint or the target's own
-    SSD = "ssd"  # pre-speculating the likely outcomes while the target verifies (the head's, where one is)
-    HEAD = "head"  # the endpoint's feature-fed draft head, fed the target's hidden states
-
-    @property
-    def drafts_with_model(self) -> bool:
-        return self in (Method.DRAFT_MODEL, Method.SSD, Method.HEAD)
-
 
 _METHOD_PB = {
     Method.NONE: target_pb2.SPECULATION_METHOD_NONE,

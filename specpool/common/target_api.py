@@ -5,7 +5,8 @@ which then checks what only it knows (its model name, vocabulary, context and ba
 from __future__ import annotations
 
 from specpool.common.errors import FieldError
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method, check_sampling, method_from_pb
+from specpool.common.speculation import check_sampling, method_from_pb
+from specpool.engine.method import MAX_DRAFT_TOKENS, Method
 from specpool_client.v1 import target_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant")

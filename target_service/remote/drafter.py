@@ -26,12 +26,12 @@ import grpc
 import torch
 
 from specpool.common.security import Security
-from specpool.common.speculation import Method, q_travels_dense, sparse_q_from_pb
+from specpool.common.speculation import q_travels_dense, sparse_q_from_pb
 from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepted_prefix
 from specpool.engine.drafters.ngram import NgramDrafter
-from specpool.engine.drafters.trees import TreeShape
-from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan
+from specpool.engine.method import Method
+from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
 from specpool.engine.speculation_policy import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.remote.codec import (

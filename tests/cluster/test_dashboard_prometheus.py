@@ -45,7 +45,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
-from specpool.common.speculation import NO_ESTIMATE, method_name
+from specpool.common.speculation import method_name
+from specpool.engine.method import NO_ESTIMATE
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "helm" / "specpool" / "dashboards" / "specpool.json"

@@ -211,8 +211,9 @@ def test_members_on_their_nodes_restart_scale_and_down(ray_nodes, tmp_path):
     import ray
 
     from specpool.cluster.ray_launcher import RayCluster
-    from specpool.common.speculation import Method, method_to_pb, sampling_to_pb
+    from specpool.common.speculation import method_to_pb, sampling_to_pb
     from specpool.engine.decoding import generate
+    from specpool.engine.method import Method
     from specpool.engine.runtime.gguf_loader import model_name
     from specpool.engine.runtime.model import Llama
     from specpool.engine.verification.sampling import SamplingParams

@@ -13,7 +13,7 @@ import transformers
 
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification import token_tree

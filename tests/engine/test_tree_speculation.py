@@ -17,7 +17,7 @@ from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy, StepCosts

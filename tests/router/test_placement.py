@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
-from specpool.common.speculation import Method
+from specpool.engine.method import Method
 from specpool.router.decisions import (
     ENDPOINT_BUSY,
     NO_ENDPOINT,

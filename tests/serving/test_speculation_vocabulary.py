@@ -8,7 +8,6 @@ import pytest
 from specpool.common.errors import FieldError
 from specpool.common.speculation import (
     SPARSE_Q_MAX_K,
-    Method,
     drafter_from_pb,
     drafter_to_pb,
     method_from_pb,
@@ -19,6 +18,7 @@ from specpool.common.speculation import (
     sparse_q_from_pb,
     sparse_q_to_pb,
 )
+from specpool.engine.method import Method
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client.v1 import speculation_pb2 as spec_pb
 from specpool_client.v1 import target_pb2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpool.common.speculation import Method
+from specpool.engine.method import Method
 from specpool.spec_endpoint import drafters as drafters_module
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
 from tests.engine.gguf_families import byte_vocabulary, write_gguf

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from specpool.common import serving
-from specpool.common.speculation import Method
 from specpool.common.tensor_channel import LoopbackChannel
 from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.trees import TreeShape
+from specpool.engine.method import Method
+from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.gguf_loader import load_gguf, save_gguf
 from specpool.engine.runtime.model import Llama, random_weights

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpool.common.speculation import Method
 from specpool.common.tensor_channel import LoopbackChannel
 from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.method import Method
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.gguf_loader import load_gguf, save_gguf
 from specpool.engine.runtime.model import Llama, random_weights

@@ -9,11 +9,10 @@ import time
 import pytest
 import torch
 
-from specpool.common.speculation import MAX_DRAFT_TOKENS, Method
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.trees import TreeShape
-from specpool.engine.plan import SpeculationPlan
+from specpool.engine.method import MAX_DRAFT_TOKENS, Method
+from specpool.engine.plan import SpeculationPlan, TreeShape
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, make_generator

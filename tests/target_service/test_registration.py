@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specpool.common.speculation import Method
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.method import Method
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts, cached_step_costs
 from specpool.target_service.draft_length import TargetDraftLength

@@ -11,9 +11,10 @@ import grpc
 import pytest
 import torch
 
-from specpool.common.speculation import Method, sparse_q_from_pb
+from specpool.common.speculation import sparse_q_from_pb
 from specpool.engine.decoding import PACED_ROUNDS, Decoder, generate
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.method import Method
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
 from specpool.engine.verification.sampling import SamplingParams

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import specpool.training
-from specpool.common.speculation import Method
 from specpool.engine.decoding import generate
+from specpool.engine.method import Method
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters

@@ -1,0 +1,19 @@
+"""The flags of every command that loads a target model: `specpool generate`, `bench` and `serve-target`."""
+
+from __future__ import annotations
+
+import argparse
+
+MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
+              "(default: SmolLM2-135M-Instruct)")
+DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
+              "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
+              "device computes it natively, else fp32; fp32: the reference numerics)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device and --threads."""
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"], help=DTYPE_HELP)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
