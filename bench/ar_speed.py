@@ -10,7 +10,7 @@ compared with specpool's fp32 path (the GGUF dequantized): its logits' largest d
 prompt and the fp32 path's greedy tokens, and whether its greedy tokens are the same (else where
 they first differ, and the fp32 path's top-2 logit gap there). Last, the verify-step cost tables
 T(1, K) and T(16, K) for K drafts, the costs the speculation policy plans with
-(engine/speculation_policy.py), and llama.cpp's own T(1, K) for the same feeds. Each engine's start is
+(engine/policy/costs.py), and llama.cpp's own T(1, K) for the same feeds. Each engine's start is
 timed: loading the model (q4: repacking its blocks), and the engine's CPU kernels' build or load
 (engine/runtime/kernels.py: a build the first time on a machine, a load after).
 
@@ -31,12 +31,12 @@ import torch
 from specpool.bench import llamacpp_build
 from specpool.common.machine import machine_info, machine_line, memory_read_gbps
 from specpool.engine.decoding import generate
+from specpool.engine.policy.costs import measure_step_costs
 from specpool.engine.runtime import kernels
 from specpool.engine.runtime.device import DTYPES, int4_kernels, kernel_isa, native_bf16
 from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.tokenizer import Tokenizer
-from specpool.engine.speculation_policy import measure_step_costs
 from specpool.engine.verification.sampling import SamplingParams
 
 try:

@@ -144,7 +144,7 @@ class LlamaCpp:
 
     def step_costs(self, draft_lens: list[int], context_len: int = 128, repeats: int = 5) -> list[float]:
         """T(1, K) for each K of `draft_lens`: the best of `repeats` seconds of one decode call feeding K+1
-        tokens (logits for each) to a sequence holding `context_len`, as engine/speculation_policy.py
+        tokens (logits for each) to a sequence holding `context_len`, as engine/policy/costs.py
         measures ours."""
         memory = self.lc.llama_get_memory(self.ctx)
         self.lc.llama_memory_clear(memory, True)

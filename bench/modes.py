@@ -14,14 +14,16 @@ import torch
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.head import HeadDrafter
-from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
+from specpool.engine.drafters.hybrid import HybridTreeDrafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
 from specpool.engine.plan import TreeShape
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import cached_step_costs
+from specpool.engine.policy.draft_length import HybridDraftLength, ModelShare, SpeculationPolicy
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, cached_step_costs
 from specpool.engine.verification.sampling import SamplingParams
 
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)

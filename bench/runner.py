@@ -30,9 +30,9 @@ from specpool.bench import llamacpp_build
 from specpool.bench.modes import PEERS, BenchConfig, ModeTotals, build_runners, mode_hardware
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
 from specpool.common.machine import machine_info
+from specpool.engine.policy.draft_length import SpeculationPolicy
 from specpool.engine.runtime.device import draft_format, resolve_dtype
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import SpeculationPolicy
 from specpool.engine.verification.sampling import SamplingParams
 
 NEAR_TIE = 1e-4  # top-2 logit gap under which a greedy divergence is rounding, not a bug
@@ -106,7 +106,7 @@ def target_profile(model: Llama, start_s: float, rows: list[dict]) -> dict:
     K drafts over T(B, 0), at batch 1 and 16 (fresh, best of 5, not the policy's cached table)."""
     from specpool.bench.ar_speed import weight_bytes
     from specpool.common.machine import memory_read_gbps
-    from specpool.engine.speculation_policy import measure_step_costs
+    from specpool.engine.policy.costs import measure_step_costs
 
     lens = (0, 1, 2, 4, 8)
     costs = measure_step_costs(model, (1, 16), lens, repeats=5).seconds

@@ -17,14 +17,9 @@ import torch
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
 from specpool.engine.method import Method
 from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.draft_length import PLAIN_DECODING, DraftLength, FixedDraftLength, Running
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import (
-    PLAIN_DECODING,
-    AcceptanceEstimate,
-    DraftLength,
-    FixedDraftLength,
-    Running,
-)
 from specpool.engine.verification import token_tree
 from specpool.engine.verification.rules import (
     TreeVerifyResult,

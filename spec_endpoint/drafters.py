@@ -26,12 +26,12 @@ from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.method import Method
 from specpool.engine.plan import TreeShape
+from specpool.engine.policy.costs import StepCosts, cached_step_costs
 from specpool.engine.runtime.draft_pair import TargetMismatch, VocabularyMismatch, load_draft
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
 from specpool.engine.runtime.hf_config import read_json
 from specpool.engine.runtime.hf_loader import HFModel, load_model_file
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import StepCosts, cached_step_costs
 from specpool.engine.verification.sampling import make_generator
 
 if TYPE_CHECKING:

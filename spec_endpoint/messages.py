@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specpool.engine.method import Method
-    from specpool.engine.speculation_policy import StepCosts
+    from specpool.engine.policy.costs import StepCosts
     from specpool.engine.verification.sampling import SamplingParams
 
 

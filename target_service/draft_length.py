@@ -8,20 +8,15 @@ from collections.abc import Sequence
 
 from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM
-from specpool.engine.speculation_policy import (
-    AcceptanceEstimate,
-    DraftLength,
-    FixedDraftLength,
-    Running,
-    SpeculationPolicy,
-    StepCosts,
-)
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts
+from specpool.engine.policy.draft_length import DraftLength, FixedDraftLength, Running, SpeculationPolicy
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool_client.v1 import speculation_pb2 as pb
 
 
 class TargetDraftLength:
-    """engine.speculation_policy.DraftLength over the remote drafter's sequences. With measured costs, the
+    """engine.policy.draft_length.DraftLength over the remote drafter's sequences. With measured costs, the
     draft model is charged only while a running sequence drafts with it (n-gram drafting costs the
     target nothing measurable), SSD only for the share of rounds it misses, and every remote round its
     measured wire time: so no batch size speculates where that is predicted slower than plain

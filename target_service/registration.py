@@ -9,13 +9,10 @@ from pathlib import Path
 
 from specpool.engine.decoding import Decoder
 from specpool.engine.method import NO_ESTIMATE, Method
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts, peek_step_costs
+from specpool.engine.policy.draft_length import SpeculationPolicy
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import (
-    AcceptanceEstimate,
-    SpeculationPolicy,
-    StepCosts,
-    peek_step_costs,
-)
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.scheduler import Scheduler

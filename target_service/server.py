@@ -33,10 +33,10 @@ from specpool.common.serving import (
 from specpool.engine.decoding import Decoder
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.policy.costs import cached_step_costs
 from specpool.engine.runtime.device import off_main_thread
 from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import cached_step_costs
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.registration import HeartbeatFields, Layout

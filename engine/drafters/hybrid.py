@@ -11,24 +11,13 @@ verifies them with the tree rule whatever the sampler.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from itertools import count
 
 from specpool.engine.drafters.base import Drafter, Drafts
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
-from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy
-
-
-@dataclasses.dataclass
-class ModelShare:
-    """The share of drafted rows whose tree the model grew: a moving average, `value` (a prior) at first."""
-
-    value: float = 0.5
-
-    def add(self, model_rows: int, rows: int) -> None:
-        self.value += 0.1 * (model_rows / rows - self.value)
+from specpool.engine.policy.draft_length import ModelShare
 
 
 class HybridTreeDrafter(Drafter):
@@ -86,26 +75,3 @@ class HybridTreeDrafter(Drafter):
                 tokens[b], parents[b] = grown.tokens[i], grown.parents[i]
             self.model_rounds += len(from_model)
         return Drafts(tokens=tokens, parents=parents)
-
-
-@dataclasses.dataclass
-class HybridDraftLength:
-    """The draft-length policy of a hybrid drafter: the model's drafting is charged only for the
-    share of rows the model drafts (the store's trees cost no forward)."""
-
-    policy: SpeculationPolicy
-    share: ModelShare
-
-    @property
-    def max_draft(self) -> int:
-        return self.policy.max_draft
-
-    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
-        charged = dataclasses.replace(self.policy, drafting_share=self.share.value)
-        return charged.lengths(batch, acceptance)
-
-    def observe(self, seconds: float) -> None:
-        self.policy.observe(seconds)
-
-    def plain_round_s(self, batch_size: int) -> float:
-        return self.policy.plain_round_s(batch_size)

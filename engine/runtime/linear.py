@@ -26,7 +26,7 @@ from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 # ("ab"), and every product of 2 or more rows ran a slower path: the 30 layers + head of the 135M
 # model took 33 ms for 1 row but 49 for 2 and 61 for 9 on AVX2 (fp32, 2 cores), 39 -> 48 -> 61 ms on
 # AVX-512. Prepacked for 16 rows (blocked, "AB16b64a"), 1 row costs the same or less and 2-9 rows
-# little more: 29 / 30 / 43 ms on AVX2, 36 / 36 / 38 ms on AVX-512 (engine/speculation_policy.py's
+# little more: 29 / 30 / 43 ms on AVX2, 36 / 36 / 38 ms on AVX-512 (engine/policy/costs.py's
 # T(1, K) at K = 0, 1, 8; AMD EPYC, measured side by side).
 PREPACK_ROWS = 16
 

@@ -11,7 +11,7 @@ import torch
 from specpool.common.speculation import drafter_to_pb, sampling_to_pb
 from specpool.engine.drafters.base import Drafts
 from specpool.engine.plan import SpeculationPlan
-from specpool.engine.speculation_policy import StepCosts
+from specpool.engine.policy.costs import StepCosts
 from specpool.engine.verification import token_tree
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client.v1 import speculation_pb2 as pb

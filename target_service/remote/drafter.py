@@ -32,7 +32,7 @@ from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepte
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
-from specpool.engine.speculation_policy import StepCosts
+from specpool.engine.policy.costs import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.remote.codec import (
     Row,

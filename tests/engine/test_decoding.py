@@ -22,10 +22,10 @@ from specpool.engine.decoding import Decoder, generate
 from specpool.engine.drafters.base import Drafts
 from specpool.engine.drafters.head import HeadDrafter
 from specpool.engine.drafters.model import ModelDrafter
+from specpool.engine.policy.draft_length import FixedDraftLength
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.gguf_loader import save_gguf
 from specpool.engine.runtime.model import Llama, random_weights
-from specpool.engine.speculation_policy import FixedDraftLength
 from specpool.engine.verification.sampling import SamplingParams, logits_to_probs, make_generator
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased

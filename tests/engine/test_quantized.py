@@ -19,13 +19,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specpool.engine.decoding import generate
+from specpool.engine.policy.costs import cached_step_costs
 from specpool.engine.runtime import device, kernels
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks, load_gguf, save_gguf
 from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
 from specpool.engine.runtime.model import Llama, random_weights
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16
-from specpool.engine.speculation_policy import cached_step_costs
 from specpool.engine.verification.sampling import SamplingParams
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

@@ -14,13 +14,15 @@ import torch
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.head import HeadDrafter
-from specpool.engine.drafters.hybrid import HybridDraftLength, HybridTreeDrafter, ModelShare
+from specpool.engine.drafters.hybrid import HybridTreeDrafter
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
 from specpool.engine.plan import TreeShape
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts
+from specpool.engine.policy.draft_length import HybridDraftLength, ModelShare, Running, SpeculationPolicy
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import AcceptanceEstimate, Running, SpeculationPolicy, StepCosts
 from specpool.engine.verification import token_tree
 from specpool.engine.verification.sampling import SamplingParams, make_generator
 from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V

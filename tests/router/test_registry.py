@@ -30,7 +30,9 @@ from specpool.common.registry_schema import (
     encode_fields,
     member_acl,
 )
-from specpool.engine.speculation_policy import AcceptanceEstimate, SpeculationPolicy, StepCosts
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts
+from specpool.engine.policy.draft_length import SpeculationPolicy
 from specpool.spec_endpoint.messages import CapacityReport, ModelReport, TenantReport
 from specpool.spec_endpoint.registration import heartbeat_fields
 from specpool.target_service.registration import predicted_speedup

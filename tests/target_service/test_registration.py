@@ -12,7 +12,9 @@ import torch
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import SpeculationPlan
-from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts, cached_step_costs
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts, cached_step_costs
+from specpool.engine.policy.draft_length import Running
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.registration import (

@@ -16,7 +16,9 @@ from specpool.engine.decoding import PACED_ROUNDS, Decoder, generate
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import SpeculationPlan
-from specpool.engine.speculation_policy import AcceptanceEstimate, Running, StepCosts
+from specpool.engine.policy.acceptance import AcceptanceEstimate
+from specpool.engine.policy.costs import StepCosts
+from specpool.engine.policy.draft_length import Running
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.remote.codec import (

@@ -8,18 +8,10 @@ import pytest
 
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.policy.acceptance import AcceptanceEstimate, expected_tokens
+from specpool.engine.policy.costs import StepCosts, cached_step_costs, measure_step_costs
+from specpool.engine.policy.draft_length import FixedDraftLength, RoundSlowdown, Running, SpeculationPolicy
 from specpool.engine.runtime.model import Llama
-from specpool.engine.speculation_policy import (
-    AcceptanceEstimate,
-    FixedDraftLength,
-    RoundSlowdown,
-    Running,
-    SpeculationPolicy,
-    StepCosts,
-    cached_step_costs,
-    expected_tokens,
-    measure_step_costs,
-)
 from specpool.engine.verification.sampling import SamplingParams
 
 # A memory-bound target at batch 1 (verify cost flat in s) that turns compute-bound at batch 16.
@@ -87,7 +79,7 @@ def test_draft_model_starts_only_when_its_catch_up_pays_back():
 
 
 def test_measured_rows_are_made_non_decreasing():
-    from specpool.engine.speculation_policy import _non_decreasing
+    from specpool.engine.policy.costs import _non_decreasing
 
     # A noisy dip (s=2 measured cheaper than s=1) is pooled with its neighbour, by hand: (5+3)/2 = 4.
     assert _non_decreasing([1.0, 5.0, 3.0, 6.0]) == [1.0, 4.0, 4.0, 6.0]

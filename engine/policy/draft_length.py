@@ -1,0 +1,236 @@
+"""Choosing s each round: the policy that maximises b * E(s) / (T(b, s) + D(b, s)) (see the package's
+docstring), a fixed length, and the hybrid drafter's, which charges drafting only for its model's rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specpool.engine.method import MIN_GAIN
+from specpool.engine.plan import SpeculationPlan, TreeShape
+from specpool.engine.policy.acceptance import AcceptanceEstimate, Expected, as_expected
+from specpool.engine.policy.costs import StepCosts
+
+
+class RoundSlowdown:
+    """How much longer real rounds take than the cost table predicts, learned from the rounds run.
+
+    The table times a bare forward; a real round also asks the drafter, samples, verifies, keeps the
+    cache and updates every sequence, and each step of a draft model carries the same overheads. Near
+    break-even that error decides: priced by the table alone, a draft model ran 0.94x AR at batch 1
+    (q4, AMD EPYC). Learned as ratios (measured / predicted), so that they carry across draft lengths
+    and batch sizes, apart for plain and for speculative rounds. The speculative ratio leans back on
+    the plain one while the policy does not speculate, so that it tries again eventually, as
+    AcceptanceEstimate leans back on its prior.
+    """
+
+    def __init__(self, decay: float = 0.98, prior_weight: float = 1.0):
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._sums = [0.0, 0.0]  # decayed sums of measured / predicted, per kind of round
+        self._weights = [0.0, 0.0]
+        self._expected: tuple[int, float] | None = None  # (kind, predicted seconds) of the round chosen last
+
+    def ratio(self, speculative: bool) -> float:
+        """Measured / predicted seconds of a round of this kind (plain: 1 before any is measured;
+        speculative: the plain ratio before any is measured)."""
+        plain = (self._sums[0] + self.prior_weight) / (self._weights[0] + self.prior_weight)
+        if not speculative:
+            return plain
+        return (self._sums[1] + self.prior_weight * plain) / (self._weights[1] + self.prior_weight)
+
+    def expect(self, speculative: bool, seconds: float) -> None:
+        """The policy's prediction for the round it has just chosen."""
+        self._expected = (int(speculative), seconds)
+
+    def observe(self, seconds: float) -> None:
+        """The decoder's measurement of that round, drafting included (ignored when nothing was expected)."""
+        if self._expected is None or self._expected[1] <= 0:
+            return
+        kind, predicted = self._expected
+        self._expected = None
+        self._sums = [self.decay * x for x in self._sums]
+        self._weights = [self.decay * w for w in self._weights]
+        self._sums[kind] += seconds / predicted
+        self._weights[kind] += 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A running sequence, as a draft-length policy sees it."""
+
+    seq_id: str
+    unseen: int  # tokens its drafter holds but has not run its model over (its catch-up)
+    remaining: int  # tokens it may still emit
+    plan: SpeculationPlan | None = None  # how it speculates (None: as the decoder's drafter does)
+
+
+class DraftLength(Protocol):
+    """The one owner of how many tokens each running sequence may draft in a round."""
+
+    max_draft: int  # the longest it ever chooses: the KV room every sequence keeps
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        """Per sequence of the batch, in order: the positions offered to the drafter (0: none)."""
+        ...
+
+    def observe(self, seconds: float) -> None:
+        """The measured seconds of the round it last chose lengths for, drafting included."""
+        ...
+
+    def plain_round_s(self, batch_size: int) -> float | None:
+        """The seconds a plain round of this batch size takes, as real ones run (None: not known, and
+        no sequence's plan is dropped for measuring slower than it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedDraftLength:
+    """The same length every round (0: plain decoding)."""
+
+    max_draft: int
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        return [self.max_draft] * len(batch)
+
+    def observe(self, seconds: float) -> None:
+        pass
+
+    def plain_round_s(self, batch_size: int) -> float | None:
+        return None  # a length forced on the decoder is kept, whatever it costs
+
+
+PLAIN_DECODING = FixedDraftLength(0)
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    target_costs: StepCosts
+    draft_costs: StepCosts | None = None  # None: drafting costs nothing measurable (n-gram)
+    max_draft: int = 16
+    min_gain: float = MIN_GAIN
+    # A remote drafter's round trip beyond its drafting (wire, serialisation), measured by the caller.
+    round_s: float = 0.0
+    # The share of rounds whose drafting is on the critical path: SSD's misses (its hits were drafted
+    # while the target verified).
+    drafting_share: float = 1.0
+    # The drafter grows token trees of this shape (the draft length is then the node budget): a draft
+    # forward per level, the root's one token then up to `beam` nodes a level, not one per token.
+    tree: TreeShape | None = None
+    # What real rounds cost beyond the table, learned from them: shared by the copies a caller makes
+    # with dataclasses.replace (a remote round's wire time, SSD's miss share), so each learns from all.
+    slowdown: RoundSlowdown = field(default_factory=RoundSlowdown, compare=False)
+
+    def step_time(self, batch_size: int, draft_len: int, fill: float = 1.0) -> float:
+        """Expected seconds of a round offering draft_len positions per sequence, when the drafter fills
+        a share `fill` of the offers: with no row drafted, the target runs a plain step."""
+        if draft_len <= 0:
+            return self.target_costs(batch_size, 0)
+        drafting = self.round_s
+        if self.draft_costs is not None:
+            drafting += self.drafting_share * self.drafting_time(batch_size, draft_len)
+        verify = self.target_costs(batch_size, draft_len)
+        if fill < 1.0 and draft_len > 0:
+            none_drafted = (1.0 - fill) ** batch_size
+            verify = (1 - none_drafted) * verify + none_drafted * self.target_costs(batch_size, 0)
+        return verify + drafting
+
+    def drafting_time(self, batch_size: int, draft_len: int) -> float:
+        """Seconds of the draft forwards that make drafts of this length (chains: one 1-token step a token)."""
+        if self.tree is None:
+            return draft_len * self.draft_costs(batch_size, 0)
+        levels = min(draft_len, self.tree.max_depth)
+        width = min(self.tree.beam, draft_len)
+        return self.draft_costs(batch_size, 0) + (levels - 1) * self.draft_costs(batch_size, width - 1)
+
+    def choose(self, batch_size: int, acceptance: Expected | float, catch_up: float = 0.0,
+               remaining: float = float("inf"), fill: float = 1.0) -> int:
+        """The draft length maximising expected tokens/s at this batch size (0: do not speculate).
+        `acceptance`: AcceptanceEstimate.expected_tokens, or a per-token alpha of i.i.d. drafts;
+        `fill`: the share of offers the drafter fills (AcceptanceEstimate.fill).
+
+        A draft model that sat out earlier rounds must first absorb the `catch_up` tokens per
+        sequence it has not seen (the prompt, or tokens decoded while speculation paid nothing);
+        starting pays only if the faster steps win that time back over the `remaining` tokens.
+        """
+        plain_rate = self.plain_rate(batch_size)
+        best_len, gain = self.speedup(batch_size, acceptance, fill)
+        if gain <= self.min_gain:
+            return 0
+        best_rate = gain * plain_rate
+        if self.draft_costs is not None and catch_up > 1:
+            # Steady state already charges a one-token feed per draft step; the extra is the rest.
+            extra = self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
+            if remaining / best_rate + extra >= remaining / plain_rate:
+                return 0
+        return best_len
+
+    def plain_round_s(self, batch_size: int) -> float:
+        """DraftLength: the table's plain step, times what real plain rounds measured beyond it."""
+        return self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False)
+
+    def plain_rate(self, batch_size: int) -> float:
+        """Tokens/s per sequence of plain decoding at this batch size, as real plain rounds run."""
+        return 1.0 / self.plain_round_s(batch_size)
+
+    def speedup(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
+        """(the fastest draft length, its predicted speedup over plain decoding at this batch size): the
+        cost table, the drafter's fill and the slowdown real rounds measured. The one estimate: the
+        policy chooses by it, and the target's heartbeat tells it to routers, which plan by it."""
+        best_len, best_rate = self.fastest(batch_size, acceptance, fill)
+        return best_len, best_rate / self.slowdown.ratio(speculative=True) / self.plain_rate(batch_size)
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        """DraftLength: one length for the whole batch, chosen from its mean catch-up and remaining tokens."""
+        n = len(batch)
+        if not n:
+            return []
+        catch_up = sum(r.unseen for r in batch) / n
+        remaining = sum(r.remaining for r in batch) / n
+        length = self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)
+        self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill))
+        return [length] * n
+
+    def observe(self, seconds: float) -> None:
+        self.slowdown.observe(seconds)
+
+    def fastest(self, batch_size: int, acceptance: Expected | float, fill: float = 1.0) -> tuple[int, float]:
+        """(draft length s >= 1, its expected tokens/s per sequence): the fastest speculative step."""
+        expected = as_expected(acceptance)
+        return max(((s, expected(s) / self.step_time(batch_size, s, fill)) for s in range(1, self.max_draft + 1)),
+                   key=lambda pair: pair[1])
+
+
+@dataclasses.dataclass
+class ModelShare:
+    """The share of drafted rows whose tree the model grew: a moving average, `value` (a prior) at first."""
+
+    value: float = 0.5
+
+    def add(self, model_rows: int, rows: int) -> None:
+        self.value += 0.1 * (model_rows / rows - self.value)
+
+
+@dataclasses.dataclass
+class HybridDraftLength:
+    """The draft-length policy of a hybrid drafter: the model's drafting is charged only for the
+    share of rows the model drafts (the store's trees cost no forward)."""
+
+    policy: SpeculationPolicy
+    share: ModelShare
+
+    @property
+    def max_draft(self) -> int:
+        return self.policy.max_draft
+
+    def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
+        charged = dataclasses.replace(self.policy, drafting_share=self.share.value)
+        return charged.lengths(batch, acceptance)
+
+    def observe(self, seconds: float) -> None:
+        self.policy.observe(seconds)
+
+    def plain_round_s(self, batch_size: int) -> float:
+        return self.policy.plain_round_s(batch_size)
