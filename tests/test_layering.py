@@ -1,9 +1,11 @@
-"""The layers the code is built in, checked on its imports (every one, lazy and TYPE_CHECKING ones too):
+"""The layers the code is built in, checked on its imports (every one, lazy and TYPE_CHECKING ones too),
+and the size of its files:
 
 - the engine stands on the ground: no engine module imports specpool.common, grpc, protobuf or the
   generated stubs (specpool/common/speculation.py maps the engine's Method to the wire, not the reverse);
 - no service imports the CLI (specpool/cli.py is the top: it imports services, never the other way);
-- the drafters import one another without a circle.
+- the drafters import one another without a circle;
+- a file over 400 lines says why in a first line of its own.
 """
 
 from __future__ import annotations
@@ -72,3 +74,10 @@ def test_the_drafters_import_one_another_without_a_circle():
 
     circles = [c for c in (circle_from(name, [name]) for name in sorted(graph)) if c]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_a_file_over_400_lines_says_why_at_its_top():
+    files = [*REPO.glob("tests/**/*.py"), *modules().values(), *REPO.glob("scripts/*.py")]
+    silent = sorted(str(p.relative_to(REPO)) for p in files
+                    if len(p.read_text().splitlines()) > 400 and not p.read_text().startswith("# Over 400 lines: "))
+    assert not silent

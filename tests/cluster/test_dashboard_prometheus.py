@@ -1,3 +1,4 @@
+# Over 400 lines: one live cluster scraped by a real Prometheus, every dashboard query checked against it.
 """The Grafana dashboard (helm/specpool/dashboards/specpool.json) against a real Prometheus scraping a live
 `specpool up` cluster under load: every query of every panel returns data through Prometheus' HTTP API,
 and so does every template variable's.

@@ -1,3 +1,4 @@
+# Over 400 lines: the fault set (a poison pill, floods, bad bytes, grey endpoints) on the same servers.
 """One bad request must never hurt anyone else (issue 13), against real processes: a tiny serve-target
 registered in a real Redis, and a router in front of it.
 

@@ -1,3 +1,4 @@
+# Over 400 lines: one Ray cluster per module, shared by the launcher, scaling and placement tests.
 """`specpool up --ray`, `scale`, `down`: a cluster file's members as Ray actors (cluster/ray_launcher.py).
 
 The fast tests check the cluster file's `ray:` keys and the planning (placement groups, command lines);

@@ -1,3 +1,4 @@
+# Over 400 lines: the remote drafter's rounds, fallbacks and codec, on the same real messages.
 """The target's side of the Speculation API without processes: real messages through the codec, the
 session bookkeeping and the fallback, and a real gRPC endpoint in this process serving the stream."""
 
