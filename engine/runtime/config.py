@@ -23,6 +23,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class Family:
+    """What a model family's layers add to Llama's: the one table both loaders read (gguf_config.py by
+    general.architecture, hf_config.py by architectures[0])."""
+
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2)
+    qk_norm: bool = False  # an RMS norm over each q and k head before RoPE (Qwen3)
+
+
+FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(qkv_bias=True), "qwen3": Family(qk_norm=True)}
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     n_layers: int
     d_model: int

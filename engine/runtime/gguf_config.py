@@ -12,11 +12,12 @@ asks for (another architecture, partial rotary, a RoPE scaling type) is refused,
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from gguf import GGUFReader, ReaderTensor
 
-from specpool.engine.runtime.config import ModelConfig, file_tensors
+from specpool.engine.runtime.config import FAMILIES, ModelConfig, file_tensors
 from specpool.engine.runtime.hf_config import ModelFileError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -100,8 +101,7 @@ def read_gguf_config(path: Path, reader: GGUFReader, tensors: dict[str, ReaderTe
         head_dim=head_dim,
         rope_freq_factors=_rope_freq_factors(path, tensors.get(ROPE_FREQS), head_dim),
         sliding_window=window or None,
-        qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        **asdict(FAMILIES[arch]),
     ), arch
 
 

@@ -9,9 +9,10 @@ file and the key: run silently, it would give wrong answers.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from specpool.engine.runtime.config import ModelConfig, RopeScaling
+from specpool.engine.runtime.config import FAMILIES, ModelConfig, RopeScaling
 
 # architectures[0] -> family
 ARCHITECTURES = {
@@ -110,8 +111,7 @@ def read_config(directory: Path) -> ModelConfig:
         head_dim=head_dim,
         rope_scaling=rope_scaling,
         sliding_window=_sliding_window(raw, path, family, n_layers),
-        qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
+        **asdict(FAMILIES[family]),
     )
 
 
