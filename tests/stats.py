@@ -208,7 +208,7 @@ def assert_through_the_path(shares: dict[str, float], n: int, path: str = "cache
     rows moves their distribution by h times its size (the other rows are exact), so the test catches
     it once it is 1/h times the limit tests/README.md's table gives for the test: the path is proven as
     h^2 n rows through it alone would prove it. h >= 1/4 keeps that within 4x of the table's limit
-    (n/16 rows). 4x is what the tests' own cache-path twin still clears: engine/test_ssd's twin nearest
+    (n/16 rows). 4x is what the tests' own cache-path twin still clears: engine/drafters/test_ssd's twin nearest
     its limit (only cache hits misreport q, 0.15) is caught at 1.45x its threshold with 0.31 of its rows
     through the cache, so down to a share of about 0.31 / 1.45 = 0.21 < 1/4. The floor is the same for
     every test (in-process, on the real head, through the servers, push or pull); a test whose

@@ -28,7 +28,7 @@ every CPU model is checked as it loads (engine/runtime/row_check.py) and an auto
 takes `WeightFormat.fallback`: bf16 dense matrices to fp32, then fp32 throughout.
 Not dense bf16 on CPU: its decode and verify steps round differently (see engine/runtime/model.py), so speculation
 through it would not equal its own decoding. q4's logits sit within ~1-2 of fp32's (int8 or bf16
-activations), so its greedy output can leave fp32's at near-ties (tests/engine/test_quantized.py), while
+activations), so its greedy output can leave fp32's at near-ties (tests/engine/runtime/test_quantized.py), while
 speculation through q4 equals q4's own decoding bit for bit (engine/runtime/model.py). fp32 stays the reference
 numerics (`--dtype fp32`), whose greedy output equals transformers' reading the same GGUF token for token.
 """

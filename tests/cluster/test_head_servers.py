@@ -29,7 +29,7 @@ from tests.cluster.test_disaggregation import (
     stub_for,
     tiny_files,
 )
-from tests.engine.test_head import train_tiny_head
+from tests.engine.drafters.test_head import train_tiny_head
 from tests.stats import report
 
 

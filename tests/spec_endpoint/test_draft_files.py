@@ -9,8 +9,8 @@ import torch
 from specpool.engine.method import Method
 from specpool.spec_endpoint import drafters as drafters_module
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
-from tests.engine.gguf_families import byte_vocabulary, write_gguf
-from tests.engine.test_families import hf_model
+from tests.engine.runtime.gguf_families import byte_vocabulary, write_gguf
+from tests.engine.runtime.test_families import hf_model
 
 OPTIONS = LoadOptions(max_sessions=2, max_len=128, device=torch.device("cpu"), dtype="fp32")
 

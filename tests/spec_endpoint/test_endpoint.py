@@ -316,7 +316,7 @@ def test_ngram_sessions_draft_from_their_tenants_earlier_requests_and_never_anot
 def test_ssd_rounds_that_failed_every_sessions_prespeculation_are_answered_per_sequence(files):
     """Each of these made SSD pre-speculation raise (found fuzzing the endpoint, tests/cluster/test_fuzz.py),
     which lost the step's pre-speculation for every SSD session, other tenants' too. (Outcomes the SSD
-    drafter itself mishandled are in tests/engine/test_ssd.py.)"""
+    drafter itself mishandled are in tests/engine/drafters/test_ssd.py.)"""
     endpoint = make_endpoint(files)  # max_len 128
     stream = endpoint.open_stream()
 

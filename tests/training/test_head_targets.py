@@ -18,8 +18,8 @@ from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
 from specpool.training.train_head import TrainHeadConfig, run
-from tests.engine.test_families import hf_model, one_thread  # noqa: F401 (one_thread: an autouse fixture)
-from tests.engine.test_hf_files import save_byte_tokenizer
+from tests.engine.runtime.test_families import hf_model, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from tests.engine.runtime.test_hf_files import save_byte_tokenizer
 
 OPTIONS = LoadOptions(max_sessions=4, max_len=256, device=torch.device("cpu"), dtype="fp32")
 # save_byte_tokenizer's vocabulary: 256 bytes and 4 special tokens (<|bos|> 256, <|eos|> 257), 4 spare rows.

@@ -19,7 +19,7 @@ from specpool.engine.runtime.linear import BlockLinear, Linear
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[3] / "models"
 HEAD, DRAFT = MODELS / "smollm2-135m-head", MODELS / "smollm2-135m-draft"
 
 

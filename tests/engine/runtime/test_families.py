@@ -166,7 +166,7 @@ def test_a_window_as_long_as_the_context_keeps_no_mask(tmp_path):
 def test_a_windowed_tree_gives_every_node_its_paths_logits():
     """A node sits at its depth's position, wherever it was fed: with a window of 2, the deepest node of a wide
     tree no longer sees its grandparent, fed fifth but at depth 1. With biases and q/k norms too."""
-    from tests.engine.test_token_tree import PROMPT, ROOT, _fed_parents, _path_logits
+    from tests.engine.verification.test_token_tree import PROMPT, ROOT, _fed_parents, _path_logits
 
     tokens, parents = [11, 12, 13, 14, 15, 16], [-1, -1, -1, -1, 3, 4]  # root -> a, b, c, d; d -> e -> f
     model = Llama.random_init(replace(tiny_config(vocab_size=64), sliding_window=2, qkv_bias=True, qk_norm=True),

@@ -25,8 +25,8 @@ from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification import token_tree
 from specpool.engine.verification.sampling import SamplingParams, make_generator
+from tests.engine.drafters.test_head import tiny_head, trained_tiny_head
 from tests.engine.test_decoding import DRAFT, PROMPT, TARGET, V
-from tests.engine.test_head import tiny_head, trained_tiny_head
 from tests.stats import cells, check_tv, exact_joint, report
 from tests.twins import biased
 

@@ -1,5 +1,5 @@
 """The model families operators run, from GGUF files (issue 37): each family's tiny random transformers model
-(tests/engine/test_families.py) written as llama.cpp's converter writes it (tests/engine/gguf_families.py),
+(tests/engine/runtime/test_families.py) written as llama.cpp's converter writes it (tests/engine/runtime/gguf_families.py),
 F16 and quantized by llama.cpp itself, checked against transformers and against llama.cpp's own logits.
 
 Tolerances against llama.cpp, measured on these models (logit scale: the largest |logit|, 6 to 38):
@@ -26,8 +26,8 @@ from specpool.engine.runtime.hf_config import ModelFileError
 from specpool.engine.runtime.hf_loader import load_model_file
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
-from tests.engine.gguf_families import quantize, round_to_f16, write_gguf
-from tests.engine.test_families import FAMILIES, NEW_TOKENS, PROMPTS, hf_model, one_thread  # noqa: F401
+from tests.engine.runtime.gguf_families import quantize, round_to_f16, write_gguf
+from tests.engine.runtime.test_families import FAMILIES, NEW_TOKENS, PROMPTS, hf_model, one_thread  # noqa: F401
 
 WIDE = {"hidden_size": 256, "intermediate_size": 256}  # rows K-quants take (a multiple of 256)
 TOKENS = PROMPTS[0] * 5  # 100 positions: past Mistral's window, Llama 3.1's original context
@@ -226,7 +226,7 @@ def test_text_is_split_as_llama_cpp_splits_it(pre, tmp_path):
     into "12", "34" for both). Merges that cross those splits tell them apart."""
     import llama_cpp
 
-    from tests.engine.gguf_families import byte_vocabulary
+    from tests.engine.runtime.gguf_families import byte_vocabulary
 
     extra = {"12": "1 2", "34": "3 4", "(a": "( a", "ab": "a b", "Ġ1": "Ġ 1", "Ġa": "Ġ a"}
     tokens = byte_vocabulary(256)[0][: 256 - len(extra)] + list(extra)
@@ -253,7 +253,7 @@ def test_a_prompt_starts_with_bos_where_the_file_says_so_as_in_llama_cpp(add_bos
 
 
 def test_an_unknown_kind_of_vocabulary_is_refused_rather_than_misread(tmp_path):
-    """Byte-level BPE (gpt2) and SentencePiece (llama: tests/engine/test_spm_tokenizer.py) are read; another
+    """Byte-level BPE (gpt2) and SentencePiece (llama: tests/engine/runtime/test_spm_tokenizer.py) are read; another
     tokenizer.ggml.model, read as either, would tokenize every prompt wrong."""
     path = write_gguf(hf_model("mistral"), tmp_path / "model.gguf",
                       header=lambda w: w.add_string("tokenizer.ggml.model", "bert"))

@@ -12,8 +12,8 @@ from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.runtime.draft_pair import VocabularyMismatch, load_draft
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
-from tests.engine.gguf_families import byte_vocabulary, write_gguf
-from tests.engine.test_families import NEW_TOKENS, PROMPTS, hf_model, one_thread  # noqa: F401
+from tests.engine.runtime.gguf_families import byte_vocabulary, write_gguf
+from tests.engine.runtime.test_families import NEW_TOKENS, PROMPTS, hf_model, one_thread  # noqa: F401
 
 PERMUTATION = torch.randperm(256, generator=torch.Generator().manual_seed(5))  # draft id i <- target id PERM[i]
 

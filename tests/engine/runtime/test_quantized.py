@@ -1,5 +1,5 @@
 """The q4 format (engine/runtime/device.py resolve_format): the GGUF's own blocks through the engine's kernels
-(engine/runtime/linear.py BlockLinear, fused layers: tests/engine/test_kernels.py tests the kernels themselves) or,
+(engine/runtime/linear.py BlockLinear, fused layers: tests/engine/runtime/test_kernels.py tests the kernels themselves) or,
 where they cannot be built, through torch's int4 kernel (Int4Linear, against dequantize-then-matmul);
 both against the fp32 path and against their own decoding, bit for bit."""
 
@@ -28,7 +28,7 @@ from specpool.engine.runtime.model import Llama, random_weights
 from specpool.engine.runtime.process_env import NO_NATIVE_BF16
 from specpool.engine.verification.sampling import SamplingParams
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[3] / "models"
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 U = 2.0**-8  # bf16's unit roundoff: round to nearest with 8 significant bits
@@ -115,7 +115,7 @@ def test_auto_loads_the_default_model_as_q4_and_a_draft_on_q8_blocks(shipped, q4
     auto = Llama(shipped.config, shipped.weights, "auto", "cpu", blocks=shipped.blocks)
     assert auto.format == q4_model.format and auto.fused
     draft = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", auto.embed, dtype="auto", device="cpu")
-    assert draft.fused and draft.format.own_kernels  # its matrices quantized to Q8_0 (tests/engine/test_draft_format.py)
+    assert draft.fused and draft.format.own_kernels  # its matrices quantized to Q8_0 (tests/engine/runtime/test_draft_format.py)
     dense = Llama.from_draft_checkpoint(MODELS / "smollm2-135m-draft", auto.embed, dtype="fp32", device="cpu")
     assert dense.format == device.WeightFormat(torch.float32)
 
@@ -221,7 +221,7 @@ def test_q4_runs_on_an_avx2_machine(tiny_q4_gguf):
 FACTORIAL = "Write a Python function that returns the factorial of n."
 # A top-2 gap this small is within q4's own distance from the fp32 path (bf16 inputs to every matmul,
 # bf16 logits where the head is bf16: max |logit diff| ~0.6, mean ~0.07 over 300 tokens), so either
-# token is the model's; fp32 paths use 1e-4 (tests/engine/test_real_model.py).
+# token is the model's; fp32 paths use 1e-4 (tests/engine/runtime/test_real_model.py).
 Q4_NEAR_TIE = 0.5
 
 

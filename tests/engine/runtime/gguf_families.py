@@ -1,5 +1,5 @@
 """Tiny transformers models written as GGUF the way llama.cpp's convert_hf_to_gguf.py writes them, and
-quantized by llama.cpp itself: the files tests/engine/test_gguf_families.py loads in the engine and in llama.cpp.
+quantized by llama.cpp itself: the files tests/engine/runtime/test_gguf_families.py loads in the engine and in llama.cpp.
 
 What the converter does, per architecture, and so what this writer does:
 - LlamaForCausalLM and MistralForCausalLM -> `llama`: q and k rows permuted from rotate-half to adjacent

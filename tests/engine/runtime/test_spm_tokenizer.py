@@ -1,5 +1,5 @@
 """SentencePiece vocabularies in GGUF files (tokenizer.ggml.model llama: Llama 2's, Mistral's), read as llama.cpp
-reads them: a tiny Mistral GGUF with a vocabulary learned here (tests/engine/gguf_families.py), tokenized by us
+reads them: a tiny Mistral GGUF with a vocabulary learned here (tests/engine/runtime/gguf_families.py), tokenized by us
 and by llama.cpp itself (llama-cpp-python, vocab_only) and by transformers' GGUF reader.
 
 Where transformers differs from llama.cpp we follow llama.cpp: transformers prefixes a space only at the start
@@ -17,8 +17,8 @@ from specpool.engine.decoding import generate
 from specpool.engine.runtime.draft_pair import VocabularyMismatch, draft_to_target_ids
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
-from tests.engine.gguf_families import sentencepiece_vocabulary, write_gguf
-from tests.engine.test_families import hf_model, one_thread  # noqa: F401
+from tests.engine.runtime.gguf_families import sentencepiece_vocabulary, write_gguf
+from tests.engine.runtime.test_families import hf_model, one_thread  # noqa: F401
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world speculative decoding draft target token model café "
          "naïve über 12 345 2024 def f(x): return x + 1, print('hi') I'm it's")

@@ -17,8 +17,8 @@ from specpool.engine.drafters.ssd import SsdDrafter
 from specpool.engine.runtime.config import tiny_config
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams, make_generator
-from tests.engine.test_head import tiny_head, trained_tiny_head
-from tests.engine.test_ssd import Inline, UnrescaledQ, scored_sources
+from tests.engine.drafters.test_head import tiny_head, trained_tiny_head
+from tests.engine.drafters.test_ssd import Inline, UnrescaledQ, scored_sources
 from tests.stats import assert_through_the_path, check_tv, exact_probs, report
 
 # A head trained on this target's samples agrees with it often enough for both hits and misses.
@@ -173,7 +173,7 @@ def _slot(model: Llama):
 
 # -- lossless sampling with the real target and head -------------------------------------------------
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[3] / "models"
 # The prompt the test was written with (before head v2), kept whatever share it gives: a prompt is not picked
 # to clear tests/stats.assert_through_the_path's bound (e96fb98 had moved it to "import numpy as" for that).
 REAL_TEXT = "for i in"
@@ -244,7 +244,7 @@ def test_sampling_through_ssd_with_the_real_head_is_lossless(real_model, real_he
 
 
 @pytest.mark.slow
-@pytest.mark.full_power  # the same twin as engine/test_ssd's (caught in every tier), on the real head
+@pytest.mark.full_power  # the same twin as engine/drafters/test_ssd's (caught in every tier), on the real head
 def test_the_harness_catches_a_misreported_saguaro_q_with_the_real_head(real_model, real_head):
     """At most 3 forks < top-k 4: every draft, neural or from the cache, was drawn rescaled."""
     twin, shares = real_check("SSD real head T=1.0 top-k 4 C=0.1, Saguaro q unrescaled", real_model, real_head,

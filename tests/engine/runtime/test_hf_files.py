@@ -1,6 +1,6 @@
 """Hugging Face model directories beyond the weights (issue 37): tokenizer.json and the chat template as
 transformers renders them, the command line and serve-target on a directory, and bad files, each refused at
-load naming the file and the field. The models are tests/engine/test_families.py's."""
+load naming the file and the field. The models are tests/engine/runtime/test_families.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from specpool.engine.runtime.hf_config import ModelFileError
 from specpool.engine.runtime.model import Llama
-from tests.engine.test_families import hf_model, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from tests.engine.runtime.test_families import hf_model, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 
 # -- a tokenizer, a chat template, the command line ----------------------------------------------------------
 
