@@ -114,8 +114,12 @@ class Generation:
                     return
             raise OpenAIError(502, "the Generate stream ended without its final message")
         finally:
-            if not self._call.done():
-                self._call.cancel()  # the client left, or the stream failed: free the request's slot
+            self.cancel()  # the client left, or the stream failed: free the request's slot
+
+    def cancel(self) -> None:
+        """Ends the call now (its client left): its replica frees the request's slot."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
 
     def choices(self, with_token_ids: bool) -> list[ChoiceResult]:
         out = []

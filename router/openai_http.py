@@ -158,6 +158,10 @@ async def _generate(request: Request, body: CompletionRequest | ChatRequest, met
     with_ids = bool(body.return_token_ids)
     if body.stream:
         await generation.open()
+        # The events stop at the client's leaving (its connection dropped, a stalled one included) only
+        # when they next send: a Generate call read meanwhile ran on to its end. Cancelled at once instead.
+        watcher = asyncio.ensure_future(_client_left(request))
+        watcher.add_done_callback(lambda _: generation.cancel())
         return StreamingResponse(_events(generation, shape, head, body.include_usage, with_ids),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -238,16 +242,18 @@ async def _json(request: Request) -> object:
         raise OpenAIError(400, f"the request body is not JSON ({e})") from None
 
 
+async def _client_left(request: Request) -> None:
+    """Returns once the client has disconnected, or its response is complete (uvicorn says either as
+    http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
     """`work`'s response, unless the client disconnects first: then the work is cancelled (its Generate
     call too, which frees the request's slot on its replica)."""
     task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
+    watcher = asyncio.ensure_future(_client_left(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the server is stopping

@@ -5,21 +5,29 @@
 - a request answered before its body arrived (an unknown path) is closed once the body is late,
   without a second answer;
 - on a router process over TLS (issue 52.1): a tenant is served while another tenant on the same
-  client address holds 150 slow connections.
+  client address holds 150 slow connections;
+- with a target behind it (issue 52.2): a tenant is served within 2 s while another holds 8 streams it
+  never reads, and those are dropped once stalled.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
+import time
+from dataclasses import replace
 
 import pytest
 
 from specpool.bench.slow_http_clients import connect, same_address
-from specpool.cluster.processes import start_server
+from specpool.cluster.processes import start_server, wait_for
 from specpool.cluster.redis_server import start_redis
 from specpool.common.http_limits import HttpLimits
 from specpool.common.security import Security
+from specpool.engine.runtime.config import tiny_config
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf, model_name, save_gguf
+from specpool.engine.runtime.model import random_weights
 from specpool.router.http_guard import TenantLimits
 from specpool.router.openai_http import HttpFront
 from tests.pki import CA
@@ -125,3 +133,88 @@ def test_a_tenant_is_served_while_another_on_its_address_trickles_150_connection
     assert figures["still_open_after_s"]["connections"] == 0, figures
     # mallory's own share held: past 64 requests in flight (--http-max-requests-per-tenant) its bodies got 429
     assert "HTTP/1.1 429 Too Many Requests" in figures["mallory_answers"], figures
+
+
+# -- issue 52.2: streams their client never reads ----------------------------------------------------------
+
+STALL_S = 3.0  # the router's --http-stall-timeout-s here
+NEVER_READ = 8  # mallory's streams: as many as the target's batch (the default cluster's 8)
+
+
+@pytest.fixture(scope="module")
+def served_router(tmp_path_factory):
+    """Redis, a tiny target that tokenizes like SmolLM2 (--max-batch 8; per tenant, the default three
+    quarters of it) and a router whose HTTP front drops a response stalled STALL_S."""
+    real = load_gguf(default_model_path(), only=set())  # its tokenizer, no weights
+    config = replace(tiny_config(vocab_size=real.config.vocab_size, d_model=16),
+                     bos_id=real.config.bos_id, eos_id=real.config.eos_id, max_context=4096)
+    gguf = save_gguf(tmp_path_factory.mktemp("stall") / "tiny-chat.gguf", config, random_weights(config, seed=4),
+                     tokenizer_of=real)
+    redis = start_redis()
+    servers = []
+    try:
+        servers.append(start_server("target", [
+            "serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0", "--tenant", "target-1",
+            "--threads", "1", "--datastore", "", "--max-batch", str(NEVER_READ), "--max-context", "4096",
+            "--redis", redis.url]))
+        servers.append(start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0",
+                                               "--http-stall-timeout-s", str(STALL_S), "--redis", redis.url]))
+        wait_for(lambda: servers[0].metric_total("specpool_target_max_batch") == NEVER_READ)
+        yield {"target": servers[0], "router": servers[1], "model": model_name(gguf)}
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        redis.close()
+
+
+def completion(model: str, token: str, max_tokens: int, stream: bool, close: bool = False) -> bytes:
+    """A POST /v1/completions as it goes on the wire: greedy, its whole max_tokens."""
+    body = json.dumps({"model": model, "prompt": "def fibonacci(n):", "max_tokens": max_tokens,
+                       "temperature": 0, "stream": stream, "ignore_eos": True}).encode()
+    head = ["POST /v1/completions HTTP/1.1", "host: router.specpool", f"authorization: Bearer {token}",
+            "content-type: application/json", f"content-length: {len(body)}", *(["connection: close"] if close else [])]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def test_a_tenant_is_served_while_another_never_reads_its_streams(served_router):
+    """Issue 52.2, attack 2: mallory opens 8 streamed completions of 3000 tokens and never reads them. Alpha
+    is served within 2 s meanwhile: mallory holds at most three quarters of the target's batch (before, her
+    streams filled it and its queue, and alpha got RESOURCE_EXHAUSTED for ~33 s). Mallory's streams are
+    dropped once their send buffers stayed full STALL_S: their batch slots free, each counted cancelled."""
+    router, target, model = served_router["router"], served_router["target"], served_router["model"]
+    tls = ssl.create_default_context(cafile=str(CA.dir / "ca.crt"))
+    cancelled = target.metric_total("specpool_target_requests_total", outcome="cancelled")
+    mallory = []
+    for _ in range(NEVER_READ):
+        # A small receive buffer: what a client that never reads holds of the stream before the router's
+        # send buffer fills (a default one holds the first few hundred kilobytes, the tiny model's whole answer).
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.settimeout(WITHIN_S)
+        raw.connect(("127.0.0.1", router.http_port))
+        sock = tls.wrap_socket(raw, server_hostname="router.specpool")
+        sock.sendall(completion(model, CA.token("mallory"), 3000, stream=True))
+        mallory.append(sock)  # never read
+    opened = time.monotonic()
+    wait_for(lambda: target.metric_total("specpool_target_running_sequences") >= 3 * NEVER_READ // 4, timeout_s=30)
+    began = time.monotonic()
+    alpha = connect(router.http_port, "127.0.0.1", tls)
+    alpha.settimeout(WITHIN_S)
+    alpha.sendall(completion(model, CA.token("alpha"), 8, stream=False, close=True))
+    reply = b""
+    while data := alpha.recv(65536):
+        reply += data
+    served_s = time.monotonic() - began
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert served_s < 2.0, f"alpha waited {served_s:.1f} s beside mallory's never-read streams"
+    # Each of mallory's accepted streams is dropped STALL_S after its send buffer filled (a few seconds of
+    # decoding in): each is cancelled at the target, long before its 3000 tokens, and the batch empties.
+    wait_for(lambda: target.metric_total("specpool_target_running_sequences") == 0, timeout_s=STALL_S + 30)
+    dropped_s = time.monotonic() - opened
+    held = target.metric_total("specpool_target_requests_total", outcome="cancelled") - cancelled
+    for sock in mallory:
+        sock.close()
+    print(f"alpha served in {served_s:.2f} s; mallory's {held:.0f} streams dropped {dropped_s:.1f} s after opening")
+    assert held == 3 * NEVER_READ // 4, router.logs()[-4000:]  # the rest were refused at her share
+    stalled = router.logs().count(f"tenant mallory: the client of /v1/completions read nothing for {STALL_S:g} s")
+    assert stalled == held, router.logs()[-4000:]
