@@ -69,11 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; more get RESOURCE_EXHAUSTED with a retry hint")
-    p.add_argument("--max-requests-per-tenant", type=int, default=None,
+    p.add_argument("--max-requests-per-tenant", type=int, default=0,
                    help="requests one tenant (its router-named tenant, or its certificate's) holds here at once, "
                         "queued, running or still sending; more get RESOURCE_EXHAUSTED with a retry hint, so one "
-                        "tenant cannot fill this target (default: three quarters of --max-batch, at least 1, which "
-                        "leaves the rest of the batch to the others; 0: no cap, for a target one tenant has alone)")
+                        "tenant cannot fill this target (0, the default: no cap; a target several tenants share "
+                        "sets it: three quarters of --max-batch leaves the rest of the batch to the others)")
     p.add_argument("--max-context", type=int, default=2048, help="KV positions per sequence")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="fixed draft length (0: chosen per step by the hardware-aware policy)")
@@ -90,19 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     logs.add_arguments(p)
 
 
-def default_tenant_share(max_batch: int) -> int:
-    """A tenant's default cap of requests held at a target (issue 52.2): three quarters of its batch, so one
-    tenant's streams, read or not, never take every slot."""
-    return max(1, 3 * max_batch // 4)
-
-
 def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     setup_logging(args.log_level, args.log_format)
     if args.max_queue < 0:
         raise SystemExit(f"--max-queue must be >= 0, got {args.max_queue}")
-    per_tenant = default_tenant_share(args.max_batch) if args.max_requests_per_tenant is None \
-        else args.max_requests_per_tenant
+    # Off by default: a cap holds a tenant's burst to it, queued requests included, so a lone tenant would
+    # lose a quarter of its batch (fair admission with a reserved share is the fix that would cost nothing).
+    per_tenant = args.max_requests_per_tenant
     if per_tenant < 0:
         raise SystemExit(f"--max-requests-per-tenant must be >= 0, got {per_tenant}")
     if args.layout_cores is not None and args.layout_cores < 1:
