@@ -142,6 +142,8 @@ TARGET = {
                              "SmolLM2-135M-Instruct"),
     "maxBatch": integer(1, description="--max-batch"),
     "maxContext": integer(1, description="--max-context"),
+    "maxRequestsPerTenant": integer(0, description="--max-requests-per-tenant: requests one tenant holds at this target "
+                                                  "at once (0: no cap)"),
     "dtype": enum("auto", "fp32", "bf16", "q4", description="--dtype"),
     "device": DEVICE,
     "threads": integer(0, description="--threads and OMP_NUM_THREADS (0: unset, all cores)"),
