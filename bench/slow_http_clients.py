@@ -8,6 +8,10 @@ per-client cap, while a normal request (GET /v1/models with a token) is timed me
 Figures per kind: how many were answered 408, and seconds from each connection's opening to its close
 (min, max). Before issue 38.3 all 150 were still open after 75 s. tests/router/test_openai_http.py
 runs the same clients (these helpers) against 1-2 s limits.
+
+`--same-address` adds issue 52.1's case on the same router (`same_address`): the slow connections all
+from one address, half trickling bodies under mallory's token, while alpha, from that address too, sends
+8 requests; it fails unless alpha is served 8 of 8 and every slow connection closes.
 """
 
 from __future__ import annotations
@@ -164,7 +168,9 @@ def same_address(port: int, tls: ssl.SSLContext, mallory: str, alpha: str, count
                       "seconds_max": round(max((t for t, _ in served), default=0.0), 3)}}
 
 
-def measure(count: int, per_address: int, router_args: list[str], within_s: float) -> dict:
+def measure(count: int, per_address: int, router_args: list[str], within_s: float, same: bool = False) -> dict:
+    """The slow clients spread over addresses, a normal request timed meanwhile; with `same`, then
+    `same_address`'s case (issue 52.1) on the same router: mallory and alpha on one address."""
     ca = LocalCA.temporary()
     tls = ssl.create_default_context(cafile=str(ca.dir / "ca.crt"))
     token = ca.token("bench")
@@ -184,10 +190,14 @@ def measure(count: int, per_address: int, router_args: list[str], within_s: floa
             closed = [c.closed_at - c.opened_at for c in group if c.closed]
             kinds[kind] = {"connections": len(group), "answered_408": sum(c.received.startswith(TIMED_OUT) for c in group),
                            "closed_after_s": [round(min(closed), 2), round(max(closed), 2)] if closed else None}
-        return {"connections": count, "per_address": per_address, "router_args": router_args,
-                "opened_in_s": round(opened_s, 2), "let_go_before_opening": let_go,
-                "still_open_after_s": {"seconds": within_s, "connections": len(still_open)},
-                "meanwhile": {"status": status.decode(), "seconds": round(request_s, 3)}, "kinds": kinds}
+        figures = {"connections": count, "per_address": per_address, "router_args": router_args,
+                   "opened_in_s": round(opened_s, 2), "let_go_before_opening": let_go,
+                   "still_open_after_s": {"seconds": within_s, "connections": len(still_open)},
+                   "meanwhile": {"status": status.decode(), "seconds": round(request_s, 3)}, "kinds": kinds}
+        if same:
+            figures["same_address"] = same_address(router.http_port, tls, ca.token("mallory"), ca.token("alpha"),
+                                                   count, within_s=within_s)
+        return figures
     finally:
         if router is not None:
             router.stop()
@@ -200,17 +210,24 @@ def main() -> int:
     parser.add_argument("--per-address", type=int, default=50, help="slow connections from each client address")
     parser.add_argument("--within-s", type=float, default=75.0, help="how long to wait for the server to close them")
     parser.add_argument("--router-args", default="", help="further serve-router flags, e.g. '--http-header-timeout-s 5'")
+    parser.add_argument("--same-address", action="store_true",
+                        help="then the same number of slow connections from one address under mallory's token and "
+                             "none, while alpha, from that address too, is served (issue 52.1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     print(machine_line(), flush=True)
-    figures = measure(args.connections, args.per_address, args.router_args.split(), args.within_s)
+    figures = measure(args.connections, args.per_address, args.router_args.split(), args.within_s, args.same_address)
     report = {"command": "python -m specpool.bench.slow_http_clients " + " ".join(
-        f"--{k.replace('_', '-')} {v!r}" if k == "router_args" else f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items() if k != "json"), "machine": machine_info(), **figures}
+        f"--{k.replace('_', '-')} {v!r}" if k == "router_args" else f"--{k.replace('_', '-')}" if v is True
+        else f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json" and v is not False),
+        "machine": machine_info(), **figures}
     print(json.dumps(report, indent=1), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0 if not figures["still_open_after_s"]["connections"] else 1
+    same = figures.get("same_address")
+    failed = figures["still_open_after_s"]["connections"] or (
+        same is not None and (same["still_open_after_s"]["connections"] or same["alpha"]["served"] < same["alpha"]["requests"]))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
