@@ -48,9 +48,19 @@ def opening(kind: str, token: str | None = None) -> bytes:
     return OPENINGS[kind]
 
 
-def connect(port: int, client: str, tls: ssl.SSLContext | None) -> socket.socket:
-    """A connection to 127.0.0.1:port from the loopback address `client` (TLS as the router's front speaks it)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(client, 0))
+def connect(port: int, client: str, tls: ssl.SSLContext | None, receive_buffer: int | None = None) -> socket.socket:
+    """A connection to 127.0.0.1:port from the loopback address `client` (TLS as the router's front speaks it).
+    `receive_buffer`: its SO_RCVBUF, set before it connects (what a client that never reads holds of a stream)."""
+    sock = socket.socket()
+    try:
+        sock.settimeout(10)
+        if receive_buffer is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.bind((client, 0))
+        sock.connect(("127.0.0.1", port))
+    except OSError:  # refused, or nothing listening: closed here, as create_connection would
+        sock.close()
+        raise
     return tls.wrap_socket(sock, server_hostname="router.specpool") if tls is not None else sock
 
 

@@ -3,9 +3,8 @@ docstring), a fixed length, and the hybrid drafter's, which charges drafting onl
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specpool.engine.method import MIN_GAIN
@@ -203,7 +202,7 @@ class SpeculationPolicy:
                    key=lambda pair: pair[1])
 
 
-@dataclasses.dataclass
+@dataclass
 class ModelShare:
     """The share of drafted rows whose tree the model grew: a moving average, `value` (a prior) at first."""
 
@@ -213,7 +212,7 @@ class ModelShare:
         self.value += 0.1 * (model_rows / rows - self.value)
 
 
-@dataclasses.dataclass
+@dataclass
 class HybridDraftLength:
     """The draft-length policy of a hybrid drafter: the model's drafting is charged only for the
     share of rows the model drafts (the store's trees cost no forward)."""
@@ -226,7 +225,7 @@ class HybridDraftLength:
         return self.policy.max_draft
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
-        charged = dataclasses.replace(self.policy, drafting_share=self.share.value)
+        charged = replace(self.policy, drafting_share=self.share.value)
         return charged.lengths(batch, acceptance)
 
     def observe(self, seconds: float) -> None:

@@ -192,22 +192,14 @@ def test_a_tenant_is_served_while_another_never_reads_its_streams(served_router)
     for _ in range(NEVER_READ):
         # A small receive buffer: what a client that never reads holds of the stream before the router's
         # send buffer fills (a default one holds the first few hundred kilobytes, the tiny model's whole answer).
-        raw = socket.socket()
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.settimeout(WITHIN_S)
-        raw.connect(("127.0.0.1", router.http_port))
-        sock = tls.wrap_socket(raw, server_hostname="router.specpool")
+        sock = connect(router.http_port, "127.0.0.1", tls, receive_buffer=4096)
         sock.sendall(completion(model, CA.token("mallory"), 3000, stream=True))
         mallory.append(sock)  # never read
     opened = time.monotonic()
     wait_for(lambda: target.metric_total("specpool_target_running_sequences") >= 3 * NEVER_READ // 4, timeout_s=30)
     began = time.monotonic()
-    alpha = connect(router.http_port, "127.0.0.1", tls)
-    alpha.settimeout(WITHIN_S)
-    alpha.sendall(completion(model, CA.token("alpha"), 8, stream=False, close=True))
-    reply = b""
-    while data := alpha.recv(65536):
-        reply += data
+    reply = exchange(connect(router.http_port, "127.0.0.1", tls), completion(model, CA.token("alpha"), 8,
+                                                                              stream=False, close=True))
     served_s = time.monotonic() - began
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
     assert served_s < 2.0, f"alpha waited {served_s:.1f} s beside mallory's never-read streams"
