@@ -10,7 +10,8 @@ verified as a point mass. A background thread re-attaches to a returning endpoin
 then re-open their sessions with their full context.
 
 The parts: connection (the stream), sessions (per-sequence bookkeeping, SSD tables), fallback (the
-breaker and the reasons to draft locally), codec (messages). What happens is told to one observer.
+breaker and the reasons to draft locally), wire (the messages, and the replies read into rows), codec
+(the drafts checked and assembled). What happens is told to one observer.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import grpc
 import torch
 
 from specpool.common.security import Security
-from specpool.common.speculation import q_travels_dense, sparse_q_from_pb
+from specpool.common.speculation import q_travels_dense
 from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepted_prefix
 from specpool.engine.drafters.ngram import NgramDrafter
@@ -34,18 +35,19 @@ from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
 from specpool.engine.policy.costs import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.remote.codec import (
-    Row,
-    assemble,
+from specpool.target_service.remote.codec import Row, assemble, unusable
+from specpool.target_service.remote.connection import Connection, Reply
+from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
+from specpool.target_service.remote.sessions import Session, Sessions
+from specpool.target_service.remote.wire import (
+    SequenceReply,
     draft_costs,
+    read_entry,
+    read_round,
     resolved_round,
     rounds_request,
     sequence_round,
-    unusable,
 )
-from specpool.target_service.remote.connection import Connection
-from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
-from specpool.target_service.remote.sessions import Session, Sessions
 from specpool_client.v1 import speculation_pb2 as pb
 
 log = logging.getLogger("specpool.target.speculation")
@@ -92,6 +94,16 @@ class _InFlight:
     box: object | None  # queue.Queue of the reply
     asked: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
     resolved: dict[str, Row]  # drafts already known (SSD table hits)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """A round built, not yet sent."""
+
+    request: pb.RoundsRequest
+    asking: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
+    resolved: dict[str, Row]  # drafts already known (SSD table hits, or n-gram drafts a table said to use)
+    features: list[torch.Tensor]  # each [n, d] float16: the round's feature rows, sent after it in this order
 
 
 @dataclass
@@ -307,34 +319,49 @@ class RemoteDrafter(Drafter):
                   if self.sessions[s].plan.remote]
         if not wanted:
             return None
-        wanted_ids = [s for s, _ in wanted]
+        # An open breaker waits on nothing: at most a probe round goes out, and only its timing is used.
+        probing = self.breaker.open
+        conn = self._connection_for([s for s, _ in wanted], probing)
+        ready = self._ready(conn, wanted) if conn is not None else []
+        if not ready:
+            return None
+        return self._dispatch(conn, self._outgoing(conn, ready, probing), probing)
+
+    def _connection_for(self, seq_ids: list[str], probing: bool) -> Connection | None:
+        """The attached connection, with these sequences' sessions opened on it (or opening); None (and a
+        fallback told) when the round cannot go out."""
         conn = self._conn
         if conn is None or conn.broken.is_set():
             self._detach(conn)
-            self._fall_back(Fallback.ENDPOINT_UNAVAILABLE if self.address else Fallback.NO_ENDPOINT, wanted_ids)
+            self._fall_back(Fallback.ENDPOINT_UNAVAILABLE if self.address else Fallback.NO_ENDPOINT, seq_ids)
             return None
-        # An open breaker waits on nothing: at most a probe round goes out, and only its timing is used.
-        probing = self.breaker.open
         if probing and not self.breaker.probe_due():
-            self._fall_back(Fallback.BREAKER_OPEN, wanted_ids)
+            self._fall_back(Fallback.BREAKER_OPEN, seq_ids)
             return None
         # An open prefills the context on the endpoint, longer than a round: it may take the configured
         # deadline, not the adaptive one (a few round trips), or a new sequence's first round drafts locally.
         # Beside a plain sequence it waits for nothing: the plain row would wait with it (issue 38).
         wait_s = 0.0 if probing or self._plain_running() else self.breaker.max_deadline_s
-        if not self.sessions.open(conn, wanted_ids, wait_s, timeout_s=max(10.0, self.breaker.max_deadline_s)):
+        if not self.sessions.open(conn, seq_ids, wait_s, timeout_s=max(10.0, self.breaker.max_deadline_s)):
             self._detach(conn)
-            self._fall_back(Fallback.ENDPOINT_FAILED, wanted_ids)
+            self._fall_back(Fallback.ENDPOINT_FAILED, seq_ids)
             return None
+        return conn
+
+    def _ready(self, conn: Connection, wanted: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Those of (seq_id, drafts wanted) whose sessions can draft now; the others fall back."""
         ready = [(s, n) for s, n in wanted if self._can_draft(conn, self.sessions[s])]
         if len(ready) < len(wanted):
             ready_ids = {s for s, _ in ready}
-            self._fall_back(Fallback.SESSION_UNAVAILABLE, [s for s in wanted_ids if s not in ready_ids])
-        if not ready:
-            return None
+            self._fall_back(Fallback.SESSION_UNAVAILABLE, [s for s, _ in wanted if s not in ready_ids])
+        return ready
+
+    def _outgoing(self, conn: Connection, ready: list[tuple[str, int]], probing: bool) -> _Outgoing:
+        """The round for these sequences: each reports its emitted tokens, then asks for drafts or says
+        which it resolved from an SSD table."""
         self._round_id += 1
         resolved: dict[str, Row] = {}
-        asking = []
+        asking = {}
         features = []
         sequences = []
         for s, n in ready:
@@ -347,7 +374,7 @@ class RemoteDrafter(Drafter):
                 features.append(rows)
             if found is None:
                 sequences.append(sequence_round(s, seq.pending, max(n, 0), num_features))
-                asking.append((s, n))
+                asking[s] = n
             else:
                 table_hit, tokens, q = found
                 sequences.append(resolved_round(s, seq.pending, tokens, table_hit, num_features))
@@ -355,17 +382,21 @@ class RemoteDrafter(Drafter):
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
         request = rounds_request(self.tenant, self._round_id, sequences,
                                  feature_dim=features[0].shape[1] if features else 0)
-        if not asking:
-            conn.send(request)
-            flight = _InFlight(conn, request.round_id, None, {}, resolved)
+        return _Outgoing(request, asking, resolved, features)
+
+    def _dispatch(self, conn: Connection, out: _Outgoing, probing: bool) -> _InFlight | None:
+        """Sends the round, then its feature rows -> what to wait for (None: nothing)."""
+        if not out.asking:
+            conn.send(out.request)
+            flight = _InFlight(conn, out.request.round_id, None, {}, out.resolved)
         elif probing:
-            conn.probe(request)
-            self._fall_back(Fallback.BREAKER_OPEN, [s for s, _ in asking])
+            conn.probe(out.request)
+            self._fall_back(Fallback.BREAKER_OPEN, list(out.asking))
             flight = None
         else:
-            flight = _InFlight(conn, request.round_id, conn.send_round(request), dict(asking), resolved)
-        if features and not self._send_features(conn, torch.cat(features)):
-            self._fall_back(Fallback.ENDPOINT_FAILED, [s for s, _ in asking])
+            flight = _InFlight(conn, out.request.round_id, conn.send_round(out.request), out.asking, out.resolved)
+        if out.features and not self._send_features(conn, torch.cat(out.features)):
+            self._fall_back(Fallback.ENDPOINT_FAILED, list(out.asking))
             return None
         return flight
 
@@ -394,58 +425,63 @@ class RemoteDrafter(Drafter):
             return {}
         if flight.box is None:
             return flight.resolved
-        conn, asked = flight.conn, flight.asked
-        reply = conn.wait_round(flight.round_id, flight.box, pending.deadline - time.monotonic())
+        reply = flight.conn.wait_round(flight.round_id, flight.box, pending.deadline - time.monotonic())
+        self._time_round(pending, reply)
+        if reply is None:
+            self._missed(flight)
+            return {}
+        self.breaker.on_time()
+        drafts = dict(flight.resolved)
+        for d in read_round(reply.response, reply.dense):
+            row = self._usable(d, flight.asked)
+            if row is not None:
+                drafts[d.seq_id] = row
+        return drafts
+
+    def _time_round(self, pending: DraftRound, reply: Reply | None) -> None:
         # Timed to the reply's arrival: the decoder may have stepped other sequences before collecting it.
         waited = (reply.arrived_at if reply else time.monotonic()) - pending.sent_at
         self.observer.round_trip(waited, reply.response.draft_seconds if reply else 0.0)
         if reply is not None:
             self.wire_s.add(max(0.0, waited - reply.response.draft_seconds))
-        if reply is None:
-            if conn.broken.is_set():
-                self._detach(conn)
-                self._fall_back(Fallback.ENDPOINT_FAILED, list(asked))
-            else:
-                self.breaker.late()
-                self._fall_back(Fallback.DEADLINE, list(asked))
-            return {}
-        self.breaker.on_time()
-        drafts = dict(flight.resolved)
-        dense_row = 0
-        for d in reply.response.sequences:
-            if d.request_id not in asked:
-                log.warning("endpoint answered for %r, which this round did not ask for; ignored", d.request_id)
-                continue
-            seq = self.sessions.get(d.request_id)
-            if seq is None:  # left while the round was out
-                continue
-            if d.error:
-                log.debug("endpoint could not draft %s: %s", d.request_id, d.error)
-                seq.opened = False  # re-open (with the full context) next round
-                self._fall_back(Fallback.SESSION_LOST, [d.request_id])
-                continue
-            q = None
-            if d.dense_on_channel:
-                q = reply.dense[dense_row : dense_row + len(d.tokens)] if reply.dense is not None else None
-                dense_row += len(d.tokens)
-            elif d.HasField("sparse"):
-                q = sparse_q_from_pb(d.sparse, len(d.tokens))
-            q_sent = d.dense_on_channel or d.HasField("sparse")
-            # A tree session's drafts are a tree, even a one-node one; a chain session's never are.
-            parents = list(d.parents) if seq.plan.tree else None
-            if d.parents and parents is None:
-                problem = "a token tree for a chain session"
-            else:
-                problem = unusable(list(d.tokens), q, asked[d.request_id], q_sent, self.vocab_size, parents)
-            if problem:
-                log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.request_id, problem)
-                self._fall_back(Fallback.BAD_REPLY, [d.request_id])
-                continue
-            drafts[d.request_id] = (list(d.tokens), q, parents)
-            if seq.plan.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
-                seq.cache_hits += d.from_cache
-                self.ssd_hit_ratio.add(float(d.from_cache))
-        return drafts
+
+    def _missed(self, flight: _InFlight) -> None:
+        """No reply by the deadline: a broken stream detaches; a late reply counts against the breaker."""
+        if flight.conn.broken.is_set():
+            self._detach(flight.conn)
+            self._fall_back(Fallback.ENDPOINT_FAILED, list(flight.asked))
+        else:
+            self.breaker.late()
+            self._fall_back(Fallback.DEADLINE, list(flight.asked))
+
+    def _usable(self, d: SequenceReply, asked: dict[str, int]) -> Row | None:
+        """A sequence's drafts from the reply, when they can be verified; None (logged, and a fallback told)
+        when not."""
+        if d.seq_id not in asked:
+            log.warning("endpoint answered for %r, which this round did not ask for; ignored", d.seq_id)
+            return None
+        seq = self.sessions.get(d.seq_id)
+        if seq is None:  # left while the round was out
+            return None
+        if d.error:
+            log.debug("endpoint could not draft %s: %s", d.seq_id, d.error)
+            seq.opened = False  # re-open (with the full context) next round
+            self._fall_back(Fallback.SESSION_LOST, [d.seq_id])
+            return None
+        # A tree session's drafts are a tree, even a one-node one; a chain session's never are.
+        parents = d.parents if seq.plan.tree else None
+        if d.parents and parents is None:
+            problem = "a token tree for a chain session"
+        else:
+            problem = unusable(d.tokens, d.q, asked[d.seq_id], d.q_sent, self.vocab_size, parents)
+        if problem:
+            log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.seq_id, problem)
+            self._fall_back(Fallback.BAD_REPLY, [d.seq_id])
+            return None
+        if seq.plan.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
+            seq.cache_hits += d.from_cache
+            self.ssd_hit_ratio.add(float(d.from_cache))
+        return d.tokens, d.q, parents
 
     def _resolve_from_table(self, conn: Connection, seq_id: str, seq: Session, n: int):
         """SSD: count the lookup; in push mode, -> (table_hit, tokens, q) when the pushed table
@@ -462,18 +498,14 @@ class RemoteDrafter(Drafter):
             return None
         for entry in table.entries:
             if entry.accepted == k and entry.bonus == seq.pending[k]:
-                tokens = list(entry.tokens)[:n]
-                q = None
-                if entry.HasField("sparse"):
-                    q = sparse_q_from_pb(entry.sparse, len(entry.tokens))
-                    q = (q[0][: len(tokens)], q[1][: len(tokens)]) if q is not None else None
-                problem = unusable(tokens, q, n, entry.HasField("sparse"), self.vocab_size)
+                pushed = read_entry(entry, n)
+                problem = unusable(pushed.tokens, pushed.q, n, pushed.q_sent, self.vocab_size)
                 if problem:
                     log.warning("endpoint's table for %s is unusable (%s); asking instead", seq_id, problem)
                     return None
                 seq.cache_hits += 1
                 self.ssd_hit_ratio.add(1.0)
-                return True, tokens, q
+                return True, pushed.tokens, pushed.q
         if table.fast_backup:
             self.ssd_hit_ratio.add(0.0)
             return False, self.local.draft(seq_id, n), None

@@ -15,7 +15,7 @@ import torch
 
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.remote.codec import close_sessions_request, open_sessions_request, session_spec
+from specpool.target_service.remote.wire import close_sessions_request, open_sessions_request, session_spec
 from specpool_client.v1 import speculation_pb2 as pb
 
 if TYPE_CHECKING:

@@ -22,16 +22,10 @@ from specpool.engine.policy.costs import StepCosts
 from specpool.engine.policy.draft_length import Running
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.draft_length import TargetDraftLength
-from specpool.target_service.remote.codec import (
-    assemble,
-    resolved_round,
-    rounds_request,
-    sequence_round,
-    session_spec,
-    unusable,
-)
+from specpool.target_service.remote.codec import assemble, unusable
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.fallback import Fallback
+from specpool.target_service.remote.wire import resolved_round, rounds_request, sequence_round, session_spec
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc, target_pb2
 from tests.engine.test_decoding import PacedLength
