@@ -17,7 +17,7 @@ from specpool.common.serving import MESSAGE_SIZE_OPTIONS
 from specpool.common.speculation import backend_from_pb
 from specpool.common.tensor_channel import ChannelOffer, DistributedPairChannel
 from specpool.target_service.remote.fallback import DeadlineBreaker
-from specpool.target_service.remote.sessions import OutcomeTables
+from specpool.target_service.remote.ssd_push import OutcomeTables
 from specpool.target_service.remote.wire import capacity_request, tensor_channel_request
 from specpool_client.v1 import speculation_pb2 as pb
 from specpool_client.v1 import speculation_pb2_grpc

@@ -9,7 +9,8 @@ sequences are drafted by a local n-gram index for that round, losslessly: a dete
 verified as a point mass. A background thread re-attaches to a returning endpoint, and sequences
 then re-open their sessions with their full context.
 
-The parts: connection (the stream), sessions (per-sequence bookkeeping, SSD tables), fallback (the
+The parts: connection (the stream), sessions (per-sequence bookkeeping), ssd_push (SSD's pushed tables
+and hit counts), fallback (the
 breaker and the reasons to draft locally), wire (the messages, and the replies read into rows), codec
 (the drafts checked and assembled). What happens is told to one observer.
 """
@@ -29,7 +30,7 @@ import torch
 from specpool.common.security import Security
 from specpool.common.speculation import q_travels_dense
 from specpool.common.tensor_channel import ChannelError
-from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, accepted_prefix
+from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
@@ -39,10 +40,10 @@ from specpool.target_service.remote.codec import Row, assemble, unusable
 from specpool.target_service.remote.connection import Connection, Reply
 from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
 from specpool.target_service.remote.sessions import Session, Sessions
+from specpool.target_service.remote.ssd_push import SsdPush
 from specpool.target_service.remote.wire import (
     SequenceReply,
     draft_costs,
-    read_entry,
     read_round,
     resolved_round,
     rounds_request,
@@ -154,7 +155,6 @@ class RemoteDrafter(Drafter):
     ):
         self.credentials = credentials or Security.insecure()
         self.observer = observer
-        self.ssd_push = ssd_push  # SSD: take drafts from pushed outcome tables (else pull each round)
         self.delay_s = delay_s
         self.tenant = tenant
         self.target_model = target_model
@@ -168,6 +168,7 @@ class RemoteDrafter(Drafter):
         # What the draft-length policy charges remote rounds: their time beyond drafting, and SSD's hits.
         self.wire_s = RunningMean(0.0)
         self.ssd_hit_ratio = RunningMean(0.5)
+        self.ssd = SsdPush(ssd_push, vocab_size, self.ssd_hit_ratio)
         self._conn: Connection | None = None
         self._round_id = 0
         self._stop = threading.Event()
@@ -367,7 +368,7 @@ class RemoteDrafter(Drafter):
         for s, n in ready:
             seq = self.sessions[s]
             ssd = seq.plan.method is Method.SSD and not probing
-            found = self._resolve_from_table(conn, s, seq, n) if ssd else None
+            found = self.ssd.resolve(conn, s, seq, n, self.breaker.deadline(), self.local.draft) if ssd else None
             rows = seq.take_unsent()
             num_features = 0 if rows is None else rows.shape[0]
             if rows is not None:
@@ -376,9 +377,8 @@ class RemoteDrafter(Drafter):
                 sequences.append(sequence_round(s, seq.pending, max(n, 0), num_features))
                 asking[s] = n
             else:
-                table_hit, tokens, q = found
-                sequences.append(resolved_round(s, seq.pending, tokens, table_hit, num_features))
-                resolved[s] = (tokens, q, None)
+                sequences.append(resolved_round(s, seq.pending, found.tokens, found.table_hit, num_features))
+                resolved[s] = (found.tokens, found.q, None)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
         request = rounds_request(self.tenant, self._round_id, sequences,
                                  feature_dim=features[0].shape[1] if features else 0)
@@ -478,35 +478,6 @@ class RemoteDrafter(Drafter):
             log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.seq_id, problem)
             self._fall_back(Fallback.BAD_REPLY, [d.seq_id])
             return None
-        if seq.plan.method is Method.SSD and d.tokens:  # a first round counts as a miss: close enough
-            seq.cache_hits += d.from_cache
-            self.ssd_hit_ratio.add(float(d.from_cache))
+        if seq.plan.method is Method.SSD:
+            self.ssd.replied(seq, d)
         return d.tokens, d.q, parents
-
-    def _resolve_from_table(self, conn: Connection, seq_id: str, seq: Session, n: int):
-        """SSD: count the lookup; in push mode, -> (table_hit, tokens, q) when the pushed table
-        answers this outcome (a hit: True) or says the endpoint would back off to n-gram drafts anyway
-        (False: then draft them here, with no round trip). None: ask the endpoint."""
-        k = accepted_prefix(seq.drafts, seq.pending)
-        if not seq.drafts or len(seq.pending) != k + 1:
-            return None
-        seq.cache_lookups += 1
-        if not self.ssd_push or n <= 0:
-            return None
-        table = conn.table_for(seq_id, seq.drafts, self.breaker.deadline())
-        if table is None:
-            return None
-        for entry in table.entries:
-            if entry.accepted == k and entry.bonus == seq.pending[k]:
-                pushed = read_entry(entry, n)
-                problem = unusable(pushed.tokens, pushed.q, n, pushed.q_sent, self.vocab_size)
-                if problem:
-                    log.warning("endpoint's table for %s is unusable (%s); asking instead", seq_id, problem)
-                    return None
-                seq.cache_hits += 1
-                self.ssd_hit_ratio.add(1.0)
-                return True, pushed.tokens, pushed.q
-        if table.fast_backup:
-            self.ssd_hit_ratio.add(0.0)
-            return False, self.local.draft(seq_id, n), None
-        return None

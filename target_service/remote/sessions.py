@@ -1,12 +1,10 @@
 """Per-sequence session bookkeeping on the target's side: what each sequence holds open on the
-endpoint, its opening and closing, and the outcome tables an endpoint pushes for SSD sequences."""
+endpoint, and its opening and closing (the outcome tables an endpoint pushes for SSD are in ssd_push.py)."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,7 +14,6 @@ import torch
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.remote.wire import close_sessions_request, open_sessions_request, session_spec
-from specpool_client.v1 import speculation_pb2 as pb
 
 if TYPE_CHECKING:
     from specpool.target_service.remote.connection import Connection
@@ -60,33 +57,6 @@ class Session:
             return None
         rows, self.unsent = torch.cat(self.unsent), []
         return rows
-
-
-class OutcomeTables:
-    """SSD push: the latest table the endpoint sent per sequence (written by the connection's reader)."""
-
-    def __init__(self):
-        self._tables: dict[str, pb.OutcomeTable] = {}
-        self._changed = threading.Condition()
-
-    def put(self, tables: Iterable[pb.OutcomeTable]) -> None:
-        with self._changed:
-            for table in tables:
-                self._tables[table.request_id] = table
-            self._changed.notify_all()
-
-    def wait_for(self, seq_id: str, follows: list[int], timeout_s: float, broken: threading.Event):
-        """The table for these outstanding drafts, waiting up to timeout_s for it to arrive."""
-        end = time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                table = self._tables.get(seq_id)
-                if table is not None and list(table.follows) == follows:
-                    return table
-                left = end - time.monotonic()
-                if left <= 0 or broken.is_set():
-                    return None
-                self._changed.wait(left)
 
 
 class Sessions:
