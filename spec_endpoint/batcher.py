@@ -43,10 +43,12 @@ NO_CHANNEL = "dense q needs a tensor channel: call OpenTensorChannel"
 
 @dataclass(slots=True)
 class _RoundWork:
-    stream: RoundStream
+    """One round in this step, and its reply as it is filled in."""
+
+    stream: RoundStream  # the stream it came on, which its reply goes back on
     round: Round
-    results: list[SequenceDrafts]
-    arrived: float = 0.0
+    results: list[SequenceDrafts]  # [len(round.sequences)]: each sequence's part of the reply
+    arrived: float = 0.0  # monotonic: when the round was queued
     channel: Any = None  # PairChannel of the tenant, when a sequence sends dense q
     vocab_size: int = 0  # of the dense rows
     dense: dict[int, torch.Tensor] = field(default_factory=dict)  # sequence index -> [n, V] q rows
@@ -55,24 +57,34 @@ class _RoundWork:
 
 @dataclass(frozen=True, slots=True)
 class _Want:
-    work: _RoundWork
-    index: int
+    """A sequence that wants drafts this step."""
+
+    work: _RoundWork  # its round
+    index: int  # its place in the round's sequences (and results)
     session: Session
     drafter: Drafter
-    num: int
+    num: int  # drafts to propose, within the session's length cap
 
 
-GroupKey = tuple[str, Method, SamplingParams | None, bool, bool]
+@dataclass(frozen=True, slots=True)
+class DraftGroup:
+    """What the sequences drafted by one propose call share (the key they are grouped by in a step)."""
+
+    model: str  # the target model the drafter serves
+    kind: Method  # the drafter
+    params: SamplingParams | None  # its sampler, seed cleared; None: deterministic drafts ignore it
+    dense: bool  # q rows [K, V] travel on the tensor channel (else sparse, or none)
+    tree: bool  # token trees (else chains)
 
 
-def group_key(session: Session, drafter: Drafter, dense: bool) -> GroupKey:
+def group_key(session: Session, drafter: Drafter, dense: bool) -> DraftGroup:
     """Sequences drafted by one propose call: one model, drafter kind and draft shape (chain or tree).
     The seed never matters (the endpoint samples from its own generator); greedy drafts ignore the
     sampler; deterministic (n-gram) drafts ignore it altogether."""
     if drafter.deterministic:
-        return (session.model, session.kind, None, False, session.tree)
+        return DraftGroup(session.model, session.kind, None, False, session.tree)
     params = SamplingParams() if session.params.greedy else dataclasses.replace(session.params, seed=None)
-    return (session.model, session.kind, params, dense, session.tree)
+    return DraftGroup(session.model, session.kind, params, dense, session.tree)
 
 
 class Batcher:
@@ -176,7 +188,7 @@ class Batcher:
     def _step(self, items: list[Queued]) -> list[_RoundWork | RoundStream]:
         now = self.clock()
         out: list[_RoundWork | RoundStream] = []
-        groups: dict[GroupKey, list[_Want]] = {}
+        groups: dict[DraftGroup, list[_Want]] = {}
         for item in items:
             if item.round is None:
                 out.append(item.stream)
@@ -310,19 +322,19 @@ class Batcher:
             session.unstarted_context, features = None, features[len(context) - 1 :]
         return {"features": features}, ""
 
-    def _draft(self, key: GroupKey, wants: list[_Want]) -> float:
+    def _draft(self, group: DraftGroup, wants: list[_Want]) -> float:
         """One propose call for a group; -> its seconds."""
-        model, kind, params, dense, tree = key
+        model = group.model
         drafters = self.drafters.get(model)
-        drafter = drafters.drafter(kind)
+        drafter = drafters.drafter(group.kind)
         ids = [w.session.key.drafter_id for w in wants]
         nums = [w.num for w in wants]
-        q_form = {"sparse": not dense} if drafter.sparse_q_per_call else {}
-        if tree:
+        q_form = {"sparse": not group.dense} if drafter.sparse_q_per_call else {}
+        if group.tree:
             q_form["tree"] = drafters.tree_shape
         start = time.monotonic()  # the busy window's clock (self.clock times leases, and tests fake it)
         try:
-            drafts = drafter.propose(ids, nums, params or SamplingParams(), drafters.generator, **q_form)
+            drafts = drafter.propose(ids, nums, group.params or SamplingParams(), drafters.generator, **q_form)
             self._prespeculation.add(drafter, [w.session for w in wants])
         except Exception as exc:  # the drafter's state for these sequences is unknown now: drop them
             log.exception("drafting failed for %d sequences of %s", len(wants), model)

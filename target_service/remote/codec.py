@@ -3,6 +3,8 @@ and a sampling group's rows made into one Drafts. The messages themselves are re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specpool.engine.drafters.base import Drafts
@@ -11,8 +13,16 @@ from specpool.engine.verification.sampling import SamplingParams
 
 # A row's draft distribution: dense [K, V], sparse (ids [K, k], probs [K, k]), or None (a point mass).
 Q = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
-# A row's drafts: tokens, their q, and a token tree's parents (None: a chain).
-Row = tuple[list[int], Q, list[int] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """One sequence's drafts for a step, from whichever source drafted them (the endpoint, an SSD table,
+    the target's n-gram index)."""
+
+    tokens: list[int]  # [K] draft ids (a tree's nodes, each after its parent)
+    q: Q = None  # dense [K, V] float32, sparse (ids [K, k] int64, probs [K, k] float32), or None: a point mass
+    parents: list[int] | None = None  # [K] each node's parent (-1: the last emitted token); None: a chain
 
 
 def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int,
@@ -45,7 +55,7 @@ def unusable(tokens: list[int], q: Q, asked: int, q_sent: bool, vocab_size: int,
     return ""
 
 
-def assemble(rows: list[Row], params: SamplingParams) -> Drafts:
+def assemble(rows: list[DraftRow], params: SamplingParams) -> Drafts:
     """One Drafts for a sampling group whose rows came from different sources.
 
     Rows drafted deterministically (n-gram, fallback, trees) are written as a one-hot q, which the
@@ -53,34 +63,38 @@ def assemble(rows: list[Row], params: SamplingParams) -> Drafts:
     unless another row of the group carries a q (the tree rule takes none): they then send their
     first-child chain, a deterministic chain.
     """
-    sampled = not params.greedy and any(q is not None for _, q, _ in rows)
-    if any(p is not None for _, _, p in rows):
+    sampled = not params.greedy and any(r.q is not None for r in rows)
+    if any(r.parents is not None for r in rows):
         if not sampled:
-            return Drafts(tokens=[t for t, _, _ in rows],
-                          parents=[p if p is not None else token_tree.chain(len(t)) for t, _, p in rows])
-        rows = [(t, q, None) if p is None else ([t[i] for i in token_tree.first_children(p)], None, None)
-                for t, q, p in rows]
-    tokens = [t for t, _, _ in rows]
+            return Drafts(tokens=[r.tokens for r in rows],
+                          parents=[r.parents if r.parents is not None else token_tree.chain(len(r.tokens))
+                                   for r in rows])
+        rows = [r if r.parents is None else DraftRow([r.tokens[i] for i in token_tree.first_children(r.parents)])
+                for r in rows]
+    tokens = [r.tokens for r in rows]
     if not sampled:
         return Drafts(tokens=tokens)
     k_max = max((len(t) for t in tokens), default=0)
-    if any(isinstance(q, torch.Tensor) for _, q, _ in rows):
-        vocab = next(q.shape[-1] for _, q, _ in rows if isinstance(q, torch.Tensor))
+    if any(isinstance(r.q, torch.Tensor) for r in rows):
+        vocab = next(r.q.shape[-1] for r in rows if isinstance(r.q, torch.Tensor))
         probs = torch.zeros(len(rows), k_max, vocab)
-        for b, (t, q, _) in enumerate(rows):
-            if isinstance(q, torch.Tensor):
-                probs[b, : len(t)] = q
-            elif t:
-                probs[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            if isinstance(r.q, torch.Tensor):
+                probs[b, :n] = r.q
+            elif n:
+                probs[b, torch.arange(n), torch.tensor(r.tokens)] = 1.0
         return Drafts(tokens=tokens, probs=probs)
     # Sparse: every row shares the sampler's top-k; one-hot rows repeat their token with weight 0.
-    k = max(q[0].shape[-1] for _, q, _ in rows if q is not None)  # rows pad to the widest (weight 0)
+    k = max(r.q[0].shape[-1] for r in rows if r.q is not None)  # rows pad to the widest (weight 0)
     ids = torch.zeros(len(rows), k_max, k, dtype=torch.long)
     weights = torch.zeros(len(rows), k_max, k)
-    for b, (t, q, _) in enumerate(rows):
-        if q is not None:
-            ids[b, : len(t), : q[0].shape[-1]], weights[b, : len(t), : q[0].shape[-1]] = q
-        elif t:
-            ids[b, : len(t)] = torch.tensor(t)[:, None]
-            weights[b, : len(t), 0] = 1.0
+    for b, r in enumerate(rows):
+        n = len(r.tokens)
+        if r.q is not None:
+            width = r.q[0].shape[-1]
+            ids[b, :n, :width], weights[b, :n, :width] = r.q
+        elif n:
+            ids[b, :n] = torch.tensor(r.tokens)[:, None]
+            weights[b, :n, 0] = 1.0
     return Drafts(tokens=tokens, topk_ids=ids, topk_probs=weights)

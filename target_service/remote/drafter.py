@@ -36,7 +36,7 @@ from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
 from specpool.engine.policy.costs import StepCosts
 from specpool.engine.verification.sampling import SamplingParams
-from specpool.target_service.remote.codec import Row, assemble, unusable
+from specpool.target_service.remote.codec import DraftRow, assemble, unusable
 from specpool.target_service.remote.connection import Connection, Reply
 from specpool.target_service.remote.fallback import DeadlineBreaker, Fallback
 from specpool.target_service.remote.sessions import Session, Sessions
@@ -94,7 +94,7 @@ class _InFlight:
     round_id: int
     box: object | None  # queue.Queue of the reply
     asked: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
-    resolved: dict[str, Row]  # drafts already known (SSD table hits)
+    resolved: dict[str, DraftRow]  # drafts already known (SSD table hits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class _Outgoing:
 
     request: pb.RoundsRequest
     asking: dict[str, int]  # seq_id -> drafts asked, of the sequences the reply will draft
-    resolved: dict[str, Row]  # drafts already known (SSD table hits, or n-gram drafts a table said to use)
+    resolved: dict[str, DraftRow]  # drafts already known (SSD table hits, or n-gram drafts a table said to use)
     features: list[torch.Tensor]  # each [n, d] float16: the round's feature rows, sent after it in this order
 
 
@@ -296,18 +296,18 @@ class RemoteDrafter(Drafter):
             for seq_id, n in zip(r.seq_ids, r.num_tokens):
                 seq = self.sessions.get(seq_id)
                 if seq is None:  # left while its round was out (cancelled): the decoder drops its row
-                    rows.append(([], None, None))
+                    rows.append(DraftRow([]))
                     continue
                 if seq_id in remote:
                     rows.append(remote[seq_id])
                 elif n <= 0 or (seq.plan.remote and plain_decodes):
-                    rows.append(([], None, None))
+                    rows.append(DraftRow([]))
                 elif seq.plan.tree:
                     tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)
-                    rows.append((tokens, None, parents))
+                    rows.append(DraftRow(tokens, parents=parents))
                 else:
-                    rows.append((self.local.draft(seq_id, n), None, None))
-                seq.drafts = list(rows[-1][0])
+                    rows.append(DraftRow(self.local.draft(seq_id, n)))
+                seq.drafts = list(rows[-1].tokens)
             out.append(assemble(rows, r.params))
         return out
 
@@ -361,7 +361,7 @@ class RemoteDrafter(Drafter):
         """The round for these sequences: each reports its emitted tokens, then asks for drafts or says
         which it resolved from an SSD table."""
         self._round_id += 1
-        resolved: dict[str, Row] = {}
+        resolved: dict[str, DraftRow] = {}
         asking = {}
         features = []
         sequences = []
@@ -378,7 +378,7 @@ class RemoteDrafter(Drafter):
                 asking[s] = n
             else:
                 sequences.append(resolved_round(s, seq.pending, found.tokens, found.table_hit, num_features))
-                resolved[s] = (found.tokens, found.q, None)
+                resolved[s] = DraftRow(found.tokens, found.q)
             seq.pending = []  # the endpoint applies them whether or not we wait for the reply
         request = rounds_request(self.tenant, self._round_id, sequences,
                                  feature_dim=features[0].shape[1] if features else 0)
@@ -418,8 +418,8 @@ class RemoteDrafter(Drafter):
         dense = not seq.plan.tree and q_travels_dense(seq.params, seq.plan.method)
         return seq.opened and (conn.dense_ready or not (dense or seq.reads_features))
 
-    def _receive(self, pending: DraftRound) -> dict[str, Row]:
-        """Waits (until the round's deadline) for its reply -> seq_id -> (tokens, q, parents) of remote drafts."""
+    def _receive(self, pending: DraftRound) -> dict[str, DraftRow]:
+        """Waits (until the round's deadline) for its reply -> seq_id -> the remote drafts."""
         flight = pending.in_flight
         if flight is None:
             return {}
@@ -454,7 +454,7 @@ class RemoteDrafter(Drafter):
             self.breaker.late()
             self._fall_back(Fallback.DEADLINE, list(flight.asked))
 
-    def _usable(self, d: SequenceReply, asked: dict[str, int]) -> Row | None:
+    def _usable(self, d: SequenceReply, asked: dict[str, int]) -> DraftRow | None:
         """A sequence's drafts from the reply, when they can be verified; None (logged, and a fallback told)
         when not."""
         if d.seq_id not in asked:
@@ -480,4 +480,4 @@ class RemoteDrafter(Drafter):
             return None
         if seq.plan.method is Method.SSD:
             self.ssd.replied(seq, d)
-        return d.tokens, d.q, parents
+        return DraftRow(d.tokens, d.q, parents)

@@ -22,7 +22,7 @@ from specpool.engine.policy.costs import StepCosts
 from specpool.engine.policy.draft_length import Running
 from specpool.engine.verification.sampling import SamplingParams
 from specpool.target_service.draft_length import TargetDraftLength
-from specpool.target_service.remote.codec import assemble, unusable
+from specpool.target_service.remote.codec import DraftRow, assemble, unusable
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.fallback import Fallback
 from specpool.target_service.remote.wire import resolved_round, rounds_request, sequence_round, session_spec
@@ -195,12 +195,12 @@ def test_trees_are_checked_and_verified_as_trees_unless_a_q_row_shares_their_gro
     assert "malformed token tree" in unusable([4, 4], None, 3, False, VOCAB, parents=[-1, -1])
     assert "malformed token tree" in unusable([4, 5], None, 3, False, VOCAB, parents=[-1])
     assert "deterministic" in unusable([4], torch.ones(1, VOCAB) / VOCAB, 3, True, VOCAB, parents=[-1])
-    tree = ([4, 5, 6], None, [-1, -1, 0])
+    tree = DraftRow([4, 5, 6], parents=[-1, -1, 0])
     sampled = SamplingParams(temperature=1.0, top_k=2)
-    both = assemble([tree, ([7, 8], None, None)], sampled)
+    both = assemble([tree, DraftRow([7, 8])], sampled)
     assert both.tokens == [[4, 5, 6], [7, 8]] and both.parents == [[-1, -1, 0], [-1, 0]]
     # Beside a row with q the tree rule cannot run: the tree sends its first-child chain, a point mass.
-    q_row = ([7], (torch.tensor([[7, 8]]), torch.tensor([[0.6, 0.4]])), None)
+    q_row = DraftRow([7], (torch.tensor([[7, 8]]), torch.tensor([[0.6, 0.4]])))
     mixed = assemble([tree, q_row], sampled)
     assert mixed.parents is None and mixed.tokens == [[4, 6], [7]]
     assert mixed.topk_probs[0, :2, 0].tolist() == [1.0, 1.0]
