@@ -140,7 +140,13 @@ class FeatureFeed(TokenFeed):
     def observe(self, cache, seq, tokens, features):
         """features [len(tokens), d]: the target's at the position before each token. Drafts were fed
         predicted features: keep only true pairs, then pend these. With none (an outcome that emitted
-        nothing), the last true pair is fed again: the next forward needs an input."""
+        nothing), the last true pair is fed again: the next forward needs an input.
+
+        Example: context [5, 6, 7] went in as the true pairs (6, f0), (7, f1) (seq.kept == 2), then the
+        draft 8 with its predicted feature (3 cached positions). The target accepts 8 and emits 4, with
+        its features g [2, d]: observe(cache, seq, [8, 4], g) cuts the cache back to 2 positions and
+        pends seq.pending == [8, 4] (g joins seq.more_features); the next take feeds (8, g[0]), (4, g[1]).
+        """
         self.check(len(tokens), features, "emitted tokens")
         cache.truncate(seq.slot, seq.kept)
         seq.pending += tokens

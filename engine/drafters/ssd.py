@@ -313,7 +313,13 @@ class SsdDrafter(Drafter):
         """Feed every sequence's unfed tokens (pending context, then drafts) so its cache holds
         context + d1..dK, and keep candidate ids (and a head's predicted feature) for each draft row it
         had none for. One forward, but a head's drafts with no predicted features (n-gram or adopted)
-        go one position a step after it, each with the feature predicted at the one before."""
+        go one position a step after it, each with the feature predicted at the one before.
+
+        Example (a draft model): a sequence started with context [5, 6, 7] (all pending) then adopted
+        the drafts [8, 9] (fed 0). One forward feeds [5, 6, 7, 8, 9]: the cache then holds those 5
+        positions, s.pending == [], s.fed == 2, and s.rows gets 3 rows of candidate ids, the top
+        CANDIDATES tokens after 7, after 8 and after 9 (rows[k]: after context + d1..dk, k = 0..K).
+        """
         seqs = [s for s in seqs if s.pending or s.fed < len(s.drafts)]  # glued already: nothing to feed
         if not seqs:
             return

@@ -62,6 +62,12 @@ def assemble(rows: list[DraftRow], params: SamplingParams) -> Drafts:
     dense and sparse rules verify exactly as the point-mass rule does. Trees are verified as trees
     unless another row of the group carries a q (the tree rule takes none): they then send their
     first-child chain, a deterministic chain.
+
+    Example: a sampled group (temperature 1, top_k 2) of an n-gram row and a sparse one,
+    assemble([DraftRow([4, 6]), DraftRow([7], (tensor([[7, 8]]), tensor([[0.6, 0.4]])))], params),
+    gives Drafts(tokens=[[4, 6], [7]]) with topk_ids [[[4, 4], [6, 6]], [[7, 8], [0, 0]]] and
+    topk_probs [[[1, 0], [1, 0]], [[0.6, 0.4], [0, 0]]]: the n-gram drafts as one-hot rows, the
+    shorter row padded with weight 0.
     """
     sampled = not params.greedy and any(r.q is not None for r in rows)
     if any(r.parents is not None for r in rows):
