@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
-from specpool.common import http_limits, logs, outcomes, serving
+from specpool.common import http_limits, logs, outcomes, serving, write_deadline
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.registry import Registry, redacted
 from specpool.router import http_guard
@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests this router forwards at once; more get RESOURCE_EXHAUSTED with a retry hint")
     http_guard.add_arguments(p)
+    write_deadline.add_argument(p)
     p.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM")
     p.add_argument("--check-interval-s", type=float, default=1.0,
                    help="while Redis is unreachable, the router health-checks the members it knew this often "
@@ -147,7 +148,8 @@ def main(args: argparse.Namespace) -> int:
     # refuses itself, before forwarding).
     http = (HttpFront(credentials, port, config.host, args.http_port, config.grace_s, on_refused=metrics.count,
                       limits=limits, tenant_limits=tenant_limits) if args.http_port != -1 else None)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(RouterServicer(router, channels, credentials), server)
+    servicer = RouterServicer(router, channels, credentials, write_deadline.WriteDeadline(args.grpc_stall_timeout_s))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     cluster_pb2_grpc.add_ClusterStateServiceServicer_to_server(ClusterStateServicer(capacity, credentials), server)
     health = serving.add_health_and_reflection(server, [
         pb.DESCRIPTOR.services_by_name["TargetService"].full_name,

@@ -22,6 +22,7 @@ import grpc
 from specpool.common import logs, outcomes
 from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import abort_invalid
+from specpool.common.write_deadline import WriteDeadline
 from specpool.router.capacity import visible_to
 from specpool.router.forwarding import Forwarding, Stream
 from specpool.router.member_channels import TargetChannels
@@ -37,8 +38,10 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
     x-specpool-tenant, which targets believe only from a router's certificate. So a request id is the
     tenant's own: another tenant's Cancel of it finds nothing."""
 
-    def __init__(self, router: Router, channels: TargetChannels, credentials: Security):
+    def __init__(self, router: Router, channels: TargetChannels, credentials: Security,
+                 write_deadline: WriteDeadline | None = None):
         self.router = router
+        self.write_deadline = write_deadline or WriteDeadline()
         self.channels = channels
         self.credentials = credentials
 
@@ -52,10 +55,20 @@ class RouterServicer(target_pb2_grpc.TargetServiceServicer):
         self._on_termination(context, current)
         outcome = None
         try:
-            yield from self._forward(stream, context, current)
+            yield from self.write_deadline.stream(self._forward(stream, context, current),
+                                                  on_stall=lambda: self._stalled(context))
             outcome = outcomes.CANCELLED if stream.cancelled else outcomes.OK
         finally:  # also on an abort, and when the client went away while we were yielding (GeneratorExit)
             self._count(outcome or outcomes.of_call(context), current)
+
+    def _stalled(self, context) -> None:
+        """The client stopped reading: its call is cancelled, and with it the replica's (`_on_termination`)."""
+        caller = self.credentials.caller(context)  # (not _tenant: this runs off the call's thread, and aborts nothing)
+        tenant = caller.name if caller is not None and not caller.anonymous else \
+            dict(context.invocation_metadata() or ()).get(TENANT_HEADER, "")
+        log.warning("tenant %s stopped reading its stream for %g s (--grpc-stall-timeout-s): call cancelled",
+                    tenant or "(none)", self.write_deadline.timeout_s)
+        context.cancel()
 
     def _forward(self, stream: Stream, context, current: list[Forwarding]):
         tenant = self._tenant(context)

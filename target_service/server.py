@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specpool.common import http_limits, logs, outcomes, serving
+from specpool.common import http_limits, logs, outcomes, serving, write_deadline
 from specpool.common.metrics_http import MetricsHttpServer
 from specpool.common.model_args import add_model_args
 from specpool.common.serving import (
@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a batch slot; more get RESOURCE_EXHAUSTED with a retry hint")
+    write_deadline.add_argument(p)
     p.add_argument("--max-requests-per-tenant", type=int, default=0,
                    help="requests one tenant (its router-named tenant, or its certificate's) holds here at once, "
                         "queued, running or still sending; more get RESOURCE_EXHAUSTED with a retry hint, so one "
@@ -151,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
     server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials,
                                 on_refused=counting(generate, metrics.count))
     servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
-                              credentials, max_per_tenant=per_tenant)
+                              credentials, max_per_tenant=per_tenant,
+                              write_deadline=write_deadline.WriteDeadline(args.grpc_stall_timeout_s))
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [service.full_name])
     metrics_server = MetricsHttpServer(metrics.registry, args.metrics_port, host=args.metrics_host or args.host,

@@ -8,6 +8,7 @@ scheduler, the engine's Decoder and the RemoteDrafter.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ from specpool.common.security import TENANT_HEADER, Security
 from specpool.common.serving import abort_invalid, abort_with_retry
 from specpool.common.speculation import finish_reason_to_pb, method_to_pb, sampling_from_pb
 from specpool.common.target_api import check_generate_request
+from specpool.common.write_deadline import WriteDeadline
 from specpool.engine.decoding import GenerationResult
 from specpool.engine.method import MAX_DRAFT_TOKENS, Method
 from specpool.engine.plan import SpeculationPlan
@@ -35,6 +37,8 @@ from specpool.target_service.scheduler import Request, Scheduler, request_key
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """Request ids are scoped by their owner: the caller's identity, or for a router the tenant it
@@ -42,8 +46,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
                  tenant: str, max_context: int, max_batch: int, client: RemoteDrafter,
-                 credentials: Security | None = None, max_per_tenant: int = 0):
+                 credentials: Security | None = None, max_per_tenant: int = 0,
+                 write_deadline: WriteDeadline | None = None):
         self.credentials = credentials or Security.insecure()
+        self.write_deadline = write_deadline or WriteDeadline()
         # Generate calls one owner holds here at once, queued, running or still sending (0: no cap).
         self.max_per_tenant = max_per_tenant
         self._held: collections.Counter[str] = collections.Counter()
@@ -70,9 +76,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              f"running or sending (--max-requests-per-tenant {self.max_per_tenant}); retry in 1 s "
                              "or on another replica", 1.0)
         try:
-            yield from self._generate(request, context)
+            yield from self.write_deadline.stream(self._generate(request, context),
+                                                  on_stall=lambda: self._stalled(owner, context))
         finally:
             self._release(owner)
+
+    def _stalled(self, owner: str, context) -> None:
+        """The client stopped reading: its call is cancelled, which cancels the request (`_client_gone`)."""
+        log.warning("tenant %s stopped reading its stream for %g s (--grpc-stall-timeout-s): call cancelled, "
+                    "request cancelled", _tenant_of(owner) or "(none)", self.write_deadline.timeout_s)
+        context.cancel()
 
     def _hold(self, owner: str) -> bool:
         """Counts a call of `owner`'s, unless it already holds its share of this target (issue 52.2: one
