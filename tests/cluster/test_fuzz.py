@@ -5,7 +5,9 @@ and a serve-router. REQUESTS_PER_SERVICE calls go to each of the three, concurre
 valid and invalid values of every field, unknown enum values, duplicate ids, raw bytes to every method,
 client cancels. Meanwhile REGISTRY_RECORDS registry records are written straight into Redis with its password,
 as any member could (issue 38.1): random and adversarial values of every field, missing fields, keys of
-the wrong type; every tenth is followed by a GET of the router's /capacity. Afterwards:
+the wrong type; every tenth is followed by a GET of the router's /capacity. Beside the fuzz, alpha, another
+tenant on the same address (127.0.0.1, as every tenant behind one proxy), sends a greedy request through
+the router every ALPHA_EVERY_S: each is served and equals AR. Afterwards:
 
 - no call ended with INTERNAL or UNKNOWN, /capacity always answered 200, and no server logged a traceback;
 - the router dropped and counted malformed records of both kinds, and once the fuzzed records expire it
@@ -58,6 +60,7 @@ SEED = 13
 REQUESTS_PER_SERVICE = 10_000
 SERVICES = ("target", "router", "endpoint")
 CONCURRENCY = 8  # calls in flight per service
+ALPHA_EVERY_S = 2.0  # a legitimate tenant's request beside the fuzz, from the same address
 FUZZ_BUDGET_S = 240.0  # calls not started by then are counted as skipped, and the test fails
 VOCAB = 64
 MAX_CONTEXT = 512
@@ -526,21 +529,47 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
                 offenders.append((service, index, code, details))
             seconds[service] = time.monotonic() - start
 
+    # Alpha, another tenant on the fuzzer's address (issue 52.1: behind a proxy every tenant has one), asks the
+    # router for a greedy request every ALPHA_EVERY_S while the fuzz runs: each must be served, and right.
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    tiny, _ = Llama.from_gguf(cluster["gguf"], dtype="fp32", device="cpu")
+    [want] = generate(tiny, [prompt], SamplingParams(), 24, stop_ids=[])
+    fuzzing = threading.Event()
+    alpha_results: list[str] = []
+
+    def alpha() -> None:
+        with secure_channel(router.address, "router", tenant="alpha") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            while not fuzzing.wait(ALPHA_EVERY_S):
+                try:
+                    result = generate_result(stub, pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt),
+                                                                      max_tokens=24, ignore_eos=True), timeout=30)
+                    alpha_results.append("equal" if list(result.completions[0].token_ids) == want.token_ids
+                                         else f"differs: {list(result.completions[0].token_ids)}")
+                except grpc.RpcError as e:
+                    alpha_results.append(f"{e.code().name}: {e.details()}")
+
     # Interleaved, so the three services and the registry are fuzzed at once (the router's calls reach both targets).
     counts = {**dict.fromkeys(SERVICES, REQUESTS_PER_SERVICE), "registry": REGISTRY_RECORDS}
     jobs = [(s, i) for i in range(max(counts.values())) for s in counts if i < counts[s]]
+    beside = threading.Thread(target=alpha, name="alpha", daemon=True)
+    beside.start()
     with ThreadPoolExecutor(CONCURRENCY * len(SERVICES)) as pool:
         list(pool.map(run, jobs))
+    fuzzing.set()
+    beside.join(60)
     elapsed = time.monotonic() - start
     for service in SERVICES:
         print(f"{service}: {sum(codes[service].values())} calls in {seconds.get(service, elapsed):.0f} s "
               f"(seed {SEED}): {dict(codes[service].most_common())}")
 
     print(f"registry: {REGISTRY_RECORDS} records written, /capacity answered {dict(capacity_codes)}")
+    print(f"alpha, on the fuzzer's address: {dict(Counter(alpha_results))}")
     shown = "\n".join(f"  {service} #{index}: {code.name} {details[:300]!r}\n    {make_call(service, index, model).describe()}"
                       for service, index, code, details in offenders[:5])
     assert not offenders, f"{len(offenders)} calls got INTERNAL or UNKNOWN (seed {SEED}); the first:\n{shown}"
     assert not skipped, f"calls not sent within {FUZZ_BUDGET_S:.0f} s: {dict(skipped)}"
+    assert len(alpha_results) >= 5 and set(alpha_results) == {"equal"}, Counter(alpha_results)
     for service in SERVICES:
         assert codes[service]["OK"] > REQUESTS_PER_SERVICE // 20, f"{service}: too few valid calls to mean much"
         # The fuzzer's credentials are valid: no field or header it makes up may cost it its identity.
@@ -559,9 +588,6 @@ def test_generated_requests_never_get_internal_and_leak_nothing(cluster):
     wait_for(lambda: listed_members(router) == real and {e.id for e in cluster["registry"].endpoints()} == real[1],
              timeout_s=RECORD_TTL_MS / 1000 + 10)
     assert not tracebacks, "servers logged tracebacks:\n" + "\n".join(f"{n}: {t}" for n, t in tracebacks.items())
-    prompt = [5, 6, 7, 8, 5, 6, 7]
-    tiny, _ = Llama.from_gguf(cluster["gguf"], dtype="fp32", device="cpu")
-    [want] = generate(tiny, [prompt], SamplingParams(), 24, stop_ids=[])
     result = generate_result(target_pb2_grpc.TargetServiceStub(channels["router"]), pb.GenerateRequest(
         prompt_ids=pb.TokenIds(ids=prompt), max_tokens=24, ignore_eos=True), timeout=30)
     assert list(result.completions[0].token_ids) == want.token_ids
