@@ -62,10 +62,10 @@ class Scheduler:
     """Requests onto the Decoder's batch: queueing, admission, cancellation, and their tokens out.
     The Decoder steps the batch; this decides which requests are in it and runs its thread."""
 
-    def __init__(self, decoder: Decoder, client: RemoteDrafter, metrics: TargetMetrics,
+    def __init__(self, decoder: Decoder, drafter: RemoteDrafter, metrics: TargetMetrics,
                  observer: TargetObserver, model_name: str, max_queue: int = 1024):
         self.decoder = decoder
-        self.client = client
+        self.drafter = drafter
         self.metrics = metrics
         self.observer = observer  # counts each admitted sequence's fallbacks and SSD cache use
         self.model_name = model_name

@@ -123,19 +123,19 @@ def serve(endpoint: Endpoint):
     return server, f"127.0.0.1:{port}"
 
 
-def client_for(address: str | None, observer: Recorder) -> RemoteDrafter:
-    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
+def drafter_for(address: str | None, observer: Recorder) -> RemoteDrafter:
+    drafter = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), observer, deadline_s=5.0,
                                reattach_s=0.05)
     if address:
-        client.wait_attached(5.0)
-    return client
+        drafter.wait_attached(5.0)
+    return drafter
 
 
-def decode(model, client: RemoteDrafter, choice: SpeculationPlan | list[SpeculationPlan],
+def decode(model, drafter: RemoteDrafter, choice: SpeculationPlan | list[SpeculationPlan],
            draft_tokens: int = 3):
     """choice: every sequence's, or each one's."""
     choices = choice if isinstance(choice, list) else [choice] * len(PROMPTS)
-    decoder = Decoder(model, len(PROMPTS), 128, client, TargetDraftLength(client, None, fixed=draft_tokens))
+    decoder = Decoder(model, len(PROMPTS), 128, drafter, TargetDraftLength(drafter, None, fixed=draft_tokens))
     results = []
     for i, prompt in enumerate(PROMPTS):
         results.append(decoder.add(str(i), prompt, SamplingParams(), NEW, stop_ids=[], plan=choices[i]))
@@ -212,9 +212,9 @@ def test_trees_are_checked_and_verified_as_trees_unless_a_q_row_shares_their_gro
 def test_the_draft_length_applies_each_requests_cap():
     """Each sequence's plan travels with it (Running.plan): the length reads it there. (A plan of no
     speculation drafts nothing whatever the length says: the decoder's rule, tests/engine/test_decoding.py.)"""
-    client = client_for(None, Recorder())
+    drafter = drafter_for(None, Recorder())
     plans = {"a": REMOTE, "b": SpeculationPlan(Method.NGRAM, True, max_draft_tokens=2)}
-    length = TargetDraftLength(client, None, fixed=4)
+    length = TargetDraftLength(drafter, None, fixed=4)
     batch = [Running(s, 0, 10, plan) for s, plan in plans.items()]
     assert length.max_draft == 4
     assert length.lengths(batch, AcceptanceEstimate()) == [4, 2]
@@ -225,24 +225,24 @@ def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
     hits, or any remote drafter behind a slow wire, must not speculate there; SSD that always hits
     drafts like a free drafter."""
     target = StepCosts((1, 16), (0, 4, 8), ((0.03, 0.031, 0.033), (0.04, 0.15, 0.30)))
-    client = client_for(None, Recorder())
-    client.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+    drafter = drafter_for(None, Recorder())
+    drafter.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
         batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.01, 0.012, 0.02, 0.03]))])
-    length = TargetDraftLength(client, target)
+    length = TargetDraftLength(drafter, target)
     acceptance = AcceptanceEstimate(prior_alpha=0.6, prior_weight=1e9)  # fixed at alpha 0.6
 
     def chosen(method: Method, batch: int) -> int:
         plan = SpeculationPlan(method, True)
         return length.lengths([Running(f"{method}{i}", 0, 100, plan) for i in range(batch)], acceptance)[0]
 
-    client.ssd_hit_ratio.value = 1.0
+    drafter.ssd_hit_ratio.value = 1.0
     assert chosen(Method.SSD, 1) == length.free.choose(1, 0.6) > 0
-    client.ssd_hit_ratio.value = 0.0
+    drafter.ssd_hit_ratio.value = 0.0
     assert chosen(Method.SSD, 16) == chosen(Method.DRAFT_MODEL, 16) == 0
     assert chosen(Method.NGRAM, 1) > 0
-    client.wire_s.value = 0.05  # a round trip longer than a target step
+    drafter.wire_s.value = 0.05  # a round trip longer than a target step
     assert chosen(Method.NGRAM, 1) == chosen(Method.DRAFT_MODEL, 1) == 0
-    client.ssd_hit_ratio.value = 1.0  # pushed hits never wait for the wire
+    drafter.ssd_hit_ratio.value = 1.0  # pushed hits never wait for the wire
     assert chosen(Method.SSD, 1) == length.free.choose(1, 0.6) > 0
 
 
@@ -251,11 +251,11 @@ def test_no_batch_size_speculates_where_the_measured_costs_predict_a_loss():
 
 def test_a_dead_endpoint_makes_sequences_draft_locally_with_the_ar_tokens(tiny_model, ar):
     observer = Recorder()
-    client = client_for("127.0.0.1:1", observer)  # nothing listens there
+    drafter = drafter_for("127.0.0.1:1", observer)  # nothing listens there
     try:
-        tokens, results = decode(tiny_model, client, REMOTE)
+        tokens, results = decode(tiny_model, drafter, REMOTE)
     finally:
-        client.close()
+        drafter.close()
     assert tokens == ar
     assert observer.reasons == {Fallback.ENDPOINT_UNAVAILABLE} and observer.rounds == 0
     assert {s for _, s in observer.fallbacks} == set(ar)
@@ -265,11 +265,11 @@ def test_a_dead_endpoint_makes_sequences_draft_locally_with_the_ar_tokens(tiny_m
 def test_beside_a_plain_sequence_the_ones_a_dead_endpoint_fails_decode_plainly(tiny_model, ar):
     """Issue 38: their local drafts would be verified in the plain row's forward, wider than its own;
     alone (the test above) they draft locally."""
-    client = client_for("127.0.0.1:1", Recorder())
+    drafter = drafter_for("127.0.0.1:1", Recorder())
     try:
-        tokens, results = decode(tiny_model, client, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
+        tokens, results = decode(tiny_model, drafter, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
     finally:
-        client.close()
+        drafter.close()
     assert tokens == ar
     assert [r.drafted_tokens for r in results] == [0, 0, 0]
 
@@ -289,17 +289,17 @@ def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model,
 
     endpoint = HungOpens(ar)
     server, address = serve(endpoint)
-    client = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
+    drafter = RemoteDrafter("t1", "tiny", VOCAB, address, NgramDrafter(), Recorder(), deadline_s=60.0)
     try:
-        assert client.wait_attached(5.0)
+        assert drafter.wait_attached(5.0)
         with ThreadPoolExecutor(1) as pool:
-            decoding = pool.submit(decode, tiny_model, client, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
+            decoding = pool.submit(decode, tiny_model, drafter, [REMOTE, REMOTE, SpeculationPlan(Method.NONE, False)])
             try:
                 tokens, results = decoding.result(timeout=20)
             finally:
                 endpoint.release.set()
     finally:
-        client.close()
+        drafter.close()
         server.stop(0)
     assert tokens == ar
     assert [r.drafted_tokens for r in results] == [0, 0, 0]
@@ -307,7 +307,7 @@ def test_beside_a_plain_sequence_no_step_waits_for_a_session_to_open(tiny_model,
 
 def test_without_an_endpoint_configured_the_reason_says_so(tiny_model, ar):
     observer = Recorder()
-    tokens, _ = decode(tiny_model, client_for(None, observer), REMOTE)
+    tokens, _ = decode(tiny_model, drafter_for(None, observer), REMOTE)
     assert tokens == ar and observer.reasons == {Fallback.NO_ENDPOINT}
 
 
@@ -317,14 +317,14 @@ def test_without_an_endpoint_configured_the_reason_says_so(tiny_model, ar):
 def test_an_endpoints_drafts_are_verified_and_its_sessions_closed(tiny_model, ar):
     endpoint, observer = Endpoint(ar), Recorder()
     server, address = serve(endpoint)
-    client = client_for(address, observer)
+    drafter = drafter_for(address, observer)
     try:
-        tokens, results = decode(tiny_model, client, SpeculationPlan(Method.DRAFT_MODEL, True, max_draft_tokens=2))
+        tokens, results = decode(tiny_model, drafter, SpeculationPlan(Method.DRAFT_MODEL, True, max_draft_tokens=2))
         end = time.monotonic() + 5.0  # CloseSessions is fire and forget
         while len(endpoint.closed) < len(ar) and time.monotonic() < end:
             time.sleep(0.01)
     finally:
-        client.close()
+        drafter.close()
         server.stop(0)
     assert tokens == ar
     assert observer.capacities and observer.rounds > 0 and not observer.fallbacks
@@ -346,8 +346,8 @@ def test_a_plan_slower_than_plain_decoding_leaves_the_endpoint_then_speculation(
 
     endpoint = Endpoint(ar, drafts=counted)
     server, address = serve(endpoint)
-    client = client_for(address, Recorder())
-    decoder = Decoder(tiny_model, len(PROMPTS), 128, client, PacedLength(3, plain_s=1e-9))
+    drafter = drafter_for(address, Recorder())
+    decoder = Decoder(tiny_model, len(PROMPTS), 128, drafter, PacedLength(3, plain_s=1e-9))
     try:
         # Long enough for both plans to be judged (the n-gram index drafts the tiny target's loops well).
         results = [decoder.add(str(i), p, SamplingParams(), 3 * NEW, stop_ids=[], plan=REMOTE)
@@ -362,7 +362,7 @@ def test_a_plan_slower_than_plain_decoding_leaves_the_endpoint_then_speculation(
         while decoder.has_work:
             decoder.step()
     finally:
-        client.close()
+        drafter.close()
         server.stop(0)
     longer = generate(tiny_model, PROMPTS, SamplingParams(), 3 * NEW, stop_ids=[])
     assert [r.token_ids for r in results] == [r.token_ids for r in longer]
@@ -383,11 +383,11 @@ def test_unusable_replies_fall_back_for_that_round_only(tiny_model, ar):
 
     observer = Recorder()
     server, address = serve(Endpoint(ar, drafts=bad))
-    client = client_for(address, observer)
+    drafter = drafter_for(address, observer)
     try:
-        tokens, results = decode(tiny_model, client, REMOTE)
+        tokens, results = decode(tiny_model, drafter, REMOTE)
     finally:
-        client.close()
+        drafter.close()
         server.stop(0)
     assert tokens == ar
     assert observer.reasons == {Fallback.BAD_REPLY}
@@ -398,15 +398,15 @@ def test_unusable_replies_fall_back_for_that_round_only(tiny_model, ar):
 def test_a_stream_that_breaks_falls_back_then_reattaches(tiny_model, ar):
     observer = Recorder()
     server, address = serve(Endpoint(ar, fail_after=2))
-    client = client_for(address, observer)
+    drafter = drafter_for(address, observer)
     try:
-        tokens, _ = decode(tiny_model, client, REMOTE)
+        tokens, _ = decode(tiny_model, drafter, REMOTE)
         assert tokens == ar
         assert Fallback.ENDPOINT_FAILED in observer.reasons
         # Back on a new connection: the attach loop replaces the broken one.
-        assert client.wait_attached(5.0) and len(observer.capacities) == 2
+        assert drafter.wait_attached(5.0) and len(observer.capacities) == 2
     finally:
-        client.close()
+        drafter.close()
         server.stop(0)
 
 
