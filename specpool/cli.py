@@ -10,7 +10,7 @@ import shlex
 import sys
 from collections.abc import Collection
 
-from specpool.common.model_args import add_model_args
+from specpool.common.model_args import add_model_args, model_arg
 
 # Servers and cluster tools: subcommand -> (module bringing add_arguments(parser) and main(args), help).
 # Nothing heavy is imported to build the parser: a subcommand's modules (torch, the servers) load only
@@ -249,8 +249,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     t.add_argument("--layers", type=int, default=4, help="a model draft's layers, copied from the target's first")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the draft predicts: the corpus's most frequent, mapped back to full ids")
-    t.add_argument("--model", default=None, help="target: a GGUF or a Hugging Face directory of a supported "
-                                                 "family (default: SmolLM2-135M-Instruct)")
+    t.add_argument("--model", type=model_arg, default=None,
+                   help="target: a GGUF or a Hugging Face directory of a supported family, or a short name "
+                        "(as generate's --model) (default: SmolLM2-135M-Instruct)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     t.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16", "q4"],
                    help="the target's weights in the data pass (default: bf16 for a model, where the CPU "

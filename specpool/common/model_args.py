@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model "
-              "(default: SmolLM2-135M-Instruct)")
+from specpool.engine.runtime.chunked_models import MODELS, ModelNotAssembled, model_path
+
+MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model, or the short "
+              f"name of one `make setup` assembles ({', '.join(MODELS)}) (default: SmolLM2-135M-Instruct)")
 DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
               "bf16, else fp32; q4: the GGUF's 4-bit blocks through the engine's CPU kernels; bf16: where the "
               "device computes it natively, else fp32; fp32: the reference numerics)")
@@ -13,7 +15,15 @@ DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-b
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device and --threads."""
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--model", type=model_arg, default=None, help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "q4"], help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+
+def model_arg(text: str) -> str:
+    """--model's value as a path: a short name (engine/runtime/chunked_models.py) becomes its assembled file."""
+    try:
+        return model_path(text)
+    except ModelNotAssembled as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
