@@ -76,6 +76,27 @@ def start_target(gguf: Path, endpoint: ServerProcess, tenant: str, *extra: str,
     return start_server(tenant, args, cpus=cpus)
 
 
+@contextmanager
+def routed_target(gguf: Path, target_args: list[str], router_args: list[str]):
+    """Redis, one target of `gguf` with no endpoint (one thread, tenant target-1) and a router, registered
+    with each other: yields {"target", "router", "model"}, and stops them all after."""
+    from specpool.cluster.redis_server import start_redis
+
+    redis = start_redis()
+    servers = []
+    try:
+        servers.append(start_server("target", [
+            "serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0", "--tenant", "target-1",
+            *ONE_THREAD, "--datastore", "", *target_args, "--redis", redis.url]))
+        servers.append(start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0", *router_args,
+                                               "--redis", redis.url]))
+        yield {"target": servers[0], "router": servers[1], "model": model_name(gguf)}
+    finally:
+        for server in reversed(servers):
+            server.stop()
+        redis.close()
+
+
 # -- two tenants, one endpoint, the real model ------------------------------------------------------
 
 PROMPTS = [

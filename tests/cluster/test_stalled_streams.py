@@ -15,12 +15,10 @@ import time
 import grpc
 import pytest
 
-from specpool.cluster.processes import start_server, wait_for
-from specpool.cluster.redis_server import start_redis
-from specpool.engine.runtime.gguf_loader import model_name
+from specpool.cluster.processes import wait_for
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc
-from tests.cluster.test_disaggregation import ONE_THREAD, tiny_files
+from tests.cluster.test_disaggregation import routed_target, tiny_files
 from tests.pki import channel, token_metadata
 
 STALL_S = 2.0  # the target's --grpc-stall-timeout-s
@@ -35,21 +33,10 @@ LONG = 4000  # tokens of each of mallory's requests: seconds of decoding, longer
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     gguf, _ = tiny_files(tmp_path_factory.mktemp("stall"), vocab=64, seed=5, max_context=4096)
-    redis = start_redis()
-    started = []
-    try:
-        started.append(start_server("target", [
-            "serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0", "--tenant", "target-1",
-            *ONE_THREAD, "--datastore", "", "--max-batch", str(MAX_BATCH), "--max-queue", "1",
-            "--max-context", "4096", "--grpc-stall-timeout-s", str(STALL_S), "--redis", redis.url]))
-        started.append(start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0",
-                                               "--grpc-stall-timeout-s", str(ROUTER_STALL_S), "--redis", redis.url]))
-        wait_for(lambda: started[0].metric_total("specpool_target_max_batch") == MAX_BATCH)
-        yield {"target": started[0], "router": started[1], "model": model_name(gguf)}
-    finally:
-        for server in reversed(started):
-            server.stop()
-        redis.close()
+    with routed_target(gguf, ["--max-batch", str(MAX_BATCH), "--max-queue", "1", "--max-context", "4096",
+                              "--grpc-stall-timeout-s", str(STALL_S)],
+                       ["--grpc-stall-timeout-s", str(ROUTER_STALL_S)]) as started:
+        yield started
 
 
 def request(model: str, max_tokens: int) -> pb.GenerateRequest:

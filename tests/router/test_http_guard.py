@@ -26,10 +26,11 @@ from specpool.cluster.redis_server import start_redis
 from specpool.common.http_limits import HttpLimits
 from specpool.common.security import Security
 from specpool.engine.runtime.config import tiny_config
-from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf, model_name, save_gguf
+from specpool.engine.runtime.gguf_loader import default_model_path, load_gguf, save_gguf
 from specpool.engine.runtime.model import random_weights
 from specpool.router.http_guard import TenantLimits
 from specpool.router.openai_http import HttpFront
+from tests.cluster.test_disaggregation import routed_target
 from tests.pki import CA
 
 LIMITS = HttpLimits(header_timeout_s=5.0, body_timeout_s=0.5, idle_timeout_s=5.0, max_connections=4,
@@ -153,21 +154,11 @@ def served_router(tmp_path_factory):
     # front has no ignore_eos, and where a random model's greedy text met it varied with the batch).
     weights["lm_head" if "lm_head" in weights else "embed"][config.eos_id] = 0.0
     gguf = save_gguf(tmp_path_factory.mktemp("stall") / "tiny-chat.gguf", config, weights, tokenizer_of=real)
-    redis = start_redis()
-    servers = []
-    try:
-        servers.append(start_server("target", [
-            "serve-target", "--model", str(gguf), "--port", "0", "--metrics-port", "0", "--tenant", "target-1",
-            "--threads", "1", "--datastore", "", "--max-batch", str(NEVER_READ), "--max-context", "4096",
-            "--max-requests-per-tenant", str(3 * NEVER_READ // 4), "--redis", redis.url]))
-        servers.append(start_server("router", ["serve-router", "--port", "0", "--metrics-port", "0",
-                                               "--http-stall-timeout-s", str(STALL_S), "--redis", redis.url]))
-        wait_for(lambda: servers[0].metric_total("specpool_target_max_batch") == NEVER_READ)
-        yield {"target": servers[0], "router": servers[1], "model": model_name(gguf)}
-    finally:
-        for server in reversed(servers):
-            server.stop()
-        redis.close()
+    with routed_target(gguf, ["--max-batch", str(NEVER_READ), "--max-context", "4096",
+                              "--max-requests-per-tenant", str(3 * NEVER_READ // 4)],
+                       ["--http-stall-timeout-s", str(STALL_S)]) as servers:
+        wait_for(lambda: servers["target"].metric_total("specpool_target_max_batch") == NEVER_READ)
+        yield servers
 
 
 def completion(model: str, token: str, max_tokens: int, stream: bool, close: bool = False) -> bytes:
