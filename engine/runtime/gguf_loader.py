@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize, quantize
+from gguf.quants import Q4_K, dequantize, quantize
 
 from specpool.engine.runtime.config import ModelConfig
 from specpool.engine.runtime.gguf_config import (
@@ -62,6 +62,13 @@ class QuantizedBlocks:
     nibble of byte j holding q_j and its high nibble q_{j+16}.
     Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles (as Q4_0); weight j = d * q_j + m.
     Q8_0 block (34 bytes): fp16 d, 32 int8 q_j; weight j = d * q_j.
+    Q5_0 block (22 bytes): fp16 d, 4 bytes of high bits (bit j: q_j's fifth), 16 bytes of nibbles (as Q4_0);
+    weight j = d * (q_j - 16), q_j in 0..31.
+    K-quants: super-blocks of 256 weights (8 groups of 32), laid out as gguf.quants reads them.
+    Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sc and mn per group, 128 of nibbles;
+    weight = d * sc_g * q - dmin * mn_g, q in 0..15.
+    Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per 16 weights), fp16 d;
+    weight = d * sc_k * (q - 32), q in 0..63.
     """
 
     kind: GGMLQuantizationType
@@ -69,19 +76,26 @@ class QuantizedBlocks:
     data: np.ndarray  # uint8 [out, blocks per row * block bytes]
 
     BLOCK = 32
+    SUPER = 256  # a K-quant's super-block
 
     @property
     def four_bit(self) -> bool:
-        return self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+        """Whether the file stores this matrix in 4 or 5 bits a weight (what makes q4 the automatic format)."""
+        return self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
+                             GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K)
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """The blocks' fields as tensors, [out, in / 32] per scale and [out, in] for the q's: Q4_0 gives
-        (d, q) and Q4_1 (d, m, q) with q in 0..15 (uint8); Q8_0 gives (d, q) with q int8. d and m are
-        fp32 (exact: fp16 widened)."""
+        (d, q) and Q4_1 (d, m, q) with q in 0..15 (uint8); Q8_0 gives (d, q) with q int8, and Q5_0 the same with
+        q - 16 (int8, -16..15). Q4_K gives (d, dmin, sc, mn, q): d and dmin [out, in / 256], sc and mn uint8 (0..63)
+        [out, in / 32], q 0..15; Q6_K (d, sc, q): d [out, in / 256], sc int8 [out, in / 16], q 0..63 (the weight's
+        q - 32). Every d and m is fp32 (exact: fp16 widened)."""
         rows, cols = self.shape
+        if self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            return self._k_fields()
         blocks = np.ascontiguousarray(self.data).reshape(rows, cols // self.BLOCK, -1)
         d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-        if self.four_bit:
+        if self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
             start = 2 if self.kind == GGMLQuantizationType.Q4_0 else 4
             nibbles = torch.from_numpy(blocks[..., start:].copy())  # [out, in/32, 16]
             q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, cols)
@@ -92,7 +106,35 @@ class QuantizedBlocks:
         if self.kind == GGMLQuantizationType.Q8_0:
             q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, cols)
             return d, q
+        if self.kind == GGMLQuantizationType.Q5_0:
+            high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [out, in/32, 32]: bit j of q_j
+            nibbles = blocks[..., 6:]
+            low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+            q = (low | (high << 4)).astype(np.int8) - np.int8(16)
+            return d, torch.from_numpy(q.reshape(rows, cols))
         raise ValueError(f"no block reader for {self.kind.name}")
+
+    def _k_fields(self) -> tuple[torch.Tensor, ...]:
+        rows, cols = self.shape
+        supers = cols // self.SUPER
+        b = np.ascontiguousarray(self.data).reshape(rows * supers, -1)
+
+        def half(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.copy().view(np.float16)[:, 0].astype(np.float32).reshape(rows, supers))
+
+        if self.kind == GGMLQuantizationType.Q4_K:
+            sc, mn = Q4_K.get_scale_min(b[:, 4:16])  # [n, 8] each
+            nibbles = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            q = (nibbles & 0x0F).reshape(rows, cols)
+            groups = cols // self.BLOCK
+            return (half(b[:, 0:2]), half(b[:, 2:4]), torch.from_numpy(sc.reshape(rows, groups).copy()),
+                    torch.from_numpy(mn.reshape(rows, groups).copy()), torch.from_numpy(q))
+        ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]  # Q6_K
+        low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+        q = low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)
+        return (half(d), torch.from_numpy(scales.copy().view(np.int8).reshape(rows, cols // 16)),
+                torch.from_numpy(q.reshape(rows, cols)))
 
     @staticmethod
     def quantize(weight: torch.Tensor, kind: GGMLQuantizationType) -> QuantizedBlocks:

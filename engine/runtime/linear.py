@@ -141,44 +141,76 @@ class BlockLinear:
     is padded with zero weights, whose outputs are cut off. Prefill steps run `prefill`, the dense twin.
     """
 
-    FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+    # The kernel's layout for each block format (cpu_kernels.cpp, `Layout`): 4 and 8 bits a weight with fp16
+    # scales per group of 32, and the K-quants' compact per-super-block ones.
+    Q4, Q8, Q4K, Q6K = 4, 8, 41, 61
+    FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: Q4, GGMLQuantizationType.Q4_1: Q4,
+                               GGMLQuantizationType.Q8_0: Q8, GGMLQuantizationType.Q5_0: Q8,
+                               GGMLQuantizationType.Q4_K: Q4K, GGMLQuantizationType.Q6_K: Q6K}
 
-    def __init__(self, blocks: QuantizedBlocks, prefill: Linear):
-        self.prefill = prefill
-        self.bits = self.FORMATS[blocks.kind]
+    def __init__(self, blocks: QuantizedBlocks, prefill: Linear | None = None):
+        """`prefill`: a dense twin that prefill steps run; None, these blocks run them too."""
+        self._prefill = prefill
+        self.layout = self.FORMATS[blocks.kind]
         self.out_features, self.in_features = blocks.shape
         # The kernel's layout (engine/runtime/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
         lanes, offset_8bit = torch.ops.specpool.block_layout()
         self.pad = -self.out_features % lanes
-        d, *rest, q = (F.pad(f, (0, 0, 0, self.pad)) for f in blocks.fields())  # zero rows: weights 0
-        m = rest[0] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d if self.bits == 4 else None
+        fields = [F.pad(f, (0, 0, 0, self.pad)) for f in blocks.fields()]  # zero rows: weights 0
         blocks_out, groups = (self.out_features + self.pad) // lanes, self.in_features // QuantizedBlocks.BLOCK
-        if self.bits == 4:  # [blocks, groups, 4 vectors, lanes, 4 elements]: w_2L low nibbles, w_2L+1 high
+
+        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out / lanes, n, lanes]
+            return v.view(blocks_out, lanes, -1).transpose(1, 2)
+
+        def half(v: torch.Tensor) -> torch.Tensor:  # fp32 -> fp16, which must hold it exactly
+            h = v.half()
+            if not torch.equal(h.float(), v):  # the file's fp16 values, or -8 times them: always exact
+                raise ValueError("block scales that fp16 does not hold exactly")
+            return h
+
+        def nibbles(q: torch.Tensor) -> torch.Tensor:  # [blocks, groups, 4 vectors, lanes, 4]: w_2L low, w_2L+1 high
             t = q.view(blocks_out, lanes, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-            self.qs = (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes).contiguous()
-        else:  # [blocks, groups, 8 vectors, lanes, 4 elements]
+            return (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes)
+
+        if self.layout == self.Q4:
+            d, *rest, q = fields
+            m = rest[0] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d
+            self.qs = nibbles(q).contiguous()
+            self.d, self.m = (half(by_lane(v)).contiguous() for v in (d, m))
+        elif self.layout == self.Q8:  # [blocks, groups, 8 vectors, lanes, 4 elements]
+            d, q = fields
             packed = q.view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks_out, groups, -1)
             if offset_8bit:  # unsigned q + 128, undone in the kernel by -128 d (exact)
                 self.qs = (packed.to(torch.int16) + 128).to(torch.uint8).contiguous()
             else:
                 self.qs = packed.contiguous().view(torch.uint8)
+            self.d, self.m = half(by_lane(d)).contiguous(), torch.zeros(0, dtype=torch.float16)
+        elif self.layout == self.Q4K:  # d [blocks, supers, (d, dmin), lanes]; m [blocks, groups, (sc, mn), lanes]
+            d, dmin, sc, mn, q = fields
+            self.qs = nibbles(q).contiguous()
+            self.d = half(torch.stack([by_lane(d), by_lane(dmin)], 2)).contiguous()
+            self.m = torch.stack([by_lane(sc), by_lane(mn)], 2).contiguous()
+        else:  # Q6_K: the low nibbles as 4-bit weights, then the high 2 bits four to a byte; d [blocks, supers, lanes]
+            d, sc, q = fields
+            high = (q >> 4).view(blocks_out, lanes, groups, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [.., h, lanes, b, t]
+            high = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
+            self.qs = torch.cat([nibbles(q & 0x0F), high.reshape(blocks_out, groups, 8 * lanes)], -1).contiguous()
+            self.d = half(by_lane(d)).contiguous()
+            self.m = sc.view(blocks_out, lanes, groups, 2).permute(0, 2, 3, 1).contiguous()  # [blocks, groups, 2, lanes]
 
-        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, groups] fp32 -> [out / lanes, groups, lanes] fp16
-            half = v.half()
-            if not torch.equal(half.float(), v):  # the file's fp16 values, or -8 times them: always exact
-                raise ValueError("block scales that fp16 does not hold exactly")
-            return half.view(blocks_out, lanes, groups).permute(0, 2, 1).contiguous()
-
-        self.d = by_lane(d)
-        self.m = by_lane(m) if m is not None else torch.zeros(0, dtype=torch.float16)
+    @property
+    def prefill(self) -> Linear | BlockLinear:
+        """The matrix prefill steps run: the dense twin where there is one, else these blocks."""
+        return self if self._prefill is None else self._prefill
 
     @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:
-        return blocks.kind in cls.FORMATS and blocks.shape[1] % QuantizedBlocks.BLOCK == 0
+        width = QuantizedBlocks.SUPER if cls.FORMATS.get(blocks.kind) in (cls.Q4K, cls.Q6K) else QuantizedBlocks.BLOCK
+        return blocks.kind in cls.FORMATS and blocks.shape[1] % width == 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights one product reads: the packed values and the fp16 scales (and offsets)."""
+        """Bytes of weights one product reads: the packed values and the scales (and offsets)."""
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
 
     def __call__(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
@@ -188,6 +220,6 @@ class BlockLinear:
         as (gate, up) and multiplied as silu(gate) * up; `residual` [..., out] added to the output."""
         if self.pad and residual is not None:
             residual = F.pad(residual, (0, self.pad))
-        y = torch.ops.specpool.block_linear(x.float(), self.qs, self.d, self.m, self.bits, norm, eps, silu_mul,
+        y = torch.ops.specpool.block_linear(x.float(), self.qs, self.d, self.m, self.layout, norm, eps, silu_mul,
                                             residual)
         return y[..., : self.out_features] if self.pad else y

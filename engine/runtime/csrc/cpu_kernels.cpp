@@ -30,10 +30,11 @@ constexpr int GROUP = 32;  // weights per block (ggml's QK4_0, QK4_1, QK8_0)
 // Activations, optionally RMS-normalized first (x / sqrt(mean(x^2) + eps) * norm, the layer's norm fused
 // into its product) or, with silu_mul, a row [gate, up] of twice the width made silu(gate) * up (the MLP's
 // activation fused into its down product), then quantized per row and group of 32 (ggml's Q8_1):
-// x ~= dx * xq, xq in -127..127, and the group's sum dx * sum(xq), which the weights' offset m multiplies.
+// x ~= dx * xq, xq in -127..127, and the group's sum dx * sum(xq), which the weights' offset m multiplies;
+// where xh is given, also the integer sums of xq per 16 (two a group: Q6_K's sub-blocks take them).
 
 void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, float eps, bool silu_mul,
-                   int8_t* xq, float* dx, float* xs) {
+                   int8_t* xq, float* dx, float* xs, int32_t* xh) {
   const int64_t stride = silu_mul ? 2 * in : in;
   const int64_t groups = in / GROUP;
   std::vector<float> row_scale(rows, 1.f);
@@ -63,14 +64,18 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
       }
       const float d = amax / 127.f;
       const float inv = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
+      int32_t half[2] = {0, 0};
       for (int j = 0; j < GROUP; ++j) {
         const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
         xq[i * GROUP + j] = q;
-        sum += q;
+        half[j / 16] += q;
       }
       dx[i] = d;
-      xs[i] = d * static_cast<float>(sum);
+      xs[i] = d * static_cast<float>(half[0] + half[1]);
+      if (xh != nullptr) {
+        xh[2 * i] = half[0];
+        xh[2 * i + 1] = half[1];
+      }
     }
   });
 }
@@ -81,8 +86,9 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 // lane i holds elements 4j..4j+3 of output i's group. 4-bit weights (q in 0..15) are stored two vectors
 // to one, w_2L in the low nibbles and w_2L+1 in the high; 8-bit ones one vector to one: signed with AVX2
 // (and portable), offset by 128 with AVX-512 (unsigned, as its dot product takes them; m = -128 d, made
-// from d as it loads, undoes it). The scales d and the 4-bit offsets m: [outputs / LANES, groups, LANES]
-// fp16, as the file stores them (m = -8 d is exact there too): half the bytes of fp32, widened as they load.
+// from d as it loads, undoes it). 6-bit ones (q in 0..63) as 4-bit ones for their low 4 bits, then two
+// vectors of the high 2 bits: lane i's byte b of vector h holds, at bits 2t..2t+1, those of element
+// 4(4h + t) + b. The scales, per layout (`Layout`), [outputs / LANES, ..., LANES]: one output a lane.
 //
 // Row r's outputs then accumulate, over the groups in order and with no horizontal sum:
 //   acc += d_g * dx_rg * sum_j dot(w_j, x_rg[4j..4j+3])     (an exact integer per lane)
@@ -90,6 +96,18 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 // and y = acc. A row's lanes see only that row's data, by the same instructions for every row. One
 // accumulator a row leaves registers for 16 rows (AVX-512) or 8 (AVX2) to share each unpacked block:
 // a verify step of up to 15 drafts reads its weights once.
+//
+// The layouts (the file's weights exactly: every scale below is the file's, or an exact product of its parts):
+//   Q4: 4-bit q, d and m [groups, LANES] fp16 (Q4_1's d and m; Q4_0's d, m = -8 d, exact in fp16 too).
+//   Q8: 8-bit q, d [groups, LANES] fp16 (Q8_0; Q5_0 as q - 16 in -16..15).
+//   Q4K: 4-bit q; d [groups / 8, 2, LANES] fp16, the super-block's d and dmin; m [groups, 2, LANES] uint8,
+//        the group's 6-bit sc and mn. d_g = d * sc and m_g = -dmin * mn, each exact in fp32 (11 bits of
+//        mantissa times 6), as ggml computes them: the formula above.
+//   Q6K: 6-bit q (0..63, the weight q - 32); d [groups / 8, LANES] fp16; m [groups, 2, LANES] int8, the two
+//        sub-blocks' (16 weights each) scales sc0, sc1. The group's integer
+//          isum = sc0 * (dot(w, x)[0:16] - 32 sum(xq[0:16])) + sc1 * (dot(w, x)[16:32] - 32 sum(xq[16:32]))
+//        (|isum| < 2^31: 2 * 128 * 16 * 95 * 127) gives acc += isum * (d * dx_rg), from quantize_rows'
+//        integer sums per 16 (xh).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPECPOOL_AVX512 1
@@ -106,6 +124,12 @@ constexpr int LANES = 8;  // one 256-bit vector (AVX2), or 8 scalars
 #endif
 constexpr int ROW_TILE = ROW_TILE_MAX;
 
+enum Layout : int64_t { Q4 = 4, Q8 = 8, Q4K = 41, Q6K = 61 };
+
+constexpr bool four_bit(int64_t layout) { return layout == Q4 || layout == Q4K; }
+// Bytes per group of LANES outputs.
+constexpr int group_bytes(int64_t layout) { return (four_bit(layout) ? 16 : layout == Q6K ? 24 : 32) * LANES; }
+
 #if defined(SPECPOOL_AVX512)
 inline __m512i broadcast4_512(const int8_t* x) {
   int32_t v;
@@ -121,27 +145,35 @@ inline __m256i broadcast4(const int8_t* x) {  // 4 activation bytes into every l
   return _mm256_set1_epi32(v);
 }
 
-// Sum over j of lane-wise dot products of w[j] (unsigned 0..15 when FOUR_BIT, else signed) and x's
-// bytes 4j..4j+3: 8 int32 lanes.
-template <bool FOUR_BIT>
+// Sum over j in [J0, J1) of lane-wise dot products of w[j] (unsigned when UNSIGNED: 0..15 or 0..63, else
+// signed) and x's bytes 4j..4j+3: 8 int32 lanes.
+template <bool UNSIGNED, int J0 = 0, int J1 = 8>
 inline __m256i block_dot(const __m256i* w, const int8_t* x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   __m256i s = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {
+  for (int j = J0; j < J1; ++j) {
     const __m256i xj = broadcast4(x + 4 * j);
-    s = FOUR_BIT ? _mm256_dpbusd_epi32(s, w[j], xj)
+    s = UNSIGNED ? _mm256_dpbusd_epi32(s, w[j], xj)
                  : _mm256_dpbusd_epi32(s, _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xj, w[j]));
   }
   return s;
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if (FOUR_BIT) {  // 16-bit partial sums: 8 * 2 * 15 * 127 fits
+  __m256i s = _mm256_setzero_si256();
+  if (UNSIGNED && J1 - J0 == 8) {  // 4-bit: 16-bit partial sums, 8 * 2 * 15 * 127 fits
     __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast4(x));
     for (int j = 1; j < 8; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], broadcast4(x + 4 * j)));
     return _mm256_madd_epi16(s16, ones);
   }
-  __m256i s = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {  // signed x signed: the sign moves onto x; 2 * 128 * 127 fits 16 bits
+  if (UNSIGNED) {  // 6-bit: 16-bit partial sums of two vectors, 2 * 2 * 63 * 127 fits
+    for (int j = J0; j < J1; j += 2) {
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], broadcast4(x + 4 * j)),
+                                           _mm256_maddubs_epi16(w[j + 1], broadcast4(x + 4 * j + 4)));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(s16, ones));
+    }
+    return s;
+  }
+  for (int j = J0; j < J1; ++j) {  // signed x signed: the sign moves onto x; 2 * 128 * 127 fits 16 bits
     const __m256i xj = broadcast4(x + 4 * j);
     s = _mm256_add_epi32(s, _mm256_madd_epi16(
         _mm256_maddubs_epi16(_mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xj, w[j])), ones));
@@ -151,43 +183,97 @@ inline __m256i block_dot(const __m256i* w, const int8_t* x) {
 }
 #endif
 
-// Outputs ob*8 .. ob*8+7 of `tile` rows; y points at row 0's first of them.
+// One block of LANES outputs: its packed weights and scales (pointers at its first group).
+struct Block {
+  const uint8_t* qs;
+  const at::Half* d;
+  const void* m;
+};
+
+// Outputs of one block of LANES, for `TILE` rows; y points at row 0's first of them.
 // TILE, the row count, is a template argument so that the rows' accumulators live in registers.
-template <bool FOUR_BIT, int TILE>
-void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* qs, int64_t groups, const int8_t* xq,
-                const float* dx, const float* xs, int64_t in, const float* res, float* y, int64_t out) {
+template <int64_t LAYOUT, int TILE>
+void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float* dx, const float* xs,
+                const int32_t* xh, int64_t in, const float* res, float* y, int64_t out) {
   constexpr int tile = TILE;
-  constexpr int BYTES = (FOUR_BIT ? 16 : 32) * LANES;  // per group of LANES outputs
+  constexpr int BYTES = group_bytes(LAYOUT);
+  const at::Half* d_half = blk.d;
+  const uint8_t* m_bytes = static_cast<const uint8_t*>(blk.m);
 #if defined(SPECPOOL_AVX512)
   __m512 acc[TILE];
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512 super_d = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();  // Q4K, Q6K: the super-block's
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
-    const uint8_t* block = qs + g * BYTES;
-    for (int k = 0; k < (FOUR_BIT ? 4 : 8); ++k) {
-      const __m512i b = _mm512_loadu_si512(block + 64 * k);
-      if (FOUR_BIT) {
+    const uint8_t* block = blk.qs + g * BYTES;
+    if constexpr (LAYOUT == Q8) {
+      for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const __m512i b = _mm512_loadu_si512(block + 64 * k);
         w[2 * k] = _mm512_and_si512(b, m4);
         w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-      } else {
-        w[k] = b;
       }
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
-    const __m512 mv = FOUR_BIT ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_half + g * LANES)))
-                               : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
+    if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
+      const __m512i m30 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i b = _mm512_loadu_si512(block + 256 + 64 * h);
+        w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(b, 4), m30));
+        w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), m30));
+        w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(b, m30));
+        w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
+      }
+    }
+    __m512 dv, mv;
+    __m512i sc0, sc1;
+    if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
+      mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                              reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
+                        : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
+    } else {
+      if (g % 8 == 0) {
+        const at::Half* sd = d_half + g / 8 * (LAYOUT == Q4K ? 2 : 1) * LANES;
+        super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
+        if constexpr (LAYOUT == Q4K)  // negated: exact
+          super_min = _mm512_sub_ps(_mm512_setzero_ps(),
+                                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
+      }
+      const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
+      const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
+      if constexpr (LAYOUT == Q4K) {
+        dv = _mm512_mul_ps(super_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
+        mv = _mm512_mul_ps(super_min, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
+      } else {
+        dv = super_d;
+        sc0 = _mm512_cvtepi8_epi32(s0);
+        sc1 = _mm512_cvtepi8_epi32(s1);
+      }
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
-      for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
+      if constexpr (LAYOUT == Q6K) {  // s0 the first 16 elements, s1 the last
+        for (int j = 0; j < 4; ++j) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 4], broadcast4_512(x + 4 * j + 16));
+        }
+        const int32_t* h = xh + (r * groups + g) * 2;
+        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * h[0]))),
+                                              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * h[1]))));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+      } else {
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
+        }
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
       }
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
     }
   }
   for (int r = 0; r < tile; ++r)
@@ -196,26 +282,70 @@ void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* q
   __m256 acc[TILE];
   for (int r = 0; r < TILE; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 super_d = _mm256_setzero_ps(), super_min = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i w[8];
-    const uint8_t* block = qs + g * BYTES;
-    for (int k = 0; k < (FOUR_BIT ? 4 : 8); ++k) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * k));
-      if (FOUR_BIT) {
+    const uint8_t* block = blk.qs + g * BYTES;
+    if constexpr (LAYOUT == Q8) {
+      for (int k = 0; k < 8; ++k) w[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * k));
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * k));
         w[2 * k] = _mm256_and_si256(b, m4);
         w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-      } else {
-        w[k] = b;
       }
     }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half + g * LANES)));
-    const __m256 mv = FOUR_BIT ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_half + g * LANES)))
-                               : _mm256_setzero_ps();
+    if constexpr (LAYOUT == Q6K) {
+      const __m256i m30 = _mm256_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+        w[4 * h] = _mm256_or_si256(w[4 * h], _mm256_and_si256(_mm256_slli_epi16(b, 4), m30));
+        w[4 * h + 1] = _mm256_or_si256(w[4 * h + 1], _mm256_and_si256(_mm256_slli_epi16(b, 2), m30));
+        w[4 * h + 2] = _mm256_or_si256(w[4 * h + 2], _mm256_and_si256(b, m30));
+        w[4 * h + 3] = _mm256_or_si256(w[4 * h + 3], _mm256_and_si256(_mm256_srli_epi16(b, 2), m30));
+      }
+    }
+    __m256 dv, mv = _mm256_setzero_ps();
+    __m256i sc0, sc1;
+    if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+      dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half + g * LANES)));
+      if constexpr (LAYOUT == Q4)
+        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)));
+    } else {
+      if (g % 8 == 0) {
+        const at::Half* sd = d_half + g / 8 * (LAYOUT == Q4K ? 2 : 1) * LANES;
+        super_d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sd)));
+        if constexpr (LAYOUT == Q4K)
+          super_min = _mm256_sub_ps(_mm256_setzero_ps(),
+                                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sd + LANES))));
+      }
+      const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
+      const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
+      if constexpr (LAYOUT == Q4K) {
+        dv = _mm256_mul_ps(super_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s0)));
+        mv = _mm256_mul_ps(super_min, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s1)));
+      } else {
+        dv = super_d;
+        sc0 = _mm256_cvtepi8_epi32(s0);
+        sc1 = _mm256_cvtepi8_epi32(s1);
+      }
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
-      const __m256 isum = _mm256_cvtepi32_ps(block_dot<FOUR_BIT>(w, xq + r * in + g * GROUP));
-      acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g])), acc[r]);
-      if (FOUR_BIT) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
+      const int8_t* x = xq + r * in + g * GROUP;
+      const __m256 dxv = _mm256_mul_ps(dv, _mm256_set1_ps(dx[r * groups + g]));
+      if constexpr (LAYOUT == Q6K) {
+        const int32_t* h = xh + (r * groups + g) * 2;
+        const __m256i t0 = _mm256_sub_epi32(block_dot<true, 0, 4>(w, x), _mm256_set1_epi32(32 * h[0]));
+        const __m256i t1 = _mm256_sub_epi32(block_dot<true, 4, 8>(w, x), _mm256_set1_epi32(32 * h[1]));
+        const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dxv, acc[r]);
+      } else {
+        const __m256 isum = _mm256_cvtepi32_ps(block_dot<four_bit(LAYOUT)>(w, x));
+        acc[r] = _mm256_fmadd_ps(isum, dxv, acc[r]);
+        if constexpr (four_bit(LAYOUT)) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < tile; ++r)
@@ -226,18 +356,33 @@ void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* q
     for (int i = 0; i < LANES; ++i) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* block = qs + g * BYTES;
+        const uint8_t* block = blk.qs + g * BYTES;
         const int8_t* x = xq + r * in + g * GROUP;
-        int32_t isum = 0;
+        int32_t half[2] = {0, 0};
         for (int j = 0; j < 8; ++j)
           for (int b = 0; b < 4; ++b) {
-            const int byte = 32 * (FOUR_BIT ? j / 2 : j) + 4 * i + b;
-            const int q = FOUR_BIT ? (j % 2 ? block[byte] >> 4 : block[byte] & 0x0F)
-                                   : static_cast<int8_t>(block[byte]);
-            isum += q * x[4 * j + b];
+            const int byte = 4 * LANES * (four_bit(LAYOUT) || LAYOUT == Q6K ? j / 2 : j) + 4 * i + b;
+            int q = LAYOUT == Q8 ? static_cast<int8_t>(block[byte]) : j % 2 ? block[byte] >> 4 : block[byte] & 0x0F;
+            if (LAYOUT == Q6K) q |= (block[16 * LANES + 4 * LANES * (j / 4) + 4 * i + b] >> (2 * (j % 4)) & 3) << 4;
+            half[j / 4] += q * x[4 * j + b];
           }
-        acc += static_cast<float>(d_half[g * LANES + i]) * dx[r * groups + g] * static_cast<float>(isum);
-        if (FOUR_BIT) acc += static_cast<float>(m_half[g * LANES + i]) * xs[r * groups + g];
+        const float dxg = dx[r * groups + g];
+        if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+          acc += static_cast<float>(d_half[g * LANES + i]) * dxg * static_cast<float>(half[0] + half[1]);
+          if constexpr (LAYOUT == Q4)
+            acc += static_cast<float>(reinterpret_cast<const at::Half*>(m_bytes)[g * LANES + i]) * xs[r * groups + g];
+        } else if constexpr (LAYOUT == Q4K) {
+          const at::Half* sd = d_half + g / 8 * 2 * LANES;
+          const float dg = static_cast<float>(sd[i]) * static_cast<float>(m_bytes[g * 2 * LANES + i]);
+          const float mg = -static_cast<float>(sd[LANES + i]) * static_cast<float>(m_bytes[g * 2 * LANES + LANES + i]);
+          acc += dg * dxg * static_cast<float>(half[0] + half[1]);
+          acc += mg * xs[r * groups + g];
+        } else {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(m_bytes) + g * 2 * LANES;
+          const int32_t* h = xh + (r * groups + g) * 2;
+          const int32_t isum = sc[i] * (half[0] - 32 * h[0]) + sc[LANES + i] * (half[1] - 32 * h[1]);
+          acc += static_cast<float>(d_half[g / 8 * LANES + i]) * dxg * static_cast<float>(isum);
+        }
       }
       y[r * out + i] = res != nullptr ? acc + res[r * out + i] : acc;
     }
@@ -245,43 +390,53 @@ void block_rows(const at::Half* d_half, const at::Half* m_half, const uint8_t* q
 #endif
 }
 
-template <bool FOUR_BIT>
-auto rows_fn(int tile) -> decltype(&block_rows<FOUR_BIT, 1>) {
+template <int64_t LAYOUT>
+auto rows_fn(int tile) -> decltype(&block_rows<LAYOUT, 1>) {
   switch (tile) {
-    case 1: return &block_rows<FOUR_BIT, 1>;
-    case 2: return &block_rows<FOUR_BIT, 2>;
-    case 3: return &block_rows<FOUR_BIT, 3>;
-    case 4: return &block_rows<FOUR_BIT, 4>;
-    case 5: return &block_rows<FOUR_BIT, 5>;
-    case 6: return &block_rows<FOUR_BIT, 6>;
-    case 7: return &block_rows<FOUR_BIT, 7>;
+    case 1: return &block_rows<LAYOUT, 1>;
+    case 2: return &block_rows<LAYOUT, 2>;
+    case 3: return &block_rows<LAYOUT, 3>;
+    case 4: return &block_rows<LAYOUT, 4>;
+    case 5: return &block_rows<LAYOUT, 5>;
+    case 6: return &block_rows<LAYOUT, 6>;
+    case 7: return &block_rows<LAYOUT, 7>;
 #if ROW_TILE_MAX > 8
-    case 8: return &block_rows<FOUR_BIT, 8>;
-    case 9: return &block_rows<FOUR_BIT, 9>;
-    case 10: return &block_rows<FOUR_BIT, 10>;
-    case 11: return &block_rows<FOUR_BIT, 11>;
-    case 12: return &block_rows<FOUR_BIT, 12>;
-    case 13: return &block_rows<FOUR_BIT, 13>;
-    case 14: return &block_rows<FOUR_BIT, 14>;
-    case 15: return &block_rows<FOUR_BIT, 15>;
+    case 8: return &block_rows<LAYOUT, 8>;
+    case 9: return &block_rows<LAYOUT, 9>;
+    case 10: return &block_rows<LAYOUT, 10>;
+    case 11: return &block_rows<LAYOUT, 11>;
+    case 12: return &block_rows<LAYOUT, 12>;
+    case 13: return &block_rows<LAYOUT, 13>;
+    case 14: return &block_rows<LAYOUT, 14>;
+    case 15: return &block_rows<LAYOUT, 15>;
 #endif
-    default: return &block_rows<FOUR_BIT, ROW_TILE_MAX>;
+    default: return &block_rows<LAYOUT, ROW_TILE_MAX>;
   }
 }
 
-// y [rows, out] = x [rows, in] @ W.T, W repacked as above: qs [out / 8, groups, 128 or 256] uint8, d and m
-// [out / 8, groups, 8] fp16 (m unused for 8-bit).
+// y [rows, out] = x [rows, in] @ W.T, W repacked as above in `layout`: qs [out / LANES, groups, group_bytes],
+// d and m as the layout says (m empty for Q8).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
-                        int64_t bits, const std::optional<at::Tensor>& norm, double eps, bool silu_mul,
+                        int64_t layout, const std::optional<at::Tensor>& norm, double eps, bool silu_mul,
                         const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kHalf &&
-              (m.numel() == 0 || m.scalar_type() == at::kHalf), "block_linear: x fp32, qs uint8, d and m fp16");
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (bits == 4 ? 16 : 32) * LANES && qs.is_contiguous() && d.is_contiguous(),
-              "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
+  TORCH_CHECK(layout == Q4 || layout == Q8 || layout == Q4K || layout == Q6K, "block_linear: layout 4, 8, 41 or 61");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kHalf,
+              "block_linear: x fp32, qs uint8, d fp16");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == group_bytes(layout) && qs.is_contiguous() && d.is_contiguous() &&
+              m.is_contiguous(), "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
   const int64_t blocks = qs.size(0), groups = qs.size(1), in = groups * GROUP, out = blocks * LANES;
-  TORCH_CHECK(d.numel() == blocks * groups * LANES && (bits == 8 || m.sizes() == d.sizes()),
-              "block_linear: d and m [out / lanes, groups, lanes]");
+  const bool super = layout == Q4K || layout == Q6K;
+  if (super) {
+    TORCH_CHECK(groups % 8 == 0, "block_linear: K-quant inputs a multiple of 256");
+    TORCH_CHECK(d.numel() == blocks * groups / 8 * (layout == Q4K ? 2 : 1) * LANES,
+                "block_linear: d [out / lanes, groups / 8, (2,) lanes]");
+    TORCH_CHECK(m.numel() == blocks * groups * 2 * LANES &&
+                m.scalar_type() == (layout == Q4K ? at::kByte : at::kChar), "block_linear: m [out / lanes, groups, 2, lanes] "
+                "uint8 (Q4_K) or int8 (Q6_K)");
+  } else {
+    TORCH_CHECK(d.numel() == blocks * groups * LANES && (layout == Q8 || (m.sizes() == d.sizes() &&
+                m.scalar_type() == at::kHalf)), "block_linear: d and m [out / lanes, groups, lanes] fp16");
+  }
   const int64_t width = silu_mul ? 2 * in : in;
   TORCH_CHECK(x.size(-1) == width, "block_linear: x has ", x.size(-1), " inputs, the weights ", in,
               silu_mul ? " (twice that with silu_mul: gate, up)" : "");
@@ -291,12 +446,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   auto xq = at::empty({rows, in}, x.options().dtype(at::kChar));
   auto dx = at::empty({rows, groups}, x.options());
   auto xs = at::empty({rows, groups}, x.options());
+  auto xh = at::empty({layout == Q6K ? rows : 0, groups, 2}, x.options().dtype(at::kInt));
   if (norm.has_value())
     TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->numel() == in && norm->is_contiguous(),
                 "block_linear: norm [in] fp32");
   TORCH_CHECK(in % 8 == 0, "block_linear: inputs a multiple of 8");
   quantize_rows(rows2d.data_ptr<float>(), rows, in, norm.has_value() ? norm->data_ptr<float>() : nullptr,
-                static_cast<float>(eps), silu_mul, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>());
+                static_cast<float>(eps), silu_mul, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(),
+                layout == Q6K ? xh.data_ptr<int32_t>() : nullptr);
   auto y = at::empty({rows, out}, x.options());
   at::Tensor res;
   if (residual.has_value()) {
@@ -307,25 +464,38 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* res_ptr = residual.has_value() ? res.data_ptr<float>() : nullptr;
   const uint8_t* q_ptr = qs.data_ptr<uint8_t>();
   const at::Half* d_ptr = d.data_ptr<at::Half>();
-  const at::Half* m_ptr = bits == 4 ? m.data_ptr<at::Half>() : nullptr;
+  const uint8_t* m_ptr = layout == Q8 ? nullptr : static_cast<const uint8_t*>(m.data_ptr());
   const int8_t* xq_ptr = xq.data_ptr<int8_t>();
   const float* dx_ptr = dx.data_ptr<float>();
   const float* xs_ptr = xs.data_ptr<float>();
+  const int32_t* xh_ptr = layout == Q6K ? xh.data_ptr<int32_t>() : nullptr;
   float* y_ptr = y.data_ptr<float>();
-  const auto rows_of = [bits](int tile) { return bits == 4 ? rows_fn<true>(tile) : rows_fn<false>(tile); };
-  const int64_t block_bytes = groups * qs.size(2), block_scales = groups * LANES;
+  const auto rows_of = [layout](int tile) {
+    switch (layout) {
+      case Q4: return rows_fn<Q4>(tile);
+      case Q8: return rows_fn<Q8>(tile);
+      case Q4K: return rows_fn<Q4K>(tile);
+      default: return rows_fn<Q6K>(tile);
+    }
+  };
+  // Per block of outputs: bytes of weights, of d (fp16 elements) and of m.
+  const int64_t block_bytes = groups * qs.size(2);
+  const int64_t block_d = d.numel() / blocks, block_m = layout == Q8 ? 0 : m.numel() * m.element_size() / blocks;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t ob = begin; ob < end; ++ob)
+    for (int64_t ob = begin; ob < end; ++ob) {
+      const Block blk{q_ptr + ob * block_bytes, d_ptr + ob * block_d, m_ptr ? m_ptr + ob * block_m : nullptr};
       for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
         rows_of(static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0)))(
-            d_ptr + ob * block_scales, m_ptr ? m_ptr + ob * block_scales : nullptr, q_ptr + ob * block_bytes, groups,
-            xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups, in,
-            res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr, y_ptr + r0 * out + ob * LANES, out);
+            blk, groups, xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups,
+            xh_ptr ? xh_ptr + r0 * groups * 2 : nullptr, in, res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr,
+            y_ptr + r0 * out + ob * LANES, out);
+    }
   });
   auto shape = x.sizes().vec();
   shape.back() = out;
   return y.view(shape);
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Attention of queries q [N, H, D] over the cache of one layer, k and v [S, Hkv, L, D] (fp32). Query n
@@ -502,7 +672,7 @@ std::tuple<int64_t, bool> block_layout() { return {LANES, SIGNED_OFFSET}; }
 }  // namespace
 
 TORCH_LIBRARY(specpool, lib) {
-  lib.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int bits, Tensor? norm=None, float eps=0, "
+  lib.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int layout, Tensor? norm=None, float eps=0, "
           "bool silu_mul=False, Tensor? residual=None) -> Tensor");
   lib.def("block_layout() -> (int, bool)", &block_layout);  // no tensor to dispatch on: one impl for all
   lib.def("visible_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");

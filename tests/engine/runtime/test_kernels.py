@@ -22,6 +22,7 @@ from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.linear import BlockLinear
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 
 
@@ -36,7 +37,16 @@ def test_the_loaded_build_is_the_class_device_py_names():
 
 
 def _blocks(kind, rows: int, cols: int, seed: int = 0) -> QuantizedBlocks:
-    w = np.random.default_rng(seed).normal(0, 0.05, (rows, cols)).astype(np.float32)
+    """Blocks as gguf quantizes a random matrix, or, for the K-quants (gguf-py quantizes neither), random
+    bytes with small positive fp16 super-block scales: every 6-bit scale, offset and q is then valid."""
+    rng = np.random.default_rng(seed)
+    if kind in (Q4_K, Q6_K):
+        size, scales = {Q4_K: (144, (0, 2)), Q6_K: (210, (208,))}[kind]
+        raw = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+        for at in scales:
+            raw[:, at : at + 2] = rng.uniform(2e-4, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        return QuantizedBlocks(kind, (rows, cols), raw.reshape(rows, -1))
+    w = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
     return QuantizedBlocks(kind, (rows, cols), quantize(w, kind))
 
 
@@ -60,6 +70,51 @@ def test_block_linear_is_the_quantized_product(kind, cols):
     got, want = lin(x).double(), reference_block_product(x, blocks)
     assert got.dtype == torch.float64 and torch.equal(got[3], torch.zeros(48, dtype=torch.float64))
     assert ((got - want).abs() <= 2e-6 * want.abs().max()).all(), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("cols", [256, 1536])  # 1 and 6 super-blocks
+def test_the_file_formats_kernels_are_the_quantized_product(kind, cols):
+    """Q5_0 (its q - 16 on the 8-bit kernel) and the K-quants on their own: the file's weights exactly
+    (gguf's dequantization), times the rows quantized as above."""
+    blocks = _blocks(kind, 40, cols, seed=cols)  # 40: a ragged last lane too
+    lin = BlockLinear(blocks)
+    torch.manual_seed(0)
+    x = torch.randn(11, cols) * 3
+    x[3] = 0
+    got, want = lin(x).double(), reference_block_product(x, blocks)
+    assert torch.equal(got[3], torch.zeros(40, dtype=torch.float64))
+    assert ((got - want).abs() <= 2e-6 * want.abs().max()).all(), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+def test_the_file_formats_fields_are_gguf_s_weights(kind):
+    blocks = _blocks(kind, 16, 512)
+    fields = blocks.fields()
+    if kind == Q5_0:
+        d, q = fields
+        assert int(q.min()) >= -16 and int(q.max()) <= 15
+        w = d.repeat_interleave(32, 1) * q
+    elif kind == Q4_K:
+        d, dmin, sc, mn, q = fields
+        w = d.repeat_interleave(256, 1) * sc.repeat_interleave(32, 1) * q - dmin.repeat_interleave(256, 1) * mn.repeat_interleave(32, 1)
+    else:
+        d, sc, q = fields
+        assert int(q.max()) <= 63
+        w = d.repeat_interleave(256, 1) * sc.repeat_interleave(16, 1) * (q.float() - 32)
+    assert torch.equal(w.float(), blocks.dequantize())
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+def test_the_file_formats_rows_do_not_depend_on_their_neighbours(kind):
+    lin = BlockLinear(_blocks(kind, 48, 512))
+    x, norm = torch.randn(19, 512), torch.rand(512) + 0.5
+    alone = torch.cat([lin(x[i : i + 1], norm, 1e-5) for i in range(19)])
+    for rows in range(1, 20):
+        assert torch.equal(lin(x[:rows], norm, 1e-5), alone[:rows]), rows
+    gate_up = torch.randn(19, 1024)  # the MLP's down product: silu(gate) * up fused before it
+    alone = torch.cat([lin(gate_up[i : i + 1], silu_mul=True) for i in range(19)])
+    assert torch.equal(lin(gate_up, silu_mul=True), alone)
 
 
 def test_block_linear_fuses_the_layers_rms_norm():
@@ -104,7 +159,8 @@ def test_a_ragged_last_lane_gives_the_bits_of_those_rows_in_a_wider_matrix(kind)
 
 
 def test_block_linear_refuses_bad_shapes():
-    assert not BlockLinear.supports(QuantizedBlocks(GGMLQuantizationType.Q6_K, (16, 256), np.zeros((16, 210))))
+    assert not BlockLinear.supports(QuantizedBlocks(GGMLQuantizationType.Q3_K, (16, 256), np.zeros((16, 110))))
+    assert not BlockLinear.supports(QuantizedBlocks(Q4_K, (16, 288), np.zeros((16, 162))))  # not whole super-blocks
     lin = BlockLinear(_blocks(Q4_1, 16, 64), prefill=None)
     with pytest.raises(RuntimeError, match="64"):
         lin(torch.randn(2, 96))
