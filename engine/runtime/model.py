@@ -1,10 +1,10 @@
-# Over 400 lines: one forward (prefill, decode, verify, token trees) over one cache layout, and the model it runs.
 """Llama forward over the slot-indexed KV cache.
 
 One `forward` serves prefill, 1-token decode and (K+1)-token verify steps for ragged batches:
 row b feeds `tokens[b]` (any length) to the sequence in `slots[b]`, whose cached length gives
 its start position. Rows are right-padded to a common width; padded positions write their K/V
-into a scratch slot, so they never touch a live sequence.
+into a scratch slot, so they never touch a live sequence. Where the tokens go and what each sees is
+engine/runtime/step_layout.py's; the block each layer runs is engine/runtime/layer.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,33 +23,13 @@ from specpool.engine.runtime.device import default_device, draft_format, resolve
 from specpool.engine.runtime.draft_pair import check_trained_for
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.kv_cache import KVCache
+from specpool.engine.runtime.layer import block_weights, layer
 from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
 from specpool.engine.runtime.rope import rope_angles
 from specpool.engine.runtime.row_check import row_mismatch
-from specpool.engine.verification.token_tree import attention_layout, is_chain, padded
+from specpool.engine.runtime.step_layout import StepLayout, check_rows
 
 log = logging.getLogger(__name__)
-
-SHORT_STEP = 16  # batched decode/verify steps (at most this many tokens per row) use _short_attention
-
-
-def _short_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None):
-    """Attention for a few queries per row over the cache, grouped-query without repeating K/V.
-
-    q [B, T, H, D], keys/values [B, Hkv, L, D], mask [B, 1, T, L] additive or None -> [B, T, H, D].
-    Two batched matmuls: for small T and several rows this beats SDPA on CPU (10x at batch 32 in
-    bf16); a single row is faster through SDPA.
-    """
-    B, T, H, D = q.shape
-    Hkv, L = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * D**-0.5  # [B, Hkv, G*T, L]
-    if mask is not None:
-        scores = (scores.view(B, Hkv, G, T, L) + mask[:, :, None]).view(B, Hkv, G * T, L)
-    out = torch.matmul(scores.softmax(-1), values)  # [B, Hkv, G*T, D]
-    return out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
-
 
 class Llama:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str | torch.dtype | None, device,
@@ -111,24 +92,12 @@ class Llama:
         if config.feature_fed:
             self.input_norms = torch.stack([w("embed_norm"), w("feature_norm")])  # [2, d]: one norm call for both
             self.fc = linear("fc")  # [d, 2d]: (normed embedding, normed feature) -> the layers' input
-        self.layers = []
-        H, Hkv = config.n_heads, config.n_kv_heads
-        for i in range(config.n_layers):
-            p = f"layers.{i}."
-            layer = {
-                "attn_norm": w(p + "attn_norm"),
-                # q, k and v in one matmul; gate and up in another: fewer kernel launches per layer.
-                "wqkv": linear(p + "wq", p + "wk", p + "wv"),  # [(H+2Hkv)*D, d]
-                "wo": linear(p + "wo"),
-                "ffn_norm": w(p + "ffn_norm"),
-                "w_gate_up": linear(p + "w_gate", p + "w_up"),  # [2F, d]
-                "w_down": linear(p + "w_down"),
-            }
-            if config.qkv_bias:
-                layer["bqkv"] = torch.cat([w(p + "bq"), w(p + "bk"), w(p + "bv")])  # [(H+2Hkv)*D]
-            if config.qk_norm:  # one weight row per q and k head: one norm call for both
-                layer["qk_norm"] = torch.cat([w(p + "q_norm").expand(H, -1), w(p + "k_norm").expand(Hkv, -1)])
-            self.layers.append(layer)
+
+        def layer_weights(prefix: str) -> dict:
+            return block_weights(lambda name: w(prefix + name), lambda *names: linear(*(prefix + n for n in names)),
+                                 config)
+
+        self.layers = [layer_weights(f"layers.{i}.") for i in range(config.n_layers)]
         # Under q4, attention runs in float64 (the cache stays fp32: each layer widens the keys it reads).
         # Its sums then round to the same fp32 whatever their order, so a query's output is the same bits
         # in a decode step, a verify step, a tree or a batch, as every other op of the q4 forward already
@@ -144,7 +113,7 @@ class Llama:
         # The fused attention knows no window start, bias or q/k norm: such a model runs the layers below.
         generic = config.windowed or config.qkv_bias or config.qk_norm
         self.fused = self.format.own_kernels and not generic and all(
-            isinstance(layer[k], BlockLinear) for layer in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+            isinstance(weights[k], BlockLinear) for weights in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
         self.attention_dtype = torch.float64 if self.format.int4 and not self.fused else dtype
         # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
         # batch (other attention lengths, other kernel blocking) into other bf16 roundings: a HumanEval
@@ -268,168 +237,57 @@ class Llama:
         if self.config.feature_fed != (fed_features is not None):
             raise ValueError("fed_features are required by a feature-fed model, and only by one")
         cfg = self.config
-        B = len(slots)
-        counts = [len(t) for t in tokens]
-        T = max(counts)
-        starts = [cache.lengths[s] for s in slots]
-        for s, start, n in zip(slots, starts, counts):
-            if n == 0:
-                raise ValueError(f"slot {s}: a row needs at least one token")
-            if start + n > cache.max_len:
-                raise ValueError(f"slot {s}: {start + n} positions exceed the cache length {cache.max_len}")
-
-        if prefill and B > 1 and self.prefill_alone:
-            rows = [self.forward(cache, [s], [t], all_logits, features,
-                                 None if fed_features is None else fed_features[b : b + 1, : len(t)], prefill=True)
-                    for b, (s, t) in enumerate(zip(slots, tokens))]
-            if not features:
-                return _stacked(rows, T) if all_logits else torch.cat(rows)
-            logits, hidden = zip(*rows)
-            return (_stacked(logits, T) if all_logits else torch.cat(logits)), _stacked(hidden, T)
-
-        dev = self.device
-        ids = padded(tokens, T)
-        offsets = torch.arange(T)
-        start_col = torch.tensor(starts)[:, None]  # [B, 1]
-        pos = start_col + offsets  # [B, T]: where each fed token's K/V go
-        real = offsets[None, :] < torch.tensor(counts)[:, None]  # [B, T]
-        write_slot = torch.where(real, torch.tensor(list(slots))[:, None], cache.scratch_slot)
-        write_pos = torch.where(real, pos, offsets[None, :])
-        kv_len = max(st + T for st in starts) if B > 1 else starts[0] + T
-        kv_len = min(kv_len, cache.max_len)
-        tree = parents is not None and not all(is_chain(p) for p in parents)
-        if tree:
-            sizes = [len(p) for p in parents]
-            if any(n < c or st + c < n for n, c, st in zip(sizes, counts, starts)):
-                raise ValueError("a row's tree must end with its fed tokens and start within its cache")
-            n = max(sizes)
-            depth, anc = attention_layout(parents, n)  # [B, n], [B, n, n]
-            base = torch.tensor([st + c - size for st, c, size in zip(starts, counts, sizes)])[:, None]  # [B, 1]
-            node = (torch.tensor(sizes)[:, None] - torch.tensor(counts)[:, None] + offsets).clamp(max=n - 1)  # [B, T]
-            rel = torch.arange(kv_len)[None, None, :] - base[:, :, None]  # [B, 1, L]: tree index of a key
-            anc = anc.gather(1, node[:, :, None].expand(B, T, n))  # [B, T, n]: the fed nodes' rows
-            in_tree = anc.gather(-1, rel.clamp(0, n - 1).expand(B, T, kv_len))
-            visible = (rel < 0) | ((rel < n) & in_tree)  # [B, T, L]
-            pos = base + depth.gather(1, node)  # the positions RoPE sees
-            if cfg.windowed:  # a key's position: its cache index before the tree, past it by its node's depth
-                key_node = rel.clamp(0, n - 1)[:, 0]  # [B, L]
-                key_pos = torch.where(rel < 0, torch.arange(kv_len), (base + depth.gather(1, key_node))[:, None])
-        ids, pos, write_slot, write_pos = (t.to(dev, non_blocking=True) for t in (ids, pos, write_slot, write_pos))
+        check_rows(cache, slots, tokens)
+        if prefill and len(slots) > 1 and self.prefill_alone:
+            return self._prefill_each(cache, slots, tokens, all_logits, features, fed_features)
+        fused = self.fused and not prefill
         # Float64 attention makes decode and verify agree bit for bit (see __init__); a prefill need not.
         attention_dtype = self.dtype if prefill else self.attention_dtype
-
-        # Rows may start at different positions: an additive mask says which cached keys each query
-        # sees. A lone prefill from position 0 is plain causal attention and needs none.
-        # A sliding window hides the oldest keys once a step reaches past it: every query then needs a mask.
-        windowed = cfg.windowed and kv_len > cfg.sliding_window
-        causal_prefill = B == 1 and starts[0] == 0 and T > SHORT_STEP and not tree and not windowed
-        fused = self.fused and not prefill
-        mask = None
-        if not fused and (tree or windowed or not causal_prefill and not (T == 1 and len(set(starts)) == 1)):
-            if not tree:
-                key_pos = torch.arange(kv_len, device=dev)[None, None, :]
-                visible = key_pos <= pos[:, :, None]  # [B, T, L]
-            visible = visible.to(dev)
-            if windowed:
-                visible &= key_pos.to(dev) > pos[:, :, None] - cfg.sliding_window
-            mask = torch.zeros(visible.shape, dtype=attention_dtype, device=dev).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None]  # [B, 1, T, L]
-        # The fused layers' attention takes, per query, where its K/V go and the keys it sees: its slot, a
-        # prefix of positions, and a tree node's ancestors after it (in feed order, so a path's keys come in
-        # the order its own decoding would see them).
-        if fused:
-            slot_col = torch.tensor(list(slots))[:, None].expand(B, T)
-            if tree:
-                after = torch.arange(kv_len)[None, None, :] >= base[:, :, None]
-                extra = torch.where(visible & after, torch.arange(kv_len), kv_len)  # [B, T, L], kv_len: none
-                extra = extra.sort(-1).values[..., : int((visible & after).sum(-1).max())]
-                extra = extra.masked_fill(extra == kv_len, -1)
-                prefix = torch.where(real, base, 0)
-            else:
-                extra = torch.empty(B, T, 0, dtype=torch.long)
-                prefix = torch.where(real, pos + 1, 0)
-            visible_keys = tuple(t.reshape(B * T, *t.shape[2:]).to(dev)
-                                 for t in (write_slot, write_pos, slot_col, prefix, extra))
-        contiguous = list(slots) == list(range(slots[0], slots[0] + B))
-        slot_index = torch.tensor(list(slots), device=dev)
-        # Rows of one length fed from one position write their K/V as one block of the cache (a slice
-        # copy); ragged rows scatter theirs (write_slot, write_pos).
-        block_write = contiguous and len(set(starts)) == 1 and len(set(counts)) == 1
-
-        # A short row's padding runs past its real positions, and near the end of the context past the
-        # table: any angle serves a padding position (its key goes to the scratch slot).
-        rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
-        if fused:  # the fused attention rotates q and k itself
-            cos, sin = (t[rope_pos].view(B * T, cfg.head_dim // 2) for t in (self.rope_cos, self.rope_sin))
-        elif self.rope_cis is not None:
-            cis = self.rope_cis[rope_pos][:, :, None, :]  # [B, T, 1, D/2] complex
-        else:
-            cos = self.rope_cos[rope_pos][:, :, None, :]  # [B, T, 1, D/2]
-            sin = self.rope_sin[rope_pos][:, :, None, :]
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x = F.embedding(ids, self.embed)  # [B, T, d]
+        step = StepLayout.of(cfg, cache, slots, tokens, parents, attention_dtype, fused, self.device)
+        B, T = step.ids.shape
+        x = F.embedding(step.ids, self.embed)  # [B, T, d]
         if fed_features is not None:
-            feats = fed_features.to(dev, self.dtype)
+            feats = fed_features.to(self.device, self.dtype)
             pair = F.rms_norm(torch.stack([x, feats], -2), (cfg.d_model,), eps=cfg.norm_eps)  # [B, T, 2, d]
             x = self.fc((pair * self.input_norms).flatten(-2))
-        if fused:
-            x = self._fused_layers(x.view(B * T, cfg.d_model), cos, sin, cache, visible_keys).view(B, T, cfg.d_model)
-        matrices = [] if fused else self.layers
-        if prefill:
-            matrices = [{k: getattr(m, "prefill", m) for k, m in layer.items()} for layer in self.layers]
-        for li, layer in enumerate(matrices):
-            qkv = layer["wqkv"](x, layer["attn_norm"], cfg.norm_eps)
-            if "bqkv" in layer:
-                qkv = qkv + layer["bqkv"]
-            qkv = qkv.view(B, T, H + 2 * Hkv, D)
-            qk = qkv[:, :, : H + Hkv]
-            if "qk_norm" in layer:
-                qk = F.rms_norm(qk, (D,), eps=cfg.norm_eps) * layer["qk_norm"]
-            # RoPE on q and k heads together, rotating adjacent pairs (llama.cpp's GGUF layout).
-            if self.rope_cis is not None:
-                qk = torch.view_as_complex(qk.float().unflatten(-1, (D // 2, 2)))
-                qk = torch.view_as_real(qk * cis).flatten(-2)
-            else:
-                qk = qk.unflatten(-1, (D // 2, 2))
-                x0, x1 = qk[..., 0], qk[..., 1]
-                qk = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-            q, k, v = qk[:, :, :H].to(attention_dtype), qk[:, :, H:], qkv[:, :, H + Hkv :]
-            if block_write:
-                end = starts[0] + T
-                cache.k[li, slots[0] : slots[0] + B, :, starts[0] : end] = k.transpose(1, 2)
-                cache.v[li, slots[0] : slots[0] + B, :, starts[0] : end] = v.transpose(1, 2)
-            else:
-                cache.k[li][write_slot, :, write_pos] = k.to(cache.k.dtype)
-                cache.v[li][write_slot, :, write_pos] = v.to(cache.v.dtype)
-            if contiguous:
-                keys = cache.k[li, slots[0] : slots[0] + B, :, :kv_len]  # [B, Hkv, L, D] view
-                values = cache.v[li, slots[0] : slots[0] + B, :, :kv_len]
-            else:
-                keys = cache.k[li, slot_index, :, :kv_len]
-                values = cache.v[li, slot_index, :, :kv_len]
-            keys, values = keys.to(attention_dtype), values.to(attention_dtype)
-            if T <= SHORT_STEP and B > 1:
-                attn = _short_attention(q, keys, values, mask)
-            else:
-                attn = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal_prefill, enable_gqa=True
-                ).transpose(1, 2)
-            # A quantized matrix returns bf16 (its kernel's output): the residual adds promote it to fp32.
-            x = x + layer["wo"](attn.reshape(B, T, H * D))
-            gate, up = layer["w_gate_up"](x, layer["ffn_norm"], cfg.norm_eps).chunk(2, dim=-1)
-            x = x + layer["w_down"](F.silu(gate) * up)
+        # A short row's padding runs past its real positions, and near the end of the context past the
+        # table: any angle serves a padding position (its key goes to the scratch slot).
+        rope_pos = step.pos.clamp(max=self.rope_cos.shape[0] - 1)
+        if fused:  # the fused attention rotates q and k itself
+            cos, sin = (t[rope_pos].view(B * T, cfg.head_dim // 2) for t in (self.rope_cos, self.rope_sin))
+            x = self._fused_layers(x.view(B * T, cfg.d_model), cos, sin, cache, step.visible_keys)
+            x = x.view(B, T, cfg.d_model)
+        else:
+            angles = (self.rope_cis[rope_pos][:, :, None, :] if self.rope_cis is not None  # [B, T, 1, D/2]
+                      else (self.rope_cos[rope_pos][:, :, None, :], self.rope_sin[rope_pos][:, :, None, :]))
+            for li, weights in enumerate(self.layers):
+                if prefill:
+                    weights = {k: getattr(m, "prefill", m) for k, m in weights.items()}
+                x = layer(x, weights, cfg, angles, partial(step.attend, cache, li))
 
-        for s, n in zip(slots, counts):
+        for s, n in zip(slots, step.counts):
             cache.lengths[s] += n
         hidden = x  # [B, T, d]: every position's, also when only the last logits are asked for
         if not all_logits:
-            x = x[torch.arange(B, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, d]
+            x = x[torch.arange(B, device=self.device), torch.tensor(step.counts, device=self.device) - 1]  # [B, d]
         lm_head = self.lm_head.prefill if prefill else self.lm_head
         logits = lm_head(x, self.norm, cfg.norm_eps).float()
         if self.output_ids is not None and not own_vocab:
             full = logits.new_full((*logits.shape[:-1], cfg.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids, logits)
         return (logits, hidden) if features else logits
+
+    def _prefill_each(self, cache: KVCache, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool,
+                      features: bool, fed_features: torch.Tensor | None):
+        """`forward`'s prefill of several prompts, one prompt at a time (`prefill_alone`)."""
+        T = max(len(t) for t in tokens)
+        rows = [self.forward(cache, [s], [t], all_logits, features,
+                             None if fed_features is None else fed_features[b : b + 1, : len(t)], prefill=True)
+                for b, (s, t) in enumerate(zip(slots, tokens))]
+        if not features:
+            return _stacked(rows, T) if all_logits else torch.cat(rows)
+        logits, hidden = zip(*rows)
+        return (_stacked(logits, T) if all_logits else torch.cat(logits)), _stacked(hidden, T)
 
     def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Indices into `forward(own_vocab=True)`'s logits -> the tokens they score."""
@@ -439,13 +297,17 @@ class Llama:
                       visible_keys: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The layers of a decode or verify step as the engine's fused kernels (engine/runtime/csrc/cpu_kernels.cpp):
         x [N, d] fp32, the step's rows flattened; cos, sin [N, D/2] their RoPE angles; visible_keys: where
-        each row's K/V go and which keys it sees (`cache_attention`). -> [N, d]"""
+        each row's K/V go and which keys it sees (`cache_attention`). -> [N, d]
+
+        Not engine/runtime/layer.py's `layer`: one kernel here norms nothing but rotates, writes the cache and
+        attends from the flat qkv, and the products add the residual and gate the MLP inside themselves, so
+        no op of that block maps onto a call of this one."""
         eps = self.config.norm_eps
-        for li, layer in enumerate(self.layers):
-            qkv = layer["wqkv"](x, layer["attn_norm"], eps)
+        for li, weights in enumerate(self.layers):
+            qkv = weights["wqkv"](x, weights["attn_norm"], eps)
             attn = torch.ops.specpool.cache_attention(qkv, cos, sin, cache.k[li], cache.v[li], *visible_keys)
-            x = layer["wo"](attn, residual=x)
-            x = layer["w_down"](layer["w_gate_up"](x, layer["ffn_norm"], eps), silu_mul=True, residual=x)
+            x = weights["wo"](attn, residual=x)
+            x = weights["w_down"](weights["w_gate_up"](x, weights["ffn_norm"], eps), silu_mul=True, residual=x)
         return x
 
 

@@ -49,3 +49,22 @@ def to_adjacent_pairs(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     t: [n_heads * D, ...] -> the same shape."""
     rows = t.shape[0]
     return t.reshape(n_heads, 2, rows // n_heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+# RoPE's angles at some positions: their complex cis, or their (cos, sin) pair, each [..., D/2] broadcasting
+# against a [..., D] tensor's pairs.
+Angles = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate(x: torch.Tensor, angles: Angles) -> torch.Tensor:
+    """x [..., D] with each adjacent pair (x[2i], x[2i+1]) rotated by its angle. A cis rotates in fp32 as one
+    complex multiply where the pairwise form takes seven ops; (cos, sin) takes the pairwise form: bf16's (torch
+    has no bf16 complex numbers) and training's."""
+    D = x.shape[-1]
+    if isinstance(angles, torch.Tensor):
+        x = torch.view_as_complex(x.float().unflatten(-1, (D // 2, 2)))
+        return torch.view_as_real(x * angles).flatten(-2)
+    cos, sin = angles
+    x = x.unflatten(-1, (D // 2, 2))
+    x0, x1 = x[..., 0], x[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
