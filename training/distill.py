@@ -3,8 +3,8 @@
 The draft shares the target's tokenizer and input embeddings (read from the target GGUF at load
 time, so the checkpoint does not carry them), starts from a few of the target's layers, and
 scores a reduced vocabulary: the tokens the target actually produces, mapped back to full ids.
-Its math is the runtime's (engine/runtime/model.py), including RoPE on adjacent pairs, so the exported
-weights load into `specpool.engine.runtime.model.Llama` unchanged.
+Its layers are the runtime's (engine/runtime/layer.py: RoPE on adjacent pairs, the family's q/k/v biases and
+q/k norms), so the exported weights load into `specpool.engine.runtime.model.Llama` unchanged.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from specpool.engine.runtime.config import ModelConfig
+from specpool.engine.runtime.config import ModelConfig, layer_shapes
 from specpool.engine.runtime.draft_pair import embedding_probe
-from specpool.engine.runtime.model import rope_angles
+from specpool.engine.runtime.layer import Attention, layer, trainable_weights
+from specpool.engine.runtime.rope import rope_angles
 from specpool.training.draft_data import Corpus
 
 
@@ -52,11 +53,20 @@ def add_output_and_rope(module: nn.Module, config: ModelConfig, norm: torch.Tens
     module.register_buffer("sin", angles.sin().float(), persistent=False)
 
 
-class DraftBlock(nn.Module):
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, w in weights.items():
-            setattr(self, name, nn.Parameter(w.clone().float()))
+def causal_attention(config: ModelConfig) -> Attention:
+    """Attention over the whole fed sequence, each query seeing itself and the positions before it (within
+    a sliding window where the model has one, as the runtime's cache attention does)."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        T = q.shape[1]
+        mask = None
+        if config.windowed and T > config.sliding_window:
+            pos = torch.arange(T, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - config.sliding_window)  # [T, T]
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, is_causal=mask is None, enable_gqa=True).transpose(1, 2)
+
+    return attend
 
 
 class DraftLM(nn.Module):
@@ -65,47 +75,32 @@ class DraftLM(nn.Module):
         self.config = config
         self.register_buffer("embed", embed.float(), persistent=False)  # frozen, shared with the target
         self.register_buffer("output_ids", output_ids)
-        self.blocks = nn.ModuleList(DraftBlock(b) for b in blocks)
+        self.blocks = nn.ModuleList(
+            nn.ParameterDict({n: nn.Parameter(w.clone().float()) for n, w in b.items()}) for b in blocks)
         add_output_and_rope(self, config, norm, lm_head)
 
     @classmethod
     def from_target(cls, target_cfg: ModelConfig, target_weights: dict, layer_ids: list[int], output_ids):
         config = ModelConfig(**(asdict(target_cfg) | {"n_layers": len(layer_ids), "tie_embeddings": False}))
-        names = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
-        blocks = [{n: target_weights[f"layers.{i}.{n}"] for n in names} for i in layer_ids]
+        blocks = [{n: target_weights[f"layers.{i}.{n}"] for n in layer_shapes(target_cfg)} for i in layer_ids]
         embed = target_weights["embed"]
         return cls(config, embed, blocks, target_weights["norm"], embed[output_ids], output_ids)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits over the reduced vocabulary [B, T, Vd] (causal, no cache)."""
         cfg = self.config
-        B, T = tokens.shape
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = self.cos[:T, None, :], self.sin[:T, None, :]  # [T, 1, D/2]
-
-        def rope(x):  # [B, T, h, D], adjacent pairs as in the runtime
-            x0, x1 = x.unflatten(-1, (D // 2, 2)).unbind(-1)
-            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-        x = F.embedding(tokens, self.embed)
+        T = tokens.shape[1]
+        angles = (self.cos[:T, None, :], self.sin[:T, None, :])  # [T, 1, D/2]
+        x, attend = F.embedding(tokens, self.embed), causal_attention(cfg)
         for blk in self.blocks:
-            h = F.rms_norm(x, (cfg.d_model,), blk.attn_norm, cfg.norm_eps)
-            q = rope((h @ blk.wq.T).view(B, T, H, D))
-            k = rope((h @ blk.wk.T).view(B, T, Hkv, D))
-            v = (h @ blk.wv.T).view(B, T, Hkv, D)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            )
-            x = x + attn.transpose(1, 2).reshape(B, T, H * D) @ blk.wo.T
-            h = F.rms_norm(x, (cfg.d_model,), blk.ffn_norm, cfg.norm_eps)
-            x = x + (F.silu(h @ blk.w_gate.T) * (h @ blk.w_up.T)) @ blk.w_down.T
+            x = layer(x, trainable_weights(blk, cfg), cfg, angles, attend)
         return F.rms_norm(x, (cfg.d_model,), self.norm, cfg.norm_eps) @ self.lm_head.T
 
     def runtime_weights(self) -> dict[str, torch.Tensor]:
         """Weights under engine.model.Llama's names (embeddings excluded: they come from the target)."""
         out = {"norm": self.norm, "lm_head": self.lm_head, "output_ids": self.output_ids}
         for i, blk in enumerate(self.blocks):
-            out |= {f"layers.{i}.{n}": p for n, p in blk.named_parameters()}
+            out |= {f"layers.{i}.{n}": p for n, p in blk.items()}
         return {k: v.detach().contiguous() for k, v in out.items()}
 
 

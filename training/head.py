@@ -7,8 +7,8 @@ token. Past its first step the head drafts from its own predicted features, so t
 the same way ("training-time test", EAGLE-3): step j's input feature at p is step j-1's output at
 p-1, and its attention sees the true prefix up to the anchor plus the predicted positions since.
 The soft labels are the target's own distributions, recomputed from the stored features.
-Its math is the runtime's (engine/runtime/model.py with `feature_fed`), so the exported weights load into
-`specpool.engine.runtime.model.Llama` unchanged.
+Its math is the runtime's (engine/runtime/model.py with `feature_fed`; its layer is engine/runtime/layer.py's),
+so the exported weights load into `specpool.engine.runtime.model.Llama` unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from specpool.engine.runtime.config import ModelConfig, layer_shapes
 from specpool.engine.runtime.draft_pair import embedding_probe
+from specpool.engine.runtime.layer import Attention, layer, trainable_weights
 from specpool.training.distill import StepLoss, add_output_and_rope
 from specpool.training.head_data import FeatureCorpus
 
@@ -32,6 +33,19 @@ from specpool.training.head_data import FeatureCorpus
 def output_rows(config: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """The target's LM head [V, d]: its input embeddings where it ties them (SmolLM2, Llama 3.2 1B)."""
     return weights["embed" if config.tie_embeddings else "lm_head"]
+
+
+def steps_attention(keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> Attention:
+    """Attention of one unrolled step over every step's keys so far: appends this step's K and V [B, Hkv, P, D]
+    to `keys` and `values`; mask [P, (j+1) P] says which of them each query sees."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys.append(k.transpose(1, 2))
+        values.append(v.transpose(1, 2))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2),
+                                              attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+    return attend
 
 
 class HeadLM(nn.Module):
@@ -71,22 +85,9 @@ class HeadLM(nn.Module):
         predicted features [B, P, d] of each of `steps` drafting steps; step j's row p predicts the
         feature at p+1 from an anchor j-1 positions back."""
         cfg = self.config
-        B, P = tokens.shape
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = self.cos[:P, None, :], self.sin[:P, None, :]
-        blk = self.block
-
-        def rope(x):
-            x0, x1 = x.unflatten(-1, (D // 2, 2)).unbind(-1)
-            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-        def project(h, name, heads):  # [B, P, d] -> [B, P, heads, D]: the family's bias and q/k norm included
-            x = h @ blk["w" + name].T
-            if cfg.qkv_bias:
-                x = x + blk["b" + name]
-            x = x.view(B, P, heads, D)
-            return F.rms_norm(x, (D,), blk[name + "_norm"], cfg.norm_eps) if cfg.qk_norm and name != "v" else x
-
+        P = tokens.shape[1]
+        angles = (self.cos[:P, None, :], self.sin[:P, None, :])  # [P, 1, D/2]
+        weights = trainable_weights(self.block, cfg)
         emb = F.rms_norm(F.embedding(tokens, self.embed), (cfg.d_model,), self.embed_norm, cfg.norm_eps)
         pos = torch.arange(P)
         # Each step's key at column c sits at position c: a sliding window (Mistral) hides those too far back.
@@ -95,19 +96,11 @@ class HeadLM(nn.Module):
         feed = features
         for j in range(steps):
             x = torch.cat([emb, F.rms_norm(feed, (cfg.d_model,), self.feature_norm, cfg.norm_eps)], -1) @ self.fc.T
-            h = F.rms_norm(x, (cfg.d_model,), blk["attn_norm"], cfg.norm_eps)
-            q = rope(project(h, "q", H)).transpose(1, 2)
-            keys.append(rope(project(h, "k", Hkv)).transpose(1, 2))
-            values.append(project(h, "v", Hkv).transpose(1, 2))
             # Query (j, p), anchored at a = p - j: the true prefix up to a, and step s's entry at a + s.
             anchor = pos[:, None] - j
             visible = [pos[None, :] <= anchor] + [pos[None, :] == anchor + s for s in range(1, j + 1)]
             mask = torch.cat(visible, 1) & in_window.repeat(1, j + 1)
-            attn = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
-                                                  enable_gqa=True)
-            x = x + attn.transpose(1, 2).reshape(B, P, H * D) @ blk["wo"].T
-            h = F.rms_norm(x, (cfg.d_model,), blk["ffn_norm"], cfg.norm_eps)
-            x = x + (F.silu(h @ blk["w_gate"].T) * (h @ blk["w_up"].T)) @ blk["w_down"].T
+            x = layer(x, weights, cfg, angles, steps_attention(keys, values, mask))
             outputs.append(x)
             # The next step's feature at p is this step's prediction made at p - 1.
             feed = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
