@@ -3,6 +3,7 @@ which cores, and the totals it fills. bench/runner.py runs them side by side."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -13,12 +14,12 @@ import torch
 
 from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
 from specpool.engine.decoding import generate
-from specpool.engine.drafters.head import HeadDrafter
+from specpool.engine.drafters import registry
 from specpool.engine.drafters.hybrid import HybridTreeDrafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
-from specpool.engine.drafters.model import ModelDrafter
-from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore
+from specpool.engine.method import METHODS, Method
 from specpool.engine.plan import TreeShape
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import cached_step_costs
@@ -27,6 +28,11 @@ from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-2's defaults, scaled to CPU budgets)
+# In-process modes, each built by the drafter registry: a method's first bench mode drafts chains (where it
+# runs in process: not SSD, which needs an endpoint to pre-speculate), the tree modes grow TREE_SHAPE trees.
+CHAIN_MODES = {row.bench_modes[0]: row.method for row in METHODS
+               if row.drafter is not None and row.bench_modes and row.bench_modes[0] not in REMOTE_MODES}
+GROWN_TREE_MODES = {"sd-tree": Method.DRAFT_MODEL, "head-tree": Method.HEAD, "head-suffix": Method.HEAD}
 
 
 @dataclass
@@ -147,12 +153,25 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             raise FileNotFoundError(f"modes head/head-tree need a head checkpoint (`specpool train-draft --kind "
                                     f"head`); none at {cfg.head_dir}")
         head = Llama.from_draft_checkpoint(cfg.head_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
-    max_len = 4096
+    sources = DraftSources(max_sequences=1, max_len=4096, draft=draft, head=head, datastore=datastore,
+                           tree_shape=TREE_SHAPE)
+    checkpoints = {Method.DRAFT_MODEL: (draft, cfg.draft_dir), Method.HEAD: (head, cfg.head_dir)}
+
+    def draft_costs(method: Method):
+        """The step costs of the model a method drafts with (None: it drafts with none)."""
+        if method not in checkpoints:
+            return None
+        source, source_dir = checkpoints[method]
+        return cached_step_costs(source, str(source_dir))
+
+    def built(method: Method, trees: bool = False):
+        """A factory of the method's drafter for a batch of b sequences, from the registry."""
+        return lambda b: registry.build(method, dataclasses.replace(sources, max_sequences=b, trees=trees))
 
     target_costs = None
     for mode in cfg.modes:
         name, _, k = mode.partition(":")
-        if name in ("sd", "ngram", "head", "sd-tree", "head-tree", "head-suffix") and not k and target_costs is None:
+        if (name in CHAIN_MODES or name in GROWN_TREE_MODES) and not k and target_costs is None:
             target_costs = cached_step_costs(model, cfg.model_path.name)
         if name == "ar":
             runners[mode] = _ours(model, cfg.max_tokens)
@@ -161,33 +180,22 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
                                   cfg.max_tokens)
         elif name.startswith("ar@"):
             runners[mode] = _ours(model, cfg.max_tokens, threads=int(name[3:]))
-        elif name == "sd":
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(draft, str(cfg.draft_dir)), max_draft=8
-            )
-            runners[mode] = _ours(
-                model, cfg.max_tokens, lambda b: ModelDrafter(draft, b, max_len), int(k or 0), policy
-            )
-        elif name == "head":
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(head, str(cfg.head_dir)), max_draft=8
-            )
-            runners[mode] = _ours(model, cfg.max_tokens, lambda b: HeadDrafter(head, b, max_len), int(k or 0), policy)
-        elif name in ("sd-tree", "head-tree", "head-suffix"):  # k: every tree's node budget (none: the policy's)
-            make = ModelDrafter if name == "sd-tree" else HeadDrafter
-            source, source_dir = (draft, cfg.draft_dir) if name == "sd-tree" else (head, cfg.head_dir)
-            policy = None if k else SpeculationPolicy(
-                target_costs, draft_costs=cached_step_costs(source, str(source_dir)), max_draft=16, tree=TREE_SHAPE)
-            factory = lambda b, make=make, source=source: make(source, b, max_len, tree=TREE_SHAPE)
+        elif name in CHAIN_MODES:
+            method = CHAIN_MODES[name]
+            policy = None if k else SpeculationPolicy(target_costs, draft_costs=draft_costs(method),
+                                                      max_draft=method.row.max_draft)
+            runners[mode] = _ours(model, cfg.max_tokens, built(method), int(k or 0), policy)
+        elif name in GROWN_TREE_MODES:  # k: every tree's node budget (none: the policy's)
+            method = GROWN_TREE_MODES[name]
+            policy = None if k else SpeculationPolicy(target_costs, draft_costs=draft_costs(method), max_draft=16,
+                                                      tree=TREE_SHAPE)
+            factory = built(method, trees=True)
             if name == "head-suffix":  # one store for the whole workload, as a server's tenant has
                 store, share = SuffixStore(max_tokens=200_000), ModelShare()
                 factory = lambda b, model_drafter=factory, store=store, share=share: HybridTreeDrafter(
                     model_drafter(b), store, share=share)
                 policy = policy and HybridDraftLength(policy, share)
             runners[mode] = _ours(model, cfg.max_tokens, factory, int(k or 0), policy)
-        elif name == "ngram":
-            policy = None if k else SpeculationPolicy(target_costs, max_draft=16)
-            runners[mode] = _ours(model, cfg.max_tokens, lambda b: NgramDrafter(datastore), int(k or 0), policy)
         elif name in REMOTE_MODES:
             runners[mode] = remote.runner(name, cfg.max_tokens, int(k or 0))
         elif name in ROUTED_METHODS:

@@ -28,7 +28,7 @@ from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.common.security import CA_CERT, LocalCA, Security, server_name
 from specpool.common.speculation import method_to_pb, sampling_to_pb
-from specpool.engine.method import Method
+from specpool.engine.method import METHODS, Method
 from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client import generate_result
@@ -38,17 +38,8 @@ from specpool_client.v1 import target_pb2_grpc
 log = logging.getLogger(__name__)
 
 PLAINTEXT = "-plaintext"
-METHODS = {
-    "sd-remote": Method.DRAFT_MODEL,
-    "head-remote": Method.HEAD,
-    "head-tree-remote": Method.HEAD,
-    "ngram-remote": Method.NGRAM,
-    "sd-remote" + PLAINTEXT: Method.DRAFT_MODEL,
-    "ngram-remote" + PLAINTEXT: Method.NGRAM,
-    "ssd": Method.SSD,
-    "ssd-pull": Method.SSD,
-}
-REMOTE_MODES = tuple(METHODS)
+REMOTE_MODES = ("sd-remote", "head-remote", "head-tree-remote", "ngram-remote", "sd-remote" + PLAINTEXT,
+                "ngram-remote" + PLAINTEXT, "ssd", "ssd-pull")
 TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
 ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None,  # None: the router plans (AUTO)
                   "routed-ray": None, "routed-ray-ar": Method.NONE}
@@ -57,6 +48,13 @@ RAY_NAMESPACE = "specpool-bench"
 # a core of its own. Recorded in every report that ran SSD.
 SSD_ENDPOINT_CPUS, SSD_TARGET_CPUS = [1], [0]
 SSD_LAYOUT = f"endpoint on cpus {SSD_ENDPOINT_CPUS}, targets on cpus {SSD_TARGET_CPUS}, 1 thread each"
+
+
+def mode_method(mode: str) -> Method | None:
+    """The method a bench mode measures, by its method row's bench modes (and their -remote, -plaintext,
+    -pull and :K variants); None: a mode of no method (ar, the peers)."""
+    family = mode.split(":")[0].removesuffix(PLAINTEXT).removesuffix("-remote").removesuffix("-pull")
+    return next((row.method for row in METHODS if family in row.bench_modes), None)
 
 
 class RemoteCluster:
@@ -138,7 +136,7 @@ class RemoteCluster:
         tenant, target = self._target(mode, draft_tokens)
         credentials = Security.insecure() if mode.endswith(PLAINTEXT) else self.credentials
         stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
-        return target_api_runner(stub, METHODS[mode], max_tokens, target, tree=mode in TREE_MODES)
+        return target_api_runner(stub, mode_method(mode), max_tokens, target, tree=mode in TREE_MODES)
 
 
 class RoutedCluster:

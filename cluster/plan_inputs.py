@@ -13,14 +13,17 @@ import yaml
 
 from specpool.cluster.plan_model import Demand, ModelDemand, ModelStats
 from specpool.common.metrics_http import METRICS_TOKEN_ENV
+from specpool.engine.method import METHODS
 
 
 def _wire_name(model: str) -> str:
     return model.removesuffix(".gguf")
 
 
-DRAFT_MODEL_MODES = ("sd", "ssd", "head", "head-tree")  # bench modes (and their -remote/:K variants) that hold a draft slot
-NGRAM_MODES = ("ngram",)  # drafting a target does without a slot (the router's fallback)
+# Bench modes (and their -remote/:K variants) that hold a draft slot, and those of the drafting a target does
+# without one (the router's fallback).
+DRAFT_MODEL_MODES = tuple(mode for row in METHODS if row.leases_slot for mode in row.bench_modes)
+NGRAM_MODES = tuple(mode for row in METHODS if row.local for mode in row.bench_modes)
 
 
 def _family(mode: str) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
-from specpool.engine.method import MIN_GAIN, NO_ESTIMATE, Method
+from specpool.engine.method import LOCAL_METHOD, METHODS, MIN_GAIN, NO_ESTIMATE, Method
 
 # Reasons, as labelled in metrics and the capacity API.
 REQUESTED = "requested"  # the request named the method and got it
@@ -59,15 +59,15 @@ def decide(
 ) -> Decision:
     """How one request speculates; requested None is AUTO. take_slot leases a draft slot (True) or
     finds none (False), and raises LeaseUnavailable when it cannot tell."""
-    speedup_ngram = target.predicted_speedup_ngram
-    if requested in (Method.NGRAM, Method.NONE):
+    speedup_ngram = _speedup(target, LOCAL_METHOD)
+    if requested is not None and not requested.row.leases_slot:
         return Decision(requested, REQUESTED)
     if requested is None:  # AUTO: the best predicted, if the target's policy would speculate with it
         wanted, speedup = _fastest(target)
         if not _pays(speedup):
             return Decision(Method.NONE, NO_SPEEDUP)
-        if wanted is Method.NGRAM:
-            return Decision(Method.NGRAM, PREDICTED_SPEEDUP)
+        if not wanted.row.leases_slot:
+            return Decision(wanted, PREDICTED_SPEEDUP)
         if endpoint is not None and _saturated(endpoint, busy_limit):
             return _without_draft(speedup_ngram, ENDPOINT_BUSY)
         granted_reason = PREDICTED_SPEEDUP
@@ -83,13 +83,16 @@ def decide(
     return Decision(wanted, granted_reason, leased=True)
 
 
+def _speedup(target: TargetRegistration, method: Method) -> float:
+    return getattr(target, method.row.speedup_field)
+
+
 def _fastest(target: TargetRegistration) -> tuple[Method, float]:
     """The method the target predicts fastest, and its speedup. A tie goes to the one that costs the
     endpoint less: n-gram drafting needs no slot, and SSD drafts for several outcomes a round."""
-    offers = [(Method.NGRAM, target.predicted_speedup_ngram), (Method.DRAFT_MODEL, target.predicted_speedup_draft)]
-    if Method.SSD in target.methods:
-        offers.append((Method.SSD, target.predicted_speedup_ssd))
-    return max(offers, key=lambda offer: offer[1])  # the first of the best
+    offers = [(row.method, _speedup(target, row.method)) for row in METHODS if row.speedup_field is not None
+              and (not row.listed_only or row.method.value in target.methods)]
+    return max(offers, key=lambda offer: (offer[1], -offer[0].row.endpoint_cost))  # then the first of the best
 
 
 def _pays(speedup: float) -> bool:
@@ -101,7 +104,7 @@ def _pays(speedup: float) -> bool:
 
 
 def _without_draft(speedup_ngram: float, reason: str) -> Decision:
-    return Decision(Method.NGRAM if _pays(speedup_ngram) else Method.NONE, reason)
+    return Decision(LOCAL_METHOD if _pays(speedup_ngram) else Method.NONE, reason)
 
 
 def _saturated(endpoint: EndpointRegistration, busy_limit: float) -> bool:

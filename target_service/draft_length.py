@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from specpool.engine.method import Method
+from specpool.engine.method import LOCAL_METHOD, Method
 from specpool.engine.plan import LOCAL_NGRAM
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts
@@ -28,12 +28,12 @@ class TargetDraftLength:
         self.ssd: SpeculationPolicy | None = None
         self.fixed = FixedDraftLength(fixed)
         if target_costs is not None:
-            self.free = SpeculationPolicy(target_costs, max_draft=16)
+            self.free = SpeculationPolicy(target_costs, max_draft=LOCAL_METHOD.row.max_draft)
             # SSD drafts off the critical path on a hit: only misses pay for drafting (charged with the
             # draft model's costs once known). Charging every round stopped it drafting (0.09 drafts a
             # round on HumanEval); charging none made it draft at batch 16, at 0.57x AR. Drafts longer
             # than the draft model's best only lengthen its tree.
-            self.ssd = SpeculationPolicy(target_costs, max_draft=8)
+            self.ssd = SpeculationPolicy(target_costs, max_draft=Method.SSD.row.max_draft)
         self.max_draft = self.free.max_draft if self.free is not None else fixed
         self._draft_model: SpeculationPolicy | None = None
         self._costs_of: pb.GetCapacityResponse | None = None  # the capacity _draft_model was built from
@@ -46,7 +46,8 @@ class TargetDraftLength:
         if self.free is None or capacity is None:
             return None
         if capacity is not self._costs_of:
-            self._draft_model = SpeculationPolicy(self.free.target_costs, self.client.draft_costs(), max_draft=8)
+            self._draft_model = SpeculationPolicy(self.free.target_costs, self.client.draft_costs(),
+                                                  max_draft=Method.DRAFT_MODEL.row.max_draft)
             self._costs_of = capacity
         return self._draft_model
 
@@ -78,11 +79,12 @@ class TargetDraftLength:
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:
             return self.fixed
-        if remote & {Method.DRAFT_MODEL, Method.HEAD} and self.draft_model is not None:
+        charges = {m.row.charges for m in remote}
+        if "model" in charges and self.draft_model is not None:
             # The head is charged the draft model's costs: the endpoint publishes no others, and a
             # one-layer head costs less than the four-layer draft, so this never predicts a gain it lacks.
             policy = self.draft_model
-        elif Method.SSD in remote:
+        elif "misses" in charges:
             return self.ssd_policy()
         else:
             policy = self.free

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpool.engine.decoding import Decoder
-from specpool.engine.method import NO_ESTIMATE, Method
+from specpool.engine.method import METHODS, NO_ESTIMATE
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, peek_step_costs
 from specpool.engine.policy.draft_length import SpeculationPolicy
@@ -95,17 +95,17 @@ class HeartbeatFields:
         if has_endpoint:  # a planned method drafts on the endpoint: each round pays its measured wire time
             wire = self.client.wire_s.value
             draft_policy, free_policy = (p and dataclasses.replace(p, round_s=wire) for p in (draft_policy, free_policy))
-        methods = [Method.NGRAM]
-        if has_endpoint and self.client.healthy:
-            methods[:0] = [Method.SSD, Method.DRAFT_MODEL]
         # SSD must beat plain decoding on all its layout's cores, not only on the target's own.
         own_costs = self.free_policy.target_costs if self.free_policy is not None else None
         ssd = predicted_speedup(self.ssd_policy_fn(), batch, acceptance) * ar_on_layout_ratio(self.layout, own_costs, batch)
-        speedups = {Method.DRAFT_MODEL: round(predicted_speedup(draft_policy, batch, acceptance), 4),
-                    Method.SSD: round(ssd, 4),
-                    Method.NGRAM: round(predicted_speedup(free_policy, batch, acceptance), 4)}
+        by_charges = {"model": predicted_speedup(draft_policy, batch, acceptance), "misses": ssd,
+                      "free": predicted_speedup(free_policy, batch, acceptance)}
+        planned = [row for row in METHODS if row.speedup_field is not None]
+        speedups = {row.method: round(by_charges[row.charges], 4) for row in planned}
         for method, speedup in speedups.items():
             self.metrics.predicted(method.value, speedup)
+        endpoint_up = has_endpoint and self.client.healthy
+        methods = [row.method for row in planned if row.local or endpoint_up]
         return {
             "address": self.address,
             "model": self.model,
@@ -115,9 +115,7 @@ class HeartbeatFields:
             "queued": queued,
             "spec_endpoint": self.client.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
-            "predicted_speedup_draft": speedups[Method.DRAFT_MODEL],
-            "predicted_speedup_ssd": speedups[Method.SSD],
-            "predicted_speedup_ngram": speedups[Method.NGRAM],
+            **{row.speedup_field: speedups[row.method] for row in planned},
             "methods": [m.value for m in methods],
             "format": self.format,
         }

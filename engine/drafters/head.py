@@ -25,4 +25,5 @@ def build(sources) -> HeadDrafter | None:
     """The registry's head drafter (drafters/registry.py); a growing tree takes cache room past a sequence."""
     if sources.head is None:
         return None
-    return HeadDrafter(sources.head, sources.max_sequences, sources.max_len + sources.tree_shape.fed_room)
+    return HeadDrafter(sources.head, sources.max_sequences, sources.max_len + sources.tree_shape.fed_room,
+                       tree=sources.tree_shape if sources.trees else None)

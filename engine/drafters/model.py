@@ -117,4 +117,5 @@ def build(sources) -> ModelDrafter | None:
     """The registry's draft-model drafter (drafters/registry.py); a growing tree takes cache room past a sequence."""
     if sources.draft is None:
         return None
-    return ModelDrafter(sources.draft, sources.max_sequences, sources.max_len + sources.tree_shape.fed_room)
+    return ModelDrafter(sources.draft, sources.max_sequences, sources.max_len + sources.tree_shape.fed_room,
+                        tree=sources.tree_shape if sources.trees else None)

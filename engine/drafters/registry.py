@@ -1,20 +1,21 @@
 """The drafters by speculation method: what a host builds from the checkpoints it loaded.
 
 A drafter is a module of this package with `build(sources) -> Drafter | None` (None: these sources
-cannot build it, e.g. no draft model was loaded) and one line in BUILDERS. The pooled endpoint offers
-every method its sources build, in BUILDERS' order (the first is what a session that names none
-gets); SSD takes its fast backup from here too.
+cannot build it, e.g. no draft model was loaded), named by its method's row (engine/method.py). The
+pooled endpoint offers every method its sources build, in the table's order (the first is what a
+session that names none gets); SSD takes its fast backup from here too.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from specpool.engine.drafters import head, model, ngram, ssd
+from specpool.engine.drafters import ngram, ssd
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
-from specpool.engine.method import Method
+from specpool.engine.method import METHODS, Method
 from specpool.engine.plan import TreeShape
 from specpool.engine.runtime.model import Llama
 
@@ -29,6 +30,8 @@ class DraftSources:
     head: Llama | None = None  # a feature-fed draft head
     datastore: SuffixArrayDatastore | None = None
     tree_shape: TreeShape = field(default_factory=TreeShape)  # the trees tree sessions grow (their room in a model's cache)
+    # Every propose grows trees of tree_shape (an in-process decoder's drafter); False: chains, or trees per call.
+    trees: bool = False
     ssd: Mapping[str, object] = field(default_factory=dict)  # SsdDrafter options
 
 
@@ -36,21 +39,18 @@ def _ssd(sources: DraftSources) -> Drafter | None:
     return ssd.build(sources, fast=ngram.build(sources))  # n-gram drafts are its fast backup
 
 
-BUILDERS: dict[Method, Callable[[DraftSources], Drafter | None]] = {
-    Method.DRAFT_MODEL: model.build,
-    Method.HEAD: head.build,
-    Method.SSD: _ssd,
-    Method.NGRAM: ngram.build,
-}
+_SPECIAL: dict[Method, Callable[[DraftSources], Drafter | None]] = {Method.SSD: _ssd}
 
 
 def build(method: Method, sources: DraftSources) -> Drafter | None:
-    """A new drafter of this method, or None where the registry or these sources have none."""
-    builder = BUILDERS.get(method)
-    return builder(sources) if builder is not None else None
+    """A new drafter of this method, or None where the method or these sources have none."""
+    if method in _SPECIAL:
+        return _SPECIAL[method](sources)
+    name = method.row.drafter
+    return importlib.import_module(f"{__package__}.{name}").build(sources) if name is not None else None
 
 
 def build_all(sources: DraftSources) -> dict[Method, Drafter]:
-    """Every drafter these sources build, in BUILDERS' order."""
-    built = {method: builder(sources) for method, builder in BUILDERS.items()}
+    """Every drafter these sources build, in the method table's order."""
+    built = {row.method: build(row.method, sources) for row in METHODS}
     return {method: drafter for method, drafter in built.items() if drafter is not None}

@@ -26,19 +26,14 @@ if TYPE_CHECKING:  # the router speaks this vocabulary too, and never loads torc
 # row: 8 drafts x 256 x 8 bytes is 16 KB a sequence. A wider support goes dense on the tensor channel.
 SPARSE_Q_MAX_K = 256
 
-_METHOD_PB = {
-    Method.NONE: target_pb2.SPECULATION_METHOD_NONE,
-    Method.DRAFT_MODEL: target_pb2.SPECULATION_METHOD_DRAFT_MODEL,
-    Method.NGRAM: target_pb2.SPECULATION_METHOD_NGRAM,
-    Method.SSD: target_pb2.SPECULATION_METHOD_SSD,
-    Method.HEAD: target_pb2.SPECULATION_METHOD_HEAD,
-}
-_DRAFTER_PB = {
-    Method.DRAFT_MODEL: spec_pb.DRAFTER_KIND_DRAFT_MODEL,
-    Method.NGRAM: spec_pb.DRAFTER_KIND_NGRAM,
-    Method.SSD: spec_pb.DRAFTER_KIND_SSD,
-    Method.HEAD: spec_pb.DRAFTER_KIND_HEAD,
-}
+
+def _by_name(enum, prefix: str, methods) -> dict[Method, int]:
+    """Each method's value of a wire enum, named PREFIX + its NAME; a method the protos lack stays off the wire."""
+    return {m: enum.Value(prefix + m.name) for m in methods if prefix + m.name in enum.DESCRIPTOR.values_by_name}
+
+
+_METHOD_PB = _by_name(target_pb2.SpeculationMethod, "SPECULATION_METHOD_", Method)
+_DRAFTER_PB = _by_name(spec_pb.DrafterKind, "DRAFTER_KIND_", [m for m in Method if m.row.drafter is not None])
 
 
 def _method_from(table: dict[Method, int], value: int, field: str, names) -> Method:
@@ -146,7 +141,7 @@ def q_travels_dense(params: SamplingParams, method: Method, dense_asked: bool = 
     """Whether a session's q crosses on the tensor channel: sampled draft-model drafts, unless top-k bounds
     the support to SPARSE_Q_MAX_K tokens (inline then) and the caller did not ask for dense rows. Greedy
     and n-gram drafts (point masses) carry no q; SSD's q is always sparse."""
-    if params.greedy or method not in (Method.DRAFT_MODEL, Method.HEAD):
+    if params.greedy or not method.row.dense_q:
         return False
     return dense_asked or not 0 < params.top_k <= SPARSE_Q_MAX_K
 

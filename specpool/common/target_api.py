@@ -41,6 +41,6 @@ def check_generate_request(r: pb.GenerateRequest) -> Method | None:
     if not 0 <= r.speculation.max_draft_tokens <= MAX_DRAFT_TOKENS:
         raise FieldError("speculation.max_draft_tokens",
                          f"must be in [0, {MAX_DRAFT_TOKENS}], got {r.speculation.max_draft_tokens}")
-    if r.speculation.tree and method is Method.SSD:
-        raise FieldError("speculation.tree", "SSD drafts chains; ask for draft_model or ngram with tree")
+    if r.speculation.tree and method is not None and not method.row.trees:
+        raise FieldError("speculation.tree", f"{method.name} drafts chains; ask for draft_model or ngram with tree")
     return method

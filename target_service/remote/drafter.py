@@ -54,9 +54,6 @@ from specpool_client.v1 import speculation_pb2 as pb
 log = logging.getLogger("specpool.target.speculation")
 
 LOCAL_TREE = TreeShape(max_depth=8)  # the local n-gram drafter's trees (of its shape, only the depth matters)
-# Methods whose endpoint drafter may read the target's features (a head; SSD where it runs on one): their
-# sessions keep them, and send them once the endpoint says it reads them (OpenedSession.reads_features).
-FEATURE_METHODS = (Method.HEAD, Method.SSD)
 
 
 class SpeculationObserver(Protocol):
@@ -241,7 +238,9 @@ class RemoteDrafter(Drafter):
         the sequence speculates (None: the target's own n-gram index); params: its sampler."""
         plan = plan or LOCAL_NGRAM
         session = Session(list(context), params or SamplingParams(), plan)
-        if plan.remote and plan.method in FEATURE_METHODS:
+        # A method whose endpoint drafter may read the target's features: its session keeps them, and
+        # sends them once the endpoint says it reads them (OpenedSession.reads_features).
+        if plan.remote and plan.method.row.reads_features:
             session.features = []
             session.keep_features(features)
         self.sessions.add(seq_id, session)
@@ -367,7 +366,7 @@ class RemoteDrafter(Drafter):
         sequences = []
         for s, n in ready:
             seq = self.sessions[s]
-            ssd = seq.plan.method is Method.SSD and not probing
+            ssd = seq.plan.method.row.prespeculates and not probing
             found = self.ssd.resolve(conn, s, seq, n, self.breaker.deadline(), self.local.draft) if ssd else None
             rows = seq.take_unsent()
             num_features = 0 if rows is None else rows.shape[0]
@@ -478,6 +477,6 @@ class RemoteDrafter(Drafter):
             log.warning("endpoint's drafts for %s are unusable (%s); drafting locally", d.seq_id, problem)
             self._fall_back(Fallback.BAD_REPLY, [d.seq_id])
             return None
-        if seq.plan.method is Method.SSD:
+        if seq.plan.method.row.prespeculates:
             self.ssd.replied(seq, d)
         return DraftRow(d.tokens, d.q, parents)
