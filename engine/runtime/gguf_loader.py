@@ -8,6 +8,7 @@ That package's own imports need dependencies we do not install, so it is found, 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,9 @@ def model_name(path: str | Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
-# Block formats kept as raw blocks too (GGUFModel.blocks; the int4 format reads the 4-bit ones,
-# engine/runtime/linear.py); others are only dequantized.
-BLOCK_FORMATS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# Block formats kept as the file's blocks (GGUFModel.blocks: the q4 format runs them, engine/runtime/linear.py),
+# dequantized only when a dense copy is asked for (GGUFWeights); others are dequantized at load.
+BLOCK_FORMATS = tuple(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"))
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,13 @@ class QuantizedBlocks:
 
     @property
     def four_bit(self) -> bool:
-        """Whether the file stores this matrix in 4 or 5 bits a weight (what makes q4 the automatic format)."""
-        return self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
-                             GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K)
+        """Whether this matrix is 4-bit blocks a q4 kernel runs (what makes q4 the automatic format): Q4_0 and
+        Q4_1 (torch's int4 kernel or the engine's), Q4_K and Q5_0 (the engine's own kernels only)."""
+        if self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+            return True
+        from specpool.engine.runtime import kernels
+
+        return self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_0) and kernels.available()
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """The blocks' fields as tensors, [out, in / 32] per scale and [out, in] for the q's: Q4_0 gives
@@ -157,10 +162,33 @@ class QuantizedBlocks:
         return QuantizedBlocks(parts[0].kind, (data.shape[0], parts[0].shape[1]), data)
 
 
+class GGUFWeights(Mapping[str, torch.Tensor]):
+    """A GGUF's tensors by our names, fp32: the matrices stored in blocks (GGUFModel.blocks) dequantized when
+    asked for, each time, so that a model built on the blocks holds no dense copy (a 1.1 GB Q4_K_M file was
+    13.7 GB resident when every matrix was dequantized at load)."""
+
+    def __init__(self, dense: dict[str, torch.Tensor], blocks: dict[str, QuantizedBlocks]):
+        self._dense, self._blocks = dense, {k: v for k, v in blocks.items() if k not in dense}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._dense:
+            return self._dense[name]
+        return self._blocks[name].dequantize()
+
+    def __iter__(self):
+        return iter([*self._dense, *self._blocks])
+
+    def __len__(self) -> int:
+        return len(self._dense) + len(self._blocks)
+
+    def __or__(self, other: Mapping[str, torch.Tensor]) -> GGUFWeights:
+        return GGUFWeights({**self._dense, **other}, self._blocks)
+
+
 @dataclass
 class GGUFModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # our names -> fp32 tensors, [out, in] for matrices
+    weights: Mapping[str, torch.Tensor]  # our names -> fp32 tensors, [out, in] for matrices (GGUFWeights)
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
@@ -227,12 +255,13 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
             data = data[to_adjacent_pairs(torch.arange(shape[0]), heads).numpy()]
         if t.tensor_type in BLOCK_FORMATS and len(shape) == 2:
             blocks[ours] = QuantizedBlocks(t.tensor_type, shape, data)
+            continue
         array = data.astype(np.float32) if t.tensor_type == GGMLQuantizationType.F32 else dequantize(data, t.tensor_type)
         weights[ours] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape), dtype=np.float32))
 
     return GGUFModel(
         config=config,
-        weights=weights,
+        weights=GGUFWeights(weights, blocks),
         tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
         token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
         merges=list(_field(reader, "tokenizer.ggml.merges", [])),

@@ -294,3 +294,15 @@ def test_the_other_classes_builds_pass_these_tests(isa):
                          timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+def test_an_embedding_on_blocks_looks_up_the_file_s_rows(kind):
+    from specpool.engine.runtime.linear import BlockEmbedding, StackedBlockLinear
+
+    blocks = _blocks(kind, 50, 512)
+    ids = torch.tensor([[3, 7, 49], [0, 3, 3]])
+    assert torch.equal(F.embedding(ids, BlockEmbedding(blocks)), F.embedding(ids, blocks.dequantize()))
+    other = _blocks(Q4_K if kind != Q4_K else Q6_K, 16, 512)  # a stack of two formats: each part's own bits
+    stacked, x = StackedBlockLinear([BlockLinear(blocks), BlockLinear(other)]), torch.randn(3, 512)
+    assert torch.equal(stacked(x), torch.cat([BlockLinear(blocks)(x), BlockLinear(other)(x)], -1))
