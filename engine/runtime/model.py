@@ -24,7 +24,7 @@ from specpool.engine.runtime.draft_pair import check_trained_for
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.layer import block_weights, layer
-from specpool.engine.runtime.linear import BlockLinear, Int4Linear, Linear
+from specpool.engine.runtime.linear import BlockEmbedding, BlockLinear, Int4Linear, Linear, StackedBlockLinear
 from specpool.engine.runtime.rope import rope_angles
 from specpool.engine.runtime.row_check import row_mismatch
 from specpool.engine.runtime.step_layout import StepLayout, check_rows
@@ -67,24 +67,34 @@ class Llama:
         def w(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def linear(*names: str) -> Linear | Int4Linear:
+        def linear(*names: str) -> Linear | Int4Linear | BlockLinear:
             """One matrix over these weights stacked along their outputs: the int4 kernel on the file's
             blocks where every part has blocks it reads, else dense."""
-            dense = self.format.dense_dtype
-            dense = Linear(torch.cat([w(n, dense) for n in names]) if len(names) > 1 else w(names[0], dense))
+
+            def dense() -> Linear:
+                return Linear(torch.cat([w(n, self.format.dense_dtype) for n in names]) if len(names) > 1
+                              else w(names[0], self.format.dense_dtype))
+
             parts = [blocks.get(n) for n in names]
             if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
                 stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
                 if self.format.own_kernels and BlockLinear.supports(stacked):
-                    return BlockLinear(stacked, prefill=dense)
+                    return BlockLinear(stacked, prefill=dense() if dense_prefill else None)
                 if Int4Linear.supports(stacked):
-                    return Int4Linear.from_blocks(stacked, prefill=dense)
-            return dense
+                    return Int4Linear.from_blocks(stacked, prefill=dense())
+            elif self.format.own_kernels and all(p is not None and BlockLinear.supports(p) for p in parts):
+                return StackedBlockLinear([BlockLinear(p) for p in parts])  # formats differ: a K-quant file's
+            return dense()
+
+        # Dense twins for prefill only where every matrix is in a format that keeps one (BlockLinear.DENSE_PREFILL).
+        dense_prefill = all(b.kind in BlockLinear.DENSE_PREFILL for b in blocks.values())
 
         if "output_ids" in weights and weights["lm_head"].shape[0] != len(weights["output_ids"]):
             raise ValueError("lm_head rows must match output_ids")
 
-        self.embed = w("embed")  # [V, d]
+        embed = blocks.get("embed")  # [V, d]: on the file's blocks where its matrices prefill on them too
+        self.embed = BlockEmbedding(embed) if self.format.own_kernels and embed is not None and not dense_prefill \
+            else w("embed")
         self.lm_head = linear("embed" if config.tie_embeddings else "lm_head")
         # A draft may score only a reduced vocabulary: its head row i is full-vocab token output_ids[i].
         self.output_ids = weights["output_ids"].to(self.device) if "output_ids" in weights else None

@@ -375,3 +375,46 @@ def test_q4_prompts_prefill_to_the_same_bits_alone_or_batched(real_model, q4_mod
         assert torch.equal(together[b, :n], alone[0]), f"prompt {b}"
         assert torch.equal(hidden[b, :n], alone_hidden[0])
         assert cache.lengths[b] == n and torch.equal(cache.k[:, b, :, :n], alone_cache.k[:, 0, :, :n])
+
+
+def _k_blocks(kind, rows: int, cols: int, rng) -> QuantizedBlocks:
+    """Random valid blocks of a K-quant (gguf-py quantizes neither), small fp16 super-block scales."""
+    size, scales = {Q4_K: (144, (0, 2)), Q6_K: (210, (208,))}[kind]
+    raw = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for at in scales:
+        raw[:, at : at + 2] = rng.uniform(1e-5, 1e-4, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return QuantizedBlocks(kind, (rows, cols), raw.reshape(rows, -1))
+
+
+Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+
+
+def test_a_k_quant_model_runs_on_its_blocks_with_no_dense_copy():
+    """A Q4_K_M-like model (q and k Q4_K, v Q6_K, the output Q5_0, gate and up Q4_K, down Q6_K, the embedding
+    Q6_K): every matrix on its blocks, prefill too, and the embedding looked up by rows; its rows pass the
+    start-up check, and greedy speculation equals its AR decoding."""
+    from specpool.engine.runtime.gguf_loader import GGUFWeights
+    from specpool.engine.runtime.linear import BlockEmbedding, StackedBlockLinear
+
+    config = tiny_config(vocab_size=64, d_model=256)
+    dense = random_weights(config, seed=5)
+    rng = np.random.default_rng(5)
+    kinds = {"wq": Q4_K, "wk": Q4_K, "wv": Q6_K, "wo": Q5_0, "w_gate": Q4_K, "w_up": Q4_K, "w_down": Q6_K}
+    blocks = {"embed": _k_blocks(Q6_K, 64, 256, rng)}
+    for name, t in dense.items():
+        kind = kinds.get(name.rsplit(".", 1)[-1])
+        if kind == Q5_0:
+            blocks[name] = QuantizedBlocks(kind, tuple(t.shape), quantize(t.numpy(), kind))
+        elif kind is not None:
+            blocks[name] = _k_blocks(kind, *t.shape, rng)
+    weights = GGUFWeights({k: v for k, v in dense.items() if k not in blocks}, blocks)
+    model = Llama(config, weights, "q4", "cpu", blocks=blocks)
+    assert model.format.own_kernels and "bit-identical" in model.format_check
+    layer = model.layers[0]
+    assert isinstance(layer["wqkv"], StackedBlockLinear) and isinstance(model.embed, BlockEmbedding)
+    assert all(isinstance(layer[k], BlockLinear) and layer[k].prefill is layer[k] for k in ("wo", "w_gate_up", "w_down"))
+    prompt = [1, 5, 9, 13, 17, 21, 25, 29]
+    ar = generate(model, [prompt], SamplingParams(), 12, stop_ids=[])[0].token_ids
+    from specpool.engine.drafters.ngram import NgramDrafter
+
+    assert generate(model, [prompt], SamplingParams(), 12, NgramDrafter(), 3, stop_ids=[])[0].token_ids == ar
