@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts, InFlight, Ready
+from specpool.engine.drafters.base import (
+    Capabilities,
+    Drafter,
+    DraftRequest,
+    Drafts,
+    InFlight,
+    Ready,
+    Replanning,
+)
 from specpool.engine.method import Method
 from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.policy.acceptance import AcceptanceEstimate
@@ -164,8 +172,9 @@ class Decoder:
         self.model = model
         self.cache = model.new_cache(max_batch, max_len)
         self.drafter = drafter
-        self._reads = drafter.inputs if drafter is not None else frozenset()
-        self._wants_features = "features" in self._reads  # a feature-fed head's input
+        self._caps = drafter.caps if drafter is not None else Capabilities()
+        self._wants_features = self._caps.features  # a feature-fed head's input
+        self._replanning: Replanning | None = drafter if self._caps.plan else None
         self.draft_length = draft_length
         self.acceptance = acceptance or AcceptanceEstimate()
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
@@ -312,8 +321,7 @@ class Decoder:
             if self.drafter is not None:
                 inputs = self._inputs(hidden, r, list(range(len(seq.prompt))))
                 # The sequence's own plan and sampler, to a drafter that declares it reads them.
-                own = {"plan": seq.plan, "params": seq.params}
-                inputs |= {name: value for name, value in own.items() if name in self._reads}
+                inputs |= self._caps.inputs(plan=seq.plan, params=seq.params)
                 self.drafter.start(seq.seq_id, seq.prompt + seq.result.token_ids, **inputs)
                 seq.unseen = len(seq.prompt) + 1
         return moved
@@ -367,8 +375,8 @@ class Decoder:
                 seq.plan = seq.plan.fallback() if seq.plan is not None else NO_SPECULATION
                 seq.paced.clear()
                 seq.result.plan_drops += 1
-                if "plan" in self._reads:
-                    self.drafter.replan(seq.seq_id, seq.plan)
+                if self._replanning is not None:
+                    self._replanning.replan(seq.seq_id, seq.plan)
 
     def _ask_drafts(self) -> _Asked:
         start = time.perf_counter()

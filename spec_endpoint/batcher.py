@@ -81,7 +81,7 @@ def group_key(session: Session, drafter: Drafter, dense: bool) -> DraftGroup:
     """Sequences drafted by one propose call: one model, drafter kind and draft shape (chain or tree).
     The seed never matters (the endpoint samples from its own generator); greedy drafts ignore the
     sampler; deterministic (n-gram) drafts ignore it altogether."""
-    if drafter.deterministic:
+    if drafter.caps.deterministic:
         return DraftGroup(session.model, session.kind, None, False, session.tree)
     params = SamplingParams() if session.params.greedy else dataclasses.replace(session.params, seed=None)
     return DraftGroup(session.model, session.kind, params, dense, session.tree)
@@ -247,22 +247,23 @@ class Batcher:
             out.error = f"{problem}; session closed"
             return None
         accepted = session.record_outcome(seq.new_tokens)
-        adopts = seq.resolution == "local_drafts" and drafter.prespeculates
+        ssd = drafters.prespeculating.get(session.kind)
+        adopts = seq.resolution == "local_drafts" and ssd is not None
         if adopts:  # pre-speculation feeds them, with every session's forks of that drafter
             error = local_drafts_error(seq, drafters.vocab_size)
             if error:
                 self.drop(session)
                 out.error = f"sequences[{i}].{error}; session closed"
                 return None
-        # When the outcome arrived, not when this step got to it: SSD sizes its forks by that.
-        drafter.outcome_arrived(session.key.drafter_id, work.arrived)
+        if ssd is not None:  # when the outcome arrived, not when this step got to it: SSD sizes its forks by that
+            ssd.outcome_arrived(session.key.drafter_id, work.arrived)
         drafter.observe(session.key.drafter_id, seq.new_tokens, **inputs)
         session.stream = work.stream
         if adopts:
             # Push mode, a miss the target drafted itself: pre-speculate after its drafts.
-            drafter.adopt(session.key.drafter_id, list(seq.drafts_in_use))
+            ssd.adopt(session.key.drafter_id, list(seq.drafts_in_use))
             session.last_drafts, session.needs_tokens = tuple(seq.drafts_in_use), True
-            self._prespeculation.add(drafter, [session])
+            self._prespeculation.add(ssd, [session])
             return None
         if accepted:
             self.sessions.count(session.key.tenant, accepted=accepted)
@@ -274,7 +275,7 @@ class Batcher:
             return None
         if n == 0:
             return None
-        if drafter.cache is not None:  # a draft model
+        if drafter.caps.kv_cache:  # a draft model
             if session.needs_tokens:
                 out.error = (
                     f"sequences[{i}].new_tokens: empty, but the draft model continues from the tokens "
@@ -299,7 +300,7 @@ class Batcher:
         """What a feature-fed drafter observes with sequence i's new tokens -> (observe's keyword arguments,
         why the session must close). Its first round starts the drafter with the context's features."""
         seq = round.sequences[i]
-        if "features" not in drafter.inputs:
+        if not drafter.caps.features:
             if seq.num_features:
                 return {}, f"sequences[{i}].num_features: {seq.num_features}, but this session's drafter reads none"
             return {}, ""
@@ -327,15 +328,16 @@ class Batcher:
         model = group.model
         drafters = self.drafters.get(model)
         drafter = drafters.drafter(group.kind)
+        ssd = drafters.prespeculating.get(group.kind)
         ids = [w.session.key.drafter_id for w in wants]
         nums = [w.num for w in wants]
-        q_form = {"sparse": not group.dense} if drafter.sparse_q_per_call else {}
+        q_form = {"sparse": not group.dense} if drafter.caps.sparse_q_per_call else {}
         if group.tree:
             q_form["tree"] = drafters.tree_shape
         start = time.monotonic()  # the busy window's clock (self.clock times leases, and tests fake it)
         try:
             drafts = drafter.propose(ids, nums, group.params or SamplingParams(), drafters.generator, **q_form)
-            self._prespeculation.add(drafter, [w.session for w in wants])
+            self._prespeculation.add(ssd, [w.session for w in wants])
         except Exception as exc:  # the drafter's state for these sequences is unknown now: drop them
             log.exception("drafting failed for %d sequences of %s", len(wants), model)
             for w in wants:
@@ -366,7 +368,7 @@ class Batcher:
             elif drafts.probs is not None:
                 w.work.dense[w.index] = drafts.probs[b, :n].float()
             w.work.draft_seconds += end - start
-            out.from_cache = drafter.served_from_cache(w.session.key.drafter_id)
+            out.from_cache = ssd is not None and ssd.served_from_cache(w.session.key.drafter_id)
             w.session.record_drafts(tokens, parents)
             tenant = w.session.key.tenant
             self.sessions.count(tenant, drafted=n)

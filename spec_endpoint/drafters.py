@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specpool.engine.drafters import registry
-from specpool.engine.drafters.base import Drafter
+from specpool.engine.drafters.base import Drafter, Prespeculating
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.registry import DraftSources
 from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
@@ -127,6 +127,11 @@ class ModelDrafters:
     suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
     suffix_shared: frozenset[str] = frozenset()
     generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
+    # Those of the drafters that pre-speculate: told once here, for the batcher and pre-speculation.
+    prespeculating: dict[Method, Prespeculating] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prespeculating = {kind: d for kind, d in self.drafters.items() if d.caps.prespeculates}
 
     @property
     def kinds(self) -> tuple[Method, ...]:

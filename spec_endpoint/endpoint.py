@@ -168,10 +168,10 @@ class Endpoint:
                               f"capacity: tenant {tenant!r} holds its maximum of {per_tenant} sessions on this "
                               "endpoint (--max-sessions-per-tenant); close finished ones or draft locally")
         drafter = drafters.drafter(kind)
-        if spec.tree and not drafter.grows_trees:
+        if spec.tree and not drafter.caps.grows_trees:
             return OpenResult(spec.request_id, False, f"{path}.tree: the {kind.value} drafter proposes chains only; "
                               "open the session without tree, or with the draft_model or ngram drafter")
-        if drafter.cache is not None and drafter.cache.free_slots == 0:
+        if drafter.caps.kv_cache and drafter.cache.free_slots == 0:
             return OpenResult(spec.request_id, False,
                               f"capacity: all {drafter.cache.max_slots} {kind.value} KV slots for "
                               f"{drafters.name} are in use")
@@ -181,7 +181,7 @@ class Endpoint:
             if store is not None:  # a fresh document each open: a re-opened session re-sends its context
                 self._documents += 1
                 drafters.ngram.attach_store(key.drafter_id, store, f"{key.drafter_id}#{self._documents}")
-        reads_features = "features" in drafter.inputs
+        reads_features = drafter.caps.features
         if index is None and not reads_features:  # a feature-fed drafter starts with the first round's features
             drafter.start(key.drafter_id, spec.context)
         self.metrics.tenants.admit(tenant)

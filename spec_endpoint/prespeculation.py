@@ -12,7 +12,7 @@ from specpool.spec_endpoint.messages import OutcomeTable, RoundResult, SequenceR
 from specpool.spec_endpoint.streams import RoundStream
 
 if TYPE_CHECKING:
-    from specpool.engine.drafters.base import Drafter
+    from specpool.engine.drafters.base import Prespeculating
     from specpool.engine.method import Method
     from specpool.spec_endpoint.drafters import HostedDrafters
     from specpool.spec_endpoint.metrics import EndpointMetrics
@@ -44,9 +44,10 @@ class Prespeculation:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def add(self, drafter: Drafter, sessions: list[Session]) -> None:
-        """Sessions whose drafter just handed out (or adopted) drafts: pre-speculate after them."""
-        if drafter.prespeculates:
+    def add(self, drafter: Prespeculating | None, sessions: list[Session]) -> None:
+        """Sessions whose drafter just handed out (or adopted) drafts: pre-speculate after them (None: a
+        drafter that does not pre-speculate)."""
+        if drafter is not None:
             for s in sessions:
                 self._pending.setdefault((s.model, s.kind), []).append(s)
 
@@ -55,7 +56,7 @@ class Prespeculation:
         pending, self._pending = self._pending, {}
         tables = []
         for (model, kind), sessions in pending.items():
-            drafter = self.drafters.get(model).drafter(kind)
+            drafter = self.drafters.get(model).prespeculating[kind]
             live = [s for s in sessions if self.sessions.get(s.key) is s]
             start = time.monotonic()
             drafter.prespeculate([s.key.drafter_id for s in live])
@@ -67,7 +68,7 @@ class Prespeculation:
         return tables
 
 
-def outcome_table(session: Session, drafter: Drafter) -> OutcomeTable:
+def outcome_table(session: Session, drafter: Prespeculating) -> OutcomeTable:
     entries = []
     for (k, bonus), fork in drafter.outcome_table(session.key.drafter_id).items():
         if fork.topk_ids is not None:

@@ -1,4 +1,5 @@
-"""The role every drafter plays, and what it hands the decoder: drafts for a batch of sequences.
+"""The role every drafter plays, what else one can do, and what it hands the decoder: drafts for a batch of
+sequences.
 
 A drafter keeps its own per-sequence state and sees only deltas: the context once, then the
 tokens each round appended. Every drafter (the draft model, the head, n-gram, SSD, the remote
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.verification.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,19 +73,41 @@ class Fork:
     predicted: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a drafter can do beyond the role, fixed when it is built: whoever holds one reads them once."""
+
+    # It runs a model on a KV cache of its own (`cache`): it continues from the tokens emitted since its
+    # previous drafts, and n drafts take n - 1 positions.
+    kv_cache: bool = False
+    # No sampler changes its drafts (n-gram: point masses): one propose call serves every sampler.
+    deterministic: bool = False
+    # `propose` takes `sparse=` (q as top-k pairs, else dense rows) per call: one drafter then serves
+    # sequences of either transport.
+    sparse_q_per_call: bool = False
+    # `propose` takes `tree=` per call: a TreeShape grows token trees of num_tokens nodes each, None
+    # drafts chains (or, for a drafter built with a shape, trees of that one).
+    grows_trees: bool = False
+    # It is Prespeculating: it works while the target verifies (SSD pre-speculates the likely outcomes).
+    prespeculates: bool = False
+    # Inputs beyond token ids, each passed as the keyword argument of its name: the target's last hidden
+    # states (a feature-fed head), to `start` and `observe`; the sequence's SpeculationPlan and sampler (a
+    # drafter that serves several methods, and then is Replanning), to `start`.
+    features: bool = False
+    plan: bool = False
+    params: bool = False
+
+    def inputs(self, **offered) -> dict:
+        """Those of the offered inputs it reads, as keyword arguments."""
+        return {name: value for name, value in offered.items() if getattr(self, name)}
+
+
 class Drafter(Protocol):
     """The role every drafter plays, local or remote, model or n-gram or SSD: it is told a sequence's
     context once (`start`), proposes drafts for it (`propose`), observes what the target emitted after
-    verifying them (`observe`), and forgets it (`release`).
+    verifying them (`observe`), and forgets it (`release`). What else it can do its `caps` say."""
 
-    The members below `release` are optional: a drafter that subclasses Drafter gets their defaults,
-    and a pooled endpoint reads them instead of asking which kind of drafter it holds."""
-
-    # Inputs beyond token ids this drafter wants from the target: "features" (the target's last hidden
-    # states, for a feature-fed head), passed to `start` and `observe`; "plan" and "params" (the
-    # sequence's SpeculationPlan and sampler, for a drafter that serves several methods), passed to
-    # `start`. Each as a keyword argument of that name; none that is not declared.
-    inputs: frozenset[str] = frozenset()
+    caps: Capabilities = Capabilities()
 
     def start(self, seq_id: str, context: Sequence[int]) -> None: ...
 
@@ -113,49 +135,37 @@ class Drafter(Protocol):
         """The drafts `start_groups` asked for, one Drafts per request (waiting for them if need be)."""
         return in_flight.drafts
 
-    # -- optional members -----------------------------------------------------------------------
 
-    # The KV cache of a drafter that runs a model (None: it holds no model state). Such a drafter
-    # continues from the tokens emitted since its previous drafts, and n drafts take n - 1 positions.
-    cache: KVCache | None = None
-    # Drafts that no sampler changes (n-gram: point masses): one propose call serves every sampler.
-    deterministic: bool = False
-    # `propose` takes `sparse=` (q as top-k pairs, else dense rows) per call: one drafter then serves
-    # sequences of either transport.
-    sparse_q_per_call: bool = False
-    # `propose` takes `tree=` per call: a TreeShape grows token trees of num_tokens nodes each, None
-    # drafts chains (or, for a drafter built with a shape, trees of that one).
-    grows_trees: bool = False
-    # It works while the target verifies (SSD pre-speculates the likely outcomes): the caller calls
-    # `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead.
-    prespeculates: bool = False
+class Replanning(Protocol):
+    """A drafter that reads plans (`caps.plan`)."""
 
     def replan(self, seq_id: str, plan: SpeculationPlan) -> None:
         """The sequence speculates by `plan` from its next round (the decoder dropped its plan, measured
-        slower than plain decoding). Told only to a drafter that reads plans."""
+        slower than plain decoding)."""
+
+
+class Prespeculating(Drafter, Protocol):
+    """A drafter that works while the target verifies (`caps.prespeculates`; SSD): the caller calls
+    `prespeculate` after sending drafts, and `adopt` for drafts the target made itself instead."""
 
     def outcome_arrived(self, seq_id: str, at: float) -> None:
-        """When the outcome that `observe` gets next arrived (time.monotonic()), for a drafter that times
-        the target's verification (SSD sizes its forks by it); without it, the time `observe` runs."""
+        """When the outcome that `observe` gets next arrived (time.monotonic()): SSD sizes its forks by
+        the target's verification time; without it, the time `observe` runs."""
 
     def served_from_cache(self, seq_id: str) -> bool:
         """Whether the sequence's last drafts were ready before it asked (an SSD hit)."""
-        return False
 
     def adopt(self, seq_id: str, drafts: Sequence[int]) -> None:
         """The target verifies drafts of its own next (a miss it resolved locally)."""
-        raise NotImplementedError(f"{type(self).__name__} does not pre-speculate")
 
     def prespeculate(self, seq_ids: Sequence[str]) -> None:
         """Prepare the next drafts of these sequences for the likely outcomes of their last ones."""
 
     def outcome_table(self, seq_id: str) -> dict[tuple[int, int], Fork]:
         """The prepared drafts by outcome (accepted drafts, bonus token): what push mode streams out."""
-        return {}
 
     def fast_backup(self) -> bool:
         """Whether an outcome with no prepared drafts is best met by fast local (n-gram) drafts."""
-        return False
 
 
 @dataclass(frozen=True, slots=True)

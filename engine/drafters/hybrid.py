@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import count
 
-from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.base import Capabilities, Drafter, Drafts
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.suffix_store import SuffixStore
 from specpool.engine.policy.draft_length import ModelShare
@@ -34,7 +34,7 @@ class HybridTreeDrafter(Drafter):
         self.model, self.store = model, store
         self.threshold, self.min_prob = threshold, min_prob
         self.share = share or ModelShare()
-        self.inputs = model.inputs
+        self.caps = Capabilities(features=model.caps.features)
         self.store_rounds = self.model_rounds = 0  # rows drafted by each source
         self._docs: dict[str, tuple[str, list[int]]] = {}  # seq_id -> (its document, its tokens)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.base import Capabilities, Drafter, Drafts
 from specpool.engine.drafters.feeds import DraftState, feed_for
 from specpool.engine.drafters.loop import DraftPicker, after_last, draft_steps
 from specpool.engine.drafters.trees import Candidates, grow_trees, tree_logprobs
@@ -24,15 +24,13 @@ class ModelDrafter(Drafter):
     sent with them: sparsely as (id, prob) pairs when top-k bounds its support, densely otherwise.
     """
 
-    sparse_q_per_call = True
-    grows_trees = True
-
     def __init__(self, model: Llama, max_sequences: int, max_len: int, sparse_top_k: bool = True,
                  tree: TreeShape | None = None):
         """tree: propose token trees of this shape (num_tokens is then each tree's node budget), not chains."""
         self.model = model
         self.feed = feed_for(model)
-        self.inputs = self.feed.inputs
+        self.caps = Capabilities(kv_cache=True, sparse_q_per_call=True, grows_trees=True,
+                                 features="features" in self.feed.inputs)
         self.cache = model.new_cache(max_sequences, max_len)
         self.sparse_top_k = sparse_top_k
         self.tree = tree

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.base import Capabilities, Drafter, Drafts
 from specpool.engine.drafters.lookup import NgramIndex, SuffixArrayDatastore
 from specpool.engine.drafters.suffix_store import SuffixStore
 from specpool.engine.plan import TreeShape
@@ -72,8 +72,7 @@ class NgramDrafter(Drafter):
     """The Drafter for SSSD: per-request n-gram index, an optional shared datastore and, per sequence,
     an optional suffix store (`attach_store`)."""
 
-    deterministic = True
-    grows_trees = True
+    caps = Capabilities(deterministic=True, grows_trees=True)
 
     REQUEST_WEIGHT = 2.0  # a match in the request itself is worth more than one in the datastore
     # A suffix-store continuation of probability 1 weighs as a 4-token match in the request.

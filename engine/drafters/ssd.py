@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpool.engine.drafters.base import Drafter, Drafts, Fork, accepted_prefix
+from specpool.engine.drafters.base import Capabilities, Drafter, Drafts, Fork, Prespeculating, accepted_prefix
 from specpool.engine.drafters.feeds import DraftState, feed_for
 from specpool.engine.drafters.loop import draft_steps, sample_top_k
 from specpool.engine.drafters.ssd_stats import SsdStats, ema, geometric_fanout
@@ -59,11 +59,9 @@ class _Seq(DraftState):
     arrived_at: float = 0.0  # when their outcome arrived, if the caller said (outcome_arrived)
 
 
-class SsdDrafter(Drafter):
-    """The Drafter for SSD: the model drafters' loop on a cache with room for forks, and the role's
-    optional members of a drafter that pre-speculates. `fast`: the drafter a miss may fall back to."""
-
-    prespeculates = True
+class SsdDrafter(Prespeculating):
+    """The Drafter for SSD: the model drafters' loop on a cache with room for forks, Prespeculating.
+    `fast`: the drafter a miss may fall back to."""
 
     CANDIDATES = 16  # ids kept per draft row, to fork from and to rank the real bonus among
     # A pass should end within this share of the verify time: an outcome that arrives before its
@@ -84,7 +82,7 @@ class SsdDrafter(Drafter):
     ):
         self.model = model
         self.feed = feed_for(model)
-        self.inputs = self.feed.inputs
+        self.caps = Capabilities(kv_cache=True, prespeculates=True, features="features" in self.feed.inputs)
         self.cache = model.new_cache(max_sequences + fork_slots, max_len)
         self.fork_budget = fork_budget  # the most forks per sequence
         self.forks = max(1, fork_budget // 2)  # forks per sequence now (sized by _size_forks)

@@ -30,7 +30,7 @@ import torch
 from specpool.common.security import Security
 from specpool.common.speculation import q_travels_dense
 from specpool.common.tensor_channel import ChannelError
-from specpool.engine.drafters.base import Drafter, DraftRequest, Drafts
+from specpool.engine.drafters.base import Capabilities, Drafter, DraftRequest, Drafts
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
@@ -133,7 +133,7 @@ class RemoteDrafter(Drafter):
 
     # The decoder's hidden states, for sessions whose drafter reads them; each sequence's plan and sampler,
     # which its session opens with.
-    inputs = frozenset({"features", "plan", "params"})
+    caps = Capabilities(features=True, plan=True, params=True)
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specpool.engine.decoding import generate
-from specpool.engine.drafters.base import Drafter
+from specpool.engine.drafters.base import Capabilities, Drafter
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.drafters.ssd import SsdDrafter
 from specpool.engine.drafters.ssd_stats import geometric_fanout
@@ -29,7 +29,8 @@ class Inline(Drafter):
     records where each sequence's drafts came from, round by round (cache, neural or fast)."""
 
     def __init__(self, ssd: SsdDrafter):
-        self.ssd, self.inputs = ssd, ssd.inputs  # a head's features travel through (start, observe)
+        # A head's features travel through (start, observe).
+        self.ssd, self.caps = ssd, Capabilities(features=ssd.caps.features)
         self.sources: dict[str, list[str]] = defaultdict(list)
 
     def start(self, seq_id, context, **inputs):

@@ -55,7 +55,7 @@ def test_greedy_ssd_with_a_head_equals_ar_on_hits_and_misses(backup):
     head = trained_tiny_head(TARGET)
     ar = generate(TARGET, PROMPTS, SamplingParams(), 40, stop_ids=[])
     ssd = SsdDrafter(head, len(PROMPTS), 96, fork_slots=48, fork_budget=8, backup=backup, fast=NgramDrafter())
-    assert ssd.inputs == {"features"}
+    assert ssd.caps.features
     inline = Inline(ssd)
     out = generate(TARGET, PROMPTS, SamplingParams(), 40, inline, 3, stop_ids=[])
     assert [r.token_ids for r in out] == [r.token_ids for r in ar]
@@ -154,7 +154,7 @@ def test_no_fork_slot_leaks_over_many_rounds():
 
 def test_a_head_needs_its_features():
     ssd = SsdDrafter(tiny_head(), 1, 64)
-    assert ssd.inputs == {"features"} and SsdDrafter(TARGET, 1, 64).inputs == frozenset()
+    assert ssd.caps.features and not SsdDrafter(TARGET, 1, 64).caps.features
     with pytest.raises(ValueError, match="features"):
         ssd.start("s", [1, 2, 3])
     with pytest.raises(ValueError, match="features"):

@@ -40,7 +40,7 @@ class Recording(Drafter):
     """Wraps a drafter and keeps every tree it proposed, in order (the first round's come first)."""
 
     def __init__(self, drafter):
-        self.drafter, self.trees, self.inputs = drafter, [], drafter.inputs
+        self.drafter, self.trees, self.caps = drafter, [], drafter.caps
         self.first_round_sources: tuple[int, int] | None = None  # a hybrid's (store rows, model rows)
 
     def start(self, seq_id, context, **inputs):
