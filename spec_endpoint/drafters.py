@@ -172,8 +172,8 @@ class ModelDrafters:
                 log.warning("--drafter %s: --max-len %d exceeds a draft's context %d; sessions are capped at %d",
                             spec.name, max_len, model.config.max_context, model.config.max_context)
                 max_len = model.config.max_context
-        sources = DraftSources(options.max_sessions, max_len, models.get("draft"), models.get("head"), datastore,
-                               options.tree_shape, options.ssd or {})
+        sources = DraftSources(options.max_sessions, max_len, draft=models.get("draft"), head=models.get("head"),
+                               datastore=datastore, tree_shape=options.tree_shape, ssd=options.ssd or {})
         drafters = cls(name=spec.name, vocab_size=vocab, drafters=registry.build_all(sources), max_len=max_len,
                        feature_dim=target.config.d_model, tree_shape=options.tree_shape,
                        suffix_shared=options.suffix_shared,

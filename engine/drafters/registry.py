@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from specpool.engine.drafters import ngram, ssd
 from specpool.engine.drafters.base import Drafter
@@ -26,6 +26,7 @@ class DraftSources:
 
     max_sequences: int  # sequences drafted for at once
     max_len: int  # tokens a sequence may hold
+    _: KW_ONLY  # the rest by name: a field added in between must not take another's value
     draft: Llama | None = None  # a draft model
     head: Llama | None = None  # a feature-fed draft head
     datastore: SuffixArrayDatastore | None = None
