@@ -52,7 +52,7 @@ def model_name(path: str | Path) -> str:
 
 # Block formats kept as the file's blocks (GGUFModel.blocks: the q4 format runs them, engine/runtime/linear.py),
 # dequantized only when a dense copy is asked for (GGUFWeights); others are dequantized at load.
-BLOCK_FORMATS = tuple(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"))
+BLOCK_FORMATS = tuple(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"))
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class QuantizedBlocks:
     K-quants: super-blocks of 256 weights (8 groups of 32), laid out as gguf.quants reads them.
     Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit sc and mn per group, 128 of nibbles;
     weight = d * sc_g * q - dmin * mn_g, q in 0..15.
+    Q5_K (176 bytes): as Q4_K, with 32 bytes of high bits (bit g of byte k: q's fifth in group g, element k)
+    before the nibbles; q in 0..31.
     Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per 16 weights), fp16 d;
     weight = d * sc_k * (q - 32), q in 0..63.
     """
@@ -82,21 +84,22 @@ class QuantizedBlocks:
     @property
     def four_bit(self) -> bool:
         """Whether this matrix is 4-bit blocks a q4 kernel runs (what makes q4 the automatic format): Q4_0 and
-        Q4_1 (torch's int4 kernel or the engine's), Q4_K and Q5_0 (the engine's own kernels only)."""
+        Q4_1 (torch's int4 kernel or the engine's), Q4_K, Q5_K and Q5_0 (the engine's own kernels only)."""
         if self.kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
             return True
         from specpool.engine.runtime import kernels
 
-        return self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_0) and kernels.available()
+        return self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0) \
+            and kernels.available()
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         """The blocks' fields as tensors, [out, in / 32] per scale and [out, in] for the q's: Q4_0 gives
         (d, q) and Q4_1 (d, m, q) with q in 0..15 (uint8); Q8_0 gives (d, q) with q int8, and Q5_0 the same with
         q - 16 (int8, -16..15). Q4_K gives (d, dmin, sc, mn, q): d and dmin [out, in / 256], sc and mn uint8 (0..63)
-        [out, in / 32], q 0..15; Q6_K (d, sc, q): d [out, in / 256], sc int8 [out, in / 16], q 0..63 (the weight's
-        q - 32). Every d and m is fp32 (exact: fp16 widened)."""
+        [out, in / 32], q 0..15, and Q5_K the same with q 0..31; Q6_K (d, sc, q): d [out, in / 256], sc int8
+        [out, in / 16], q 0..63 (the weight's q - 32). Every d and m is fp32 (exact: fp16 widened)."""
         rows, cols = self.shape
-        if self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        if self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
             return self._k_fields()
         blocks = np.ascontiguousarray(self.data).reshape(rows, cols // self.BLOCK, -1)
         d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -127,10 +130,15 @@ class QuantizedBlocks:
         def half(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a.copy().view(np.float16)[:, 0].astype(np.float32).reshape(rows, supers))
 
-        if self.kind == GGMLQuantizationType.Q4_K:
+        if self.kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
             sc, mn = Q4_K.get_scale_min(b[:, 4:16])  # [n, 8] each
-            nibbles = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-            q = (nibbles & 0x0F).reshape(rows, cols)
+            five = self.kind == GGMLQuantizationType.Q5_K
+            nibbles = b[:, 48 if five else 16 :].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            q = (nibbles & 0x0F).reshape(-1, 256)
+            if five:  # bit g of byte k: the fifth bit of group g's element k
+                high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+                q = q | high.reshape(-1, 256) << 4
+            q = q.reshape(rows, cols)
             groups = cols // self.BLOCK
             return (half(b[:, 0:2]), half(b[:, 2:4]), torch.from_numpy(sc.reshape(rows, groups).copy()),
                     torch.from_numpy(mn.reshape(rows, groups).copy()), torch.from_numpy(q))

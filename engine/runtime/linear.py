@@ -130,8 +130,8 @@ class Int4Linear:
 
 
 class BlockLinear:
-    """y = x @ weight.T on the GGUF's own blocks (Q4_0, Q4_1, Q8_0) through the engine's kernel
-    (engine/runtime/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
+    """y = x @ weight.T on the GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) through the engine's
+    kernel (engine/runtime/csrc/cpu_kernels.cpp, `block_linear`): each row of x quantized to int8 per group of 32
     (ggml's Q8_1, as llama.cpp does), integer dot products per block, the block scales applied in fp32.
 
     Every weight is the file's exactly (its fp16 scales kept in fp16, widened to fp32 by the kernel as it
@@ -143,12 +143,13 @@ class BlockLinear:
     is padded with zero weights, whose outputs are cut off. Prefill steps run `prefill`, the dense twin.
     """
 
-    # The kernel's layout for each block format (cpu_kernels.cpp, `Layout`): 4 and 8 bits a weight with fp16
+    # The kernel's layout for each block format (cpu_kernels.cpp, `Layout`): 4, 5 and 8 bits a weight with fp16
     # scales per group of 32, and the K-quants' compact per-super-block ones.
-    Q4, Q8, Q4K, Q6K = 4, 8, 41, 61
+    Q4, Q5, Q8, Q4K, Q5K, Q6K = 4, 5, 8, 41, 51, 61
     FORMATS: ClassVar[dict] = {GGMLQuantizationType.Q4_0: Q4, GGMLQuantizationType.Q4_1: Q4,
-                               GGMLQuantizationType.Q8_0: Q8, GGMLQuantizationType.Q5_0: Q8,
-                               GGMLQuantizationType.Q4_K: Q4K, GGMLQuantizationType.Q6_K: Q6K}
+                               GGMLQuantizationType.Q8_0: Q8, GGMLQuantizationType.Q5_0: Q5,
+                               GGMLQuantizationType.Q4_K: Q4K, GGMLQuantizationType.Q5_K: Q5K,
+                               GGMLQuantizationType.Q6_K: Q6K}
 
     def __init__(self, blocks: QuantizedBlocks, prefill: Linear | None = None):
         """`prefill`: a dense twin that prefill steps run; None, these blocks run them too."""
@@ -174,11 +175,20 @@ class BlockLinear:
             t = q.view(blocks_out, lanes, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
             return (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes)
 
+        def five_bits(q: torch.Tensor) -> torch.Tensor:  # q 0..31: the low nibbles, then a 32-bit word a lane whose
+            high = (q >> 4).view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 1, 4, 3)  # byte b holds at bit j
+            word = sum(high[..., j] << j for j in range(8))  # element 4j + b's fifth bit: [.., lanes, b]
+            return torch.cat([nibbles(q & 0x0F), word.reshape(blocks_out, groups, 4 * lanes)], -1).contiguous()
+
         if self.layout == self.Q4:
             d, *rest, q = fields
             m = rest[0] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d
             self.qs = nibbles(q).contiguous()
             self.d, self.m = (half(by_lane(v)).contiguous() for v in (d, m))
+        elif self.layout == self.Q5:  # Q5_0: d [blocks, groups, lanes]; its q - 16 back to 0..31
+            d, q = fields
+            self.qs = five_bits((q.to(torch.int16) + 16).to(torch.uint8))
+            self.d, self.m = half(by_lane(d)).contiguous(), torch.zeros(0, dtype=torch.float16)
         elif self.layout == self.Q8:  # [blocks, groups, 8 vectors, lanes, 4 elements]
             d, q = fields
             packed = q.view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks_out, groups, -1)
@@ -187,9 +197,9 @@ class BlockLinear:
             else:
                 self.qs = packed.contiguous().view(torch.uint8)
             self.d, self.m = half(by_lane(d)).contiguous(), torch.zeros(0, dtype=torch.float16)
-        elif self.layout == self.Q4K:  # d [blocks, supers, (d, dmin), lanes]; m [blocks, groups, (sc, mn), lanes]
+        elif self.layout in (self.Q4K, self.Q5K):  # d [blocks, supers, (d, dmin), lanes]; m [.., groups, (sc, mn), lanes]
             d, dmin, sc, mn, q = fields
-            self.qs = nibbles(q).contiguous()
+            self.qs = nibbles(q).contiguous() if self.layout == self.Q4K else five_bits(q)
             self.d = half(torch.stack([by_lane(d), by_lane(dmin)], 2)).contiguous()
             self.m = torch.stack([by_lane(sc), by_lane(mn)], 2).contiguous()
         else:  # Q6_K: the low nibbles as 4-bit weights, then the high 2 bits four to a byte; d [blocks, supers, lanes]
@@ -213,7 +223,7 @@ class BlockLinear:
 
     @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:
-        width = QuantizedBlocks.SUPER if cls.FORMATS.get(blocks.kind) in (cls.Q4K, cls.Q6K) else QuantizedBlocks.BLOCK
+        width = QuantizedBlocks.SUPER if cls.FORMATS.get(blocks.kind) in (cls.Q4K, cls.Q5K, cls.Q6K) else QuantizedBlocks.BLOCK
         return blocks.kind in cls.FORMATS and blocks.shape[1] % width == 0
 
     @property

@@ -108,6 +108,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 //          isum = sc0 * (dot(w, x)[0:16] - 32 sum(xq[0:16])) + sc1 * (dot(w, x)[16:32] - 32 sum(xq[16:32]))
 //        (|isum| < 2^31: 2 * 128 * 16 * 95 * 127) gives acc += isum * (d * dx_rg), from quantize_rows'
 //        integer sums per 16 (xh).
+//   Q5: 5-bit q (0..31, Q5_0's, the weight q - 16), 22 bytes per 32 weights as in the file: the low 4 bits as
+//       4-bit weights, then one 32-bit word a lane of the high bits, whose byte b holds at bit j that of element
+//       4j + b (a shift and a mask put it at bit 4 of w_j's byte b); d [groups, LANES] fp16. The group's integer
+//       isum = dot(w, x) - 16 sum(xq) gives acc += isum * (d * dx_rg).
+//   Q5K: 5-bit q (0..31), as Q5 for the bits; scales as Q4K's.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SPECPOOL_AVX512 1
@@ -124,11 +129,16 @@ constexpr int LANES = 8;  // one 256-bit vector (AVX2), or 8 scalars
 #endif
 constexpr int ROW_TILE = ROW_TILE_MAX;
 
-enum Layout : int64_t { Q4 = 4, Q8 = 8, Q4K = 41, Q6K = 61 };
+enum Layout : int64_t { Q4 = 4, Q5 = 5, Q8 = 8, Q4K = 41, Q5K = 51, Q6K = 61 };
 
 constexpr bool four_bit(int64_t layout) { return layout == Q4 || layout == Q4K; }
+constexpr bool five_bit(int64_t layout) { return layout == Q5 || layout == Q5K; }
+constexpr bool k_min(int64_t layout) { return layout == Q4K || layout == Q5K; }  // d and dmin per super-block
+constexpr bool k_quant(int64_t layout) { return k_min(layout) || layout == Q6K; }
 // Bytes per group of LANES outputs.
-constexpr int group_bytes(int64_t layout) { return (four_bit(layout) ? 16 : layout == Q6K ? 24 : 32) * LANES; }
+constexpr int group_bytes(int64_t layout) {
+  return (four_bit(layout) ? 16 : five_bit(layout) ? 20 : layout == Q6K ? 24 : 32) * LANES;
+}
 
 #if defined(SPECPOOL_AVX512)
 inline __m512i broadcast4_512(const int8_t* x) {
@@ -216,6 +226,11 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
       }
     }
+    if constexpr (five_bit(LAYOUT)) {  // bit j of byte b to bit 4 (16-bit shifts: no bit 4 comes from another byte)
+      const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
+      for (int j = 0; j < 8; ++j)
+        w[j] = _mm512_or_si512(w[j], _mm512_and_si512(j < 4 ? _mm512_slli_epi16(hb, 4 - j) : _mm512_srli_epi16(hb, j - 4), m10));
+    }
     if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
       const __m512i m30 = _mm512_set1_epi8(0x30);
       for (int h = 0; h < 2; ++h) {
@@ -228,22 +243,22 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
     }
     __m512 dv, mv;
     __m512i sc0, sc1;
-    if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+    if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
       dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
       mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                               reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
                         : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
     } else {
       if (g % 8 == 0) {
-        const at::Half* sd = d_half + g / 8 * (LAYOUT == Q4K ? 2 : 1) * LANES;
+        const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
         super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
-        if constexpr (LAYOUT == Q4K)  // negated: exact
+        if constexpr (k_min(LAYOUT))  // negated: exact
           super_min = _mm512_sub_ps(_mm512_setzero_ps(),
                                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
       }
       const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
       const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
-      if constexpr (LAYOUT == Q4K) {
+      if constexpr (k_min(LAYOUT)) {
         dv = _mm512_mul_ps(super_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
         mv = _mm512_mul_ps(super_min, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
       } else {
@@ -264,6 +279,14 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         const int32_t* h = xh + (r * groups + g) * 2;
         const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * h[0]))),
                                               _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * h[1]))));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+      } else if constexpr (LAYOUT == Q5) {
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
+          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
+        }
+        const int32_t* h = xh + (r * groups + g) * 2;
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(16 * (h[0] + h[1])));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
       } else {
         for (int j = 0; j < 8; j += 2) {
@@ -295,6 +318,12 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
       }
     }
+    if constexpr (five_bit(LAYOUT)) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 * LANES));
+      const __m256i m10 = _mm256_set1_epi8(0x10);
+      for (int j = 0; j < 8; ++j)
+        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(j < 4 ? _mm256_slli_epi16(hb, 4 - j) : _mm256_srli_epi16(hb, j - 4), m10));
+    }
     if constexpr (LAYOUT == Q6K) {
       const __m256i m30 = _mm256_set1_epi8(0x30);
       for (int h = 0; h < 2; ++h) {
@@ -307,22 +336,22 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
     }
     __m256 dv, mv = _mm256_setzero_ps();
     __m256i sc0, sc1;
-    if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+    if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
       dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half + g * LANES)));
       if constexpr (LAYOUT == Q4)
         mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
             reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)));
     } else {
       if (g % 8 == 0) {
-        const at::Half* sd = d_half + g / 8 * (LAYOUT == Q4K ? 2 : 1) * LANES;
+        const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
         super_d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sd)));
-        if constexpr (LAYOUT == Q4K)
+        if constexpr (k_min(LAYOUT))
           super_min = _mm256_sub_ps(_mm256_setzero_ps(),
                                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sd + LANES))));
       }
       const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
       const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
-      if constexpr (LAYOUT == Q4K) {
+      if constexpr (k_min(LAYOUT)) {
         dv = _mm256_mul_ps(super_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s0)));
         mv = _mm256_mul_ps(super_min, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s1)));
       } else {
@@ -341,6 +370,14 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         const __m256i t1 = _mm256_sub_epi32(block_dot<true, 4, 8>(w, x), _mm256_set1_epi32(32 * h[1]));
         const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dxv, acc[r]);
+      } else if constexpr (five_bit(LAYOUT)) {  // in two halves: 16-bit partial sums of 8 vectors could overflow
+        __m256i isum = _mm256_add_epi32(block_dot<true, 0, 4>(w, x), block_dot<true, 4, 8>(w, x));
+        if constexpr (LAYOUT == Q5) {
+          const int32_t* h = xh + (r * groups + g) * 2;
+          isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(16 * (h[0] + h[1])));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dxv, acc[r]);
+        if constexpr (LAYOUT == Q5K) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * groups + g]), acc[r]);
       } else {
         const __m256 isum = _mm256_cvtepi32_ps(block_dot<four_bit(LAYOUT)>(w, x));
         acc[r] = _mm256_fmadd_ps(isum, dxv, acc[r]);
@@ -361,17 +398,21 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         int32_t half[2] = {0, 0};
         for (int j = 0; j < 8; ++j)
           for (int b = 0; b < 4; ++b) {
-            const int byte = 4 * LANES * (four_bit(LAYOUT) || LAYOUT == Q6K ? j / 2 : j) + 4 * i + b;
+            const int byte = 4 * LANES * (LAYOUT == Q8 ? j : j / 2) + 4 * i + b;
             int q = LAYOUT == Q8 ? static_cast<int8_t>(block[byte]) : j % 2 ? block[byte] >> 4 : block[byte] & 0x0F;
+            if (five_bit(LAYOUT)) q |= (block[16 * LANES + 4 * i + b] >> j & 1) << 4;
             if (LAYOUT == Q6K) q |= (block[16 * LANES + 4 * LANES * (j / 4) + 4 * i + b] >> (2 * (j % 4)) & 3) << 4;
             half[j / 4] += q * x[4 * j + b];
           }
         const float dxg = dx[r * groups + g];
-        if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
+        if constexpr (LAYOUT == Q5) {
+          const int32_t* h = xh + (r * groups + g) * 2;
+          acc += static_cast<float>(d_half[g * LANES + i]) * dxg * static_cast<float>(half[0] + half[1] - 16 * (h[0] + h[1]));
+        } else if constexpr (LAYOUT == Q4 || LAYOUT == Q8) {
           acc += static_cast<float>(d_half[g * LANES + i]) * dxg * static_cast<float>(half[0] + half[1]);
           if constexpr (LAYOUT == Q4)
             acc += static_cast<float>(reinterpret_cast<const at::Half*>(m_bytes)[g * LANES + i]) * xs[r * groups + g];
-        } else if constexpr (LAYOUT == Q4K) {
+        } else if constexpr (k_min(LAYOUT)) {
           const at::Half* sd = d_half + g / 8 * 2 * LANES;
           const float dg = static_cast<float>(sd[i]) * static_cast<float>(m_bytes[g * 2 * LANES + i]);
           const float mg = -static_cast<float>(sd[LANES + i]) * static_cast<float>(m_bytes[g * 2 * LANES + LANES + i]);
@@ -415,26 +456,27 @@ auto rows_fn(int tile) -> decltype(&block_rows<LAYOUT, 1>) {
 }
 
 // y [rows, out] = x [rows, in] @ W.T, W repacked as above in `layout`: qs [out / LANES, groups, group_bytes],
-// d and m as the layout says (m empty for Q8).
+// d and m as the layout says (m empty for Q8 and Q5).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t layout, const std::optional<at::Tensor>& norm, double eps, bool silu_mul,
                         const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(layout == Q4 || layout == Q8 || layout == Q4K || layout == Q6K, "block_linear: layout 4, 8, 41 or 61");
+  TORCH_CHECK(layout == Q4 || layout == Q5 || layout == Q8 || layout == Q4K || layout == Q5K || layout == Q6K,
+              "block_linear: layout 4, 5, 8, 41, 51 or 61");
   TORCH_CHECK(x.scalar_type() == at::kFloat && qs.scalar_type() == at::kByte && d.scalar_type() == at::kHalf,
               "block_linear: x fp32, qs uint8, d fp16");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == group_bytes(layout) && qs.is_contiguous() && d.is_contiguous() &&
               m.is_contiguous(), "block_linear: qs [out / lanes, groups, bytes] as block_layout() says, contiguous");
   const int64_t blocks = qs.size(0), groups = qs.size(1), in = groups * GROUP, out = blocks * LANES;
-  const bool super = layout == Q4K || layout == Q6K;
+  const bool super = k_quant(layout), no_m = layout == Q8 || layout == Q5, sums = layout == Q5 || layout == Q6K;
   if (super) {
     TORCH_CHECK(groups % 8 == 0, "block_linear: K-quant inputs a multiple of 256");
-    TORCH_CHECK(d.numel() == blocks * groups / 8 * (layout == Q4K ? 2 : 1) * LANES,
+    TORCH_CHECK(d.numel() == blocks * groups / 8 * (k_min(layout) ? 2 : 1) * LANES,
                 "block_linear: d [out / lanes, groups / 8, (2,) lanes]");
     TORCH_CHECK(m.numel() == blocks * groups * 2 * LANES &&
-                m.scalar_type() == (layout == Q4K ? at::kByte : at::kChar), "block_linear: m [out / lanes, groups, 2, lanes] "
-                "uint8 (Q4_K) or int8 (Q6_K)");
+                m.scalar_type() == (k_min(layout) ? at::kByte : at::kChar), "block_linear: m [out / lanes, groups, 2, lanes] "
+                "uint8 (Q4_K, Q5_K) or int8 (Q6_K)");
   } else {
-    TORCH_CHECK(d.numel() == blocks * groups * LANES && (layout == Q8 || (m.sizes() == d.sizes() &&
+    TORCH_CHECK(d.numel() == blocks * groups * LANES && (no_m || (m.sizes() == d.sizes() &&
                 m.scalar_type() == at::kHalf)), "block_linear: d and m [out / lanes, groups, lanes] fp16");
   }
   const int64_t width = silu_mul ? 2 * in : in;
@@ -446,14 +488,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   auto xq = at::empty({rows, in}, x.options().dtype(at::kChar));
   auto dx = at::empty({rows, groups}, x.options());
   auto xs = at::empty({rows, groups}, x.options());
-  auto xh = at::empty({layout == Q6K ? rows : 0, groups, 2}, x.options().dtype(at::kInt));
+  auto xh = at::empty({sums ? rows : 0, groups, 2}, x.options().dtype(at::kInt));
   if (norm.has_value())
     TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->numel() == in && norm->is_contiguous(),
                 "block_linear: norm [in] fp32");
   TORCH_CHECK(in % 8 == 0, "block_linear: inputs a multiple of 8");
   quantize_rows(rows2d.data_ptr<float>(), rows, in, norm.has_value() ? norm->data_ptr<float>() : nullptr,
                 static_cast<float>(eps), silu_mul, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), xs.data_ptr<float>(),
-                layout == Q6K ? xh.data_ptr<int32_t>() : nullptr);
+                sums ? xh.data_ptr<int32_t>() : nullptr);
   auto y = at::empty({rows, out}, x.options());
   at::Tensor res;
   if (residual.has_value()) {
@@ -464,23 +506,25 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* res_ptr = residual.has_value() ? res.data_ptr<float>() : nullptr;
   const uint8_t* q_ptr = qs.data_ptr<uint8_t>();
   const at::Half* d_ptr = d.data_ptr<at::Half>();
-  const uint8_t* m_ptr = layout == Q8 ? nullptr : static_cast<const uint8_t*>(m.data_ptr());
+  const uint8_t* m_ptr = no_m ? nullptr : static_cast<const uint8_t*>(m.data_ptr());
   const int8_t* xq_ptr = xq.data_ptr<int8_t>();
   const float* dx_ptr = dx.data_ptr<float>();
   const float* xs_ptr = xs.data_ptr<float>();
-  const int32_t* xh_ptr = layout == Q6K ? xh.data_ptr<int32_t>() : nullptr;
+  const int32_t* xh_ptr = sums ? xh.data_ptr<int32_t>() : nullptr;
   float* y_ptr = y.data_ptr<float>();
   const auto rows_of = [layout](int tile) {
     switch (layout) {
       case Q4: return rows_fn<Q4>(tile);
+      case Q5: return rows_fn<Q5>(tile);
       case Q8: return rows_fn<Q8>(tile);
       case Q4K: return rows_fn<Q4K>(tile);
+      case Q5K: return rows_fn<Q5K>(tile);
       default: return rows_fn<Q6K>(tile);
     }
   };
   // Per block of outputs: bytes of weights, of d (fp16 elements) and of m.
   const int64_t block_bytes = groups * qs.size(2);
-  const int64_t block_d = d.numel() / blocks, block_m = layout == Q8 ? 0 : m.numel() * m.element_size() / blocks;
+  const int64_t block_d = d.numel() / blocks, block_m = no_m ? 0 : m.numel() * m.element_size() / blocks;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t ob = begin; ob < end; ++ob) {
       const Block blk{q_ptr + ob * block_bytes, d_ptr + ob * block_d, m_ptr ? m_ptr + ob * block_m : nullptr};

@@ -23,6 +23,8 @@ from specpool.engine.runtime.linear import BlockLinear
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+Q5_K = GGMLQuantizationType.Q5_K
+FILE_FORMATS = [Q5_0, Q4_K, Q5_K, Q6_K]
 
 
 
@@ -40,8 +42,8 @@ def _blocks(kind, rows: int, cols: int, seed: int = 0) -> QuantizedBlocks:
     """Blocks as gguf quantizes a random matrix, or, for the K-quants (gguf-py quantizes neither), random
     bytes with small positive fp16 super-block scales: every 6-bit scale, offset and q is then valid."""
     rng = np.random.default_rng(seed)
-    if kind in (Q4_K, Q6_K):
-        size, scales = {Q4_K: (144, (0, 2)), Q6_K: (210, (208,))}[kind]
+    if kind in (Q4_K, Q5_K, Q6_K):
+        size, scales = {Q4_K: (144, (0, 2)), Q5_K: (176, (0, 2)), Q6_K: (210, (208,))}[kind]
         raw = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
         for at in scales:
             raw[:, at : at + 2] = rng.uniform(2e-4, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
@@ -72,10 +74,10 @@ def test_block_linear_is_the_quantized_product(kind, cols):
     assert ((got - want).abs() <= 2e-6 * want.abs().max()).all(), float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("kind", FILE_FORMATS)
 @pytest.mark.parametrize("cols", [256, 1536])  # 1 and 6 super-blocks
 def test_the_file_formats_kernels_are_the_quantized_product(kind, cols):
-    """Q5_0 (its q - 16 on the 8-bit kernel) and the K-quants on their own: the file's weights exactly
+    """Q5_0 (5 bits a weight, as in the file) and the K-quants on their own: the file's weights exactly
     (gguf's dequantization), times the rows quantized as above."""
     blocks = _blocks(kind, 40, cols, seed=cols)  # 40: a ragged last lane too
     lin = BlockLinear(blocks)
@@ -87,7 +89,7 @@ def test_the_file_formats_kernels_are_the_quantized_product(kind, cols):
     assert ((got - want).abs() <= 2e-6 * want.abs().max()).all(), float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("kind", FILE_FORMATS)
 def test_the_file_formats_fields_are_gguf_s_weights(kind):
     blocks = _blocks(kind, 16, 512)
     fields = blocks.fields()
@@ -95,8 +97,9 @@ def test_the_file_formats_fields_are_gguf_s_weights(kind):
         d, q = fields
         assert int(q.min()) >= -16 and int(q.max()) <= 15
         w = d.repeat_interleave(32, 1) * q
-    elif kind == Q4_K:
+    elif kind in (Q4_K, Q5_K):
         d, dmin, sc, mn, q = fields
+        assert int(q.max()) == (15 if kind == Q4_K else 31)
         w = d.repeat_interleave(256, 1) * sc.repeat_interleave(32, 1) * q - dmin.repeat_interleave(256, 1) * mn.repeat_interleave(32, 1)
     else:
         d, sc, q = fields
@@ -105,7 +108,7 @@ def test_the_file_formats_fields_are_gguf_s_weights(kind):
     assert torch.equal(w.float(), blocks.dequantize())
 
 
-@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("kind", FILE_FORMATS)
 def test_the_file_formats_rows_do_not_depend_on_their_neighbours(kind):
     lin = BlockLinear(_blocks(kind, 48, 512))
     x, norm = torch.randn(19, 512), torch.rand(512) + 0.5
@@ -296,7 +299,7 @@ def test_the_other_classes_builds_pass_these_tests(isa):
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]
 
 
-@pytest.mark.parametrize("kind", [Q5_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("kind", FILE_FORMATS)
 def test_an_embedding_on_blocks_looks_up_the_file_s_rows(kind):
     from specpool.engine.runtime.linear import BlockEmbedding, StackedBlockLinear
 
