@@ -1,3 +1,4 @@
+# Over 400 lines: the q4 format on both its paths (the engine's kernels, torch int4), on the shipped model and on K-quant files.
 """The q4 format (engine/runtime/device.py resolve_format): the GGUF's own blocks through the engine's kernels
 (engine/runtime/linear.py BlockLinear, fused layers: tests/engine/runtime/test_kernels.py tests the kernels themselves) or,
 where they cannot be built, through torch's int4 kernel (Int4Linear, against dequantize-then-matmul);
