@@ -8,6 +8,7 @@ That package's own imports need dependencies we do not install, so it is found, 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ from specpool.engine.runtime.hf_config import ModelFileError
 from specpool.engine.runtime.rope import to_adjacent_pairs
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+log = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
@@ -217,6 +220,11 @@ class GGUFModel:
 # quantizations write for these families (K-quants, and the Q5 types its fallbacks choose for narrow rows).
 READ_TYPES = {GGMLQuantizationType[name] for name in (
     "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+# What a file of other types is told to do (the IQ and ternary types: no kernel here, and their dense copies would
+# be 8-16 times the file).
+REQUANTIZE = ("requantize it with llama.cpp's llama-quantize to a type the engine runs, e.g. `llama-quantize "
+              "--allow-requantize {name} {stem}.Q4_K_M.gguf Q4_K_M` (better from the F16/BF16 original, without "
+              "--allow-requantize)")
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -248,6 +256,7 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
 
     weights: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedBlocks] = {}
+    dense_blocks: dict[str, int] = {}  # tensors of block types without a kernel, by type: dequantized here
     for name, (ours, shape) in expected.items():
         if only is not None and ours not in only:
             continue
@@ -256,7 +265,8 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
             raise ModelFileError(path, name, f"shape {tuple(int(d) for d in reversed(t.shape))}, expected {shape}")
         if t.tensor_type != GGMLQuantizationType.F32 and t.tensor_type not in READ_TYPES:
             raise ModelFileError(path, name, f"tensor type {t.tensor_type.name} is not supported (supported: F32, "
-                                             f"{', '.join(sorted(k.name for k in READ_TYPES))})")
+                                             f"{', '.join(sorted(k.name for k in READ_TYPES))}): "
+                                             + REQUANTIZE.format(name=path.name, stem=path.name.removesuffix('.gguf')))
         data = np.asarray(t.data)
         heads = neox_heads(ours, config) if arch in NEOX else None
         if heads is not None:  # per row of blocks, or of floats: the rows move whole
@@ -266,6 +276,12 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
             continue
         array = data.astype(np.float32) if t.tensor_type == GGMLQuantizationType.F32 else dequantize(data, t.tensor_type)
         weights[ours] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape), dtype=np.float32))
+        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            dense_blocks[t.tensor_type.name] = dense_blocks.get(t.tensor_type.name, 0) + 1
+    if dense_blocks:  # one line a file: these run dense, at 4-8 times their bytes
+        log.warning("%s: %s tensors have no kernel and were dequantized to dense fp32; to run them on their blocks, %s",
+                    path, ", ".join(f"{n} {k}" for k, n in sorted(dense_blocks.items())),
+                    REQUANTIZE.format(name=path.name, stem=path.name.removesuffix(".gguf")))
 
     return GGUFModel(
         config=config,

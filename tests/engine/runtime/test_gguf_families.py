@@ -183,7 +183,7 @@ def _bad_file(tmp_path, **how):
     ({"edit": lambda n, a: None if n == "blk.1.ffn_up.weight" else a}, "blk.1.ffn_up.weight", "missing"),
     ({"edit": lambda n, a: a[:8] if n == "blk.0.attn_k.weight" else a}, "blk.0.attn_k.weight", "shape (8, 64)"),
     ({"edit": lambda n, a: (np.zeros((a.shape[0], a.shape[1] // 32 * 18), np.uint8), GGMLQuantizationType.IQ4_NL)
-      if n == "blk.0.attn_q.weight" else a}, "blk.0.attn_q.weight", "IQ4_NL is not supported"),
+      if n == "blk.0.attn_q.weight" else a}, "blk.0.attn_q.weight", "IQ4_NL is not supported (supported: "),
     ({"edit": lambda n, a: a[:3] if n == "rope_freqs.weight" else a}, "rope_freqs.weight", "expected 8 positive"),
     ({"header": lambda w: w.add_tensor("blk.0.attn_output.bias", np.zeros(64, np.float32))}, "blk.0.attn_output.bias",
      "no place for"),
@@ -193,6 +193,56 @@ def test_a_bad_file_is_refused_at_load_naming_its_field(tmp_path, how, field, sa
     with pytest.raises(ModelFileError) as error:
         Llama.from_path(path, dtype="fp32", device="cpu")
     assert error.value.path == path and error.value.field == field and says in str(error.value), str(error.value)
+
+
+def _raw_blocks(kind: GGMLQuantizationType, a: np.ndarray, scale_at: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """Random bytes in `kind`'s blocks for matrix `a`, its fp16 super-block scale at byte `scale_at` small."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    size, nbytes = GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(0).integers(0, 256, (a.size // size, nbytes), dtype=np.uint8)
+    raw[:, scale_at : scale_at + 2] = np.full((len(raw), 1), 1e-3, np.float16).view(np.uint8)
+    return raw.reshape(a.shape[0], -1), kind
+
+
+def test_a_tensor_of_a_type_without_a_reader_is_refused_saying_what_to_do(tmp_path):
+    """IQ2_XXS (as an importance-matrix quantization writes it): one error naming the file, the tensor, its type
+    and what to do."""
+    iq2 = GGMLQuantizationType.IQ2_XXS
+    path = write_gguf(hf_model("llama3", **WIDE), tmp_path / "model-iq2.gguf",
+                      edit=lambda n, a: _raw_blocks(iq2, a, 0) if n == "blk.1.ffn_up.weight" else a)
+    with pytest.raises(ModelFileError) as error:
+        Llama.from_path(path, dtype="q4", device="cpu")
+    assert error.value.field == "blk.1.ffn_up.weight", str(error.value)
+    for says in ("model-iq2.gguf: blk.1.ffn_up.weight: tensor type IQ2_XXS is not supported", "llama-quantize",
+                 "model-iq2.gguf model-iq2.Q4_K_M.gguf Q4_K_M"):
+        assert says in str(error.value), str(error.value)
+
+
+def test_a_block_type_without_a_kernel_is_dequantized_after_one_log_line(tmp_path, caplog):
+    """Q3_K (a Q3_K_M file's) has no kernel: its tensors load as gguf dequantizes them, after one warning for
+    the file that names the types and what to do."""
+    from gguf.quants import dequantize
+
+    from specpool.engine.runtime.gguf_loader import load_gguf
+
+    q3 = GGMLQuantizationType.Q3_K
+    names = ("blk.0.ffn_up.weight", "blk.1.ffn_up.weight")
+    written = {}
+
+    def edit(name, a):
+        if name not in names:
+            return a
+        written[name] = _raw_blocks(q3, a, 108)
+        return written[name]
+
+    path = write_gguf(hf_model("llama3", **WIDE), tmp_path / "model-q3.gguf", edit=edit)
+    with caplog.at_level("WARNING", logger="specpool.engine.runtime.gguf_loader"):
+        model = load_gguf(path)
+    warnings = [r.getMessage() for r in caplog.records if "dequantized to dense" in r.getMessage()]
+    assert len(warnings) == 1 and "2 Q3_K" in warnings[0] and "llama-quantize" in warnings[0], warnings
+    want = dequantize(written["blk.1.ffn_up.weight"][0], q3)
+    assert torch.equal(model.weights["layers.1.w_up"], torch.from_numpy(want.reshape(256, 256)))
 
 
 def test_a_truncated_file_is_refused_at_load(tmp_path):
