@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specpool.engine.method import Method
+from specpool.engine.method import LOCAL_METHOD, Method
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class SpeculationPlan:
         if method is Method.NONE:
             return SpeculationPlan(Method.NONE, False, max_draft_tokens)
         if not has_endpoint:
-            return SpeculationPlan(Method.NGRAM, False, max_draft_tokens, tree)
+            return SpeculationPlan(LOCAL_METHOD, False, max_draft_tokens, tree)
         return SpeculationPlan(method, True, max_draft_tokens, tree)
 
     def fallback(self) -> SpeculationPlan:
@@ -37,14 +37,14 @@ class SpeculationPlan:
         endpoint to the target's own n-gram index (which costs the pool nothing), from that to none.
         Not from one remote method to another: a session re-opened under the same id would race its
         own close on the endpoint."""
-        if self.method is Method.NONE or (self.method is Method.NGRAM and not self.remote):
+        if self.method is Method.NONE or (self.method is LOCAL_METHOD and not self.remote):
             return NO_SPECULATION
-        return SpeculationPlan(Method.NGRAM, False, self.max_draft_tokens, self.tree)
+        return SpeculationPlan(LOCAL_METHOD, False, self.max_draft_tokens, self.tree)
 
     @property
     def label(self) -> str:
         """Its name in metrics and SpeculationStats: the method, or ngram_local for the target's own."""
-        return "ngram_local" if self.method is Method.NGRAM and not self.remote else self.method.value
+        return "ngram_local" if self.method is LOCAL_METHOD and not self.remote else self.method.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,5 +62,5 @@ class TreeShape:
         return self.beam * (self.max_depth - 1)
 
 
-LOCAL_NGRAM = SpeculationPlan(Method.NGRAM, remote=False)
+LOCAL_NGRAM = SpeculationPlan(LOCAL_METHOD, remote=False)
 NO_SPECULATION = SpeculationPlan(Method.NONE, remote=False)

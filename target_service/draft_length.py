@@ -22,8 +22,8 @@ class TargetDraftLength:
     measured wire time: so no batch size speculates where that is predicted slower than plain
     decoding. Without costs, `fixed` tokens a round."""
 
-    def __init__(self, client: RemoteDrafter, target_costs: StepCosts | None, fixed: int = 0):
-        self.client = client
+    def __init__(self, drafter: RemoteDrafter, target_costs: StepCosts | None, fixed: int = 0):
+        self.drafter = drafter
         self.free: SpeculationPolicy | None = None
         self.ssd: SpeculationPolicy | None = None
         self.fixed = FixedDraftLength(fixed)
@@ -42,11 +42,11 @@ class TargetDraftLength:
     @property
     def draft_model(self) -> SpeculationPolicy | None:
         """The draft-model policy, once an endpoint has told its draft costs (rebuilt on re-attach)."""
-        capacity = self.client.capacity
+        capacity = self.drafter.capacity
         if self.free is None or capacity is None:
             return None
         if capacity is not self._costs_of:
-            self._draft_model = SpeculationPolicy(self.free.target_costs, self.client.draft_costs(),
+            self._draft_model = SpeculationPolicy(self.free.target_costs, self.drafter.draft_costs(),
                                                   max_draft=Method.DRAFT_MODEL.row.max_draft)
             self._costs_of = capacity
         return self._draft_model
@@ -70,11 +70,11 @@ class TargetDraftLength:
         and, pushed, are already here: only misses wait for the endpoint's drafting and the round trip."""
         if self.free is None:
             return None
-        miss = 1.0 - self.client.ssd_hit_ratio.value
+        miss = 1.0 - self.drafter.ssd_hit_ratio.value
         draft = self.draft_model
         policy = self.ssd if draft is None else dataclasses.replace(
             draft, max_draft=self.ssd.max_draft, drafting_share=miss)
-        return dataclasses.replace(policy, round_s=self.client.wire_s.value * miss)
+        return dataclasses.replace(policy, round_s=self.drafter.wire_s.value * miss)
 
     def _policy(self, remote: set[Method]) -> DraftLength:
         if self.free is None:
@@ -88,4 +88,4 @@ class TargetDraftLength:
             return self.ssd_policy()
         else:
             policy = self.free
-        return dataclasses.replace(policy, round_s=self.client.wire_s.value) if remote else policy
+        return dataclasses.replace(policy, round_s=self.drafter.wire_s.value) if remote else policy

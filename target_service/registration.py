@@ -77,7 +77,7 @@ class HeartbeatFields:
     scheduler: Scheduler
     decoder: Decoder
     metrics: TargetMetrics
-    client: RemoteDrafter | None
+    drafter: RemoteDrafter | None
     free_policy: SpeculationPolicy | None  # n-gram drafting (costs the target nothing measurable)
     # The draft-model policy, which exists once the endpoint has told its draft costs.
     draft_policy_fn: Callable[[], SpeculationPolicy | None] = lambda: None
@@ -91,9 +91,9 @@ class HeartbeatFields:
         acceptance = self.decoder.acceptance
         batch = running + 1  # what admitting one more request would run at
         draft_policy, free_policy = self.draft_policy_fn(), self.free_policy
-        has_endpoint = bool(self.client and self.client.address)
+        has_endpoint = bool(self.drafter and self.drafter.address)
         if has_endpoint:  # a planned method drafts on the endpoint: each round pays its measured wire time
-            wire = self.client.wire_s.value
+            wire = self.drafter.wire_s.value
             draft_policy, free_policy = (p and dataclasses.replace(p, round_s=wire) for p in (draft_policy, free_policy))
         # SSD must beat plain decoding on all its layout's cores, not only on the target's own.
         own_costs = self.free_policy.target_costs if self.free_policy is not None else None
@@ -104,7 +104,7 @@ class HeartbeatFields:
         speedups = {row.method: round(by_charges[row.charges], 4) for row in planned}
         for method, speedup in speedups.items():
             self.metrics.predicted(method.value, speedup)
-        endpoint_up = has_endpoint and self.client.healthy
+        endpoint_up = has_endpoint and self.drafter.healthy
         methods = [row.method for row in planned if row.local or endpoint_up]
         return {
             "address": self.address,
@@ -113,7 +113,7 @@ class HeartbeatFields:
             "max_batch": self.max_batch,
             "running": running,
             "queued": queued,
-            "spec_endpoint": self.client.address if has_endpoint else "",
+            "spec_endpoint": self.drafter.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
             **{row.speedup_field: speedups[row.method] for row in planned},
             "methods": [m.value for m in methods],

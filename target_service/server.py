@@ -133,16 +133,16 @@ def main(args: argparse.Namespace) -> int:
     if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
         datastore = SuffixArrayDatastore.load(args.datastore)
     observer = TargetObserver(metrics)
-    client = RemoteDrafter(
+    drafter = RemoteDrafter(
         tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), observer,
         deadline_s=args.spec_deadline_ms / 1000, ssd_push=args.ssd_mode == "push",
         delay_s=args.spec_delay_ms / 1000, credentials=credentials,
     )
-    draft_length = TargetDraftLength(client, costs, fixed=args.draft_tokens)
-    decoder = off_main_thread(lambda: Decoder(model, args.max_batch, args.max_context, client, draft_length))
-    metrics.spec_breaker_open.set_function(lambda: float(client.breaker.open))
-    metrics.spec_deadline_seconds.set_function(client.breaker.deadline)
-    scheduler = Scheduler(decoder, client, metrics, observer, name, max_queue=args.max_queue)
+    draft_length = TargetDraftLength(drafter, costs, fixed=args.draft_tokens)
+    decoder = off_main_thread(lambda: Decoder(model, args.max_batch, args.max_context, drafter, draft_length))
+    metrics.spec_breaker_open.set_function(lambda: float(drafter.breaker.open))
+    metrics.spec_deadline_seconds.set_function(drafter.breaker.deadline)
+    scheduler = Scheduler(decoder, drafter, metrics, observer, name, max_queue=args.max_queue)
 
     # Every admitted request holds a server thread: the running batch plus the queue.
     service = pb.DESCRIPTOR.services_by_name["TargetService"]
@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
                           on_refused=lambda _method: metrics.count(outcomes.REJECTED))
     server, port = build_server(args.port, host=args.host, admission=admission, credentials=credentials,
                                 on_refused=counting(generate, metrics.count))
-    servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, client,
+    servicer = TargetServicer(scheduler, tokenizer, model, name, tenant, args.max_context, args.max_batch, drafter,
                               credentials, max_per_tenant=per_tenant,
                               write_deadline=write_deadline.WriteDeadline(args.grpc_stall_timeout_s))
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
@@ -162,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
     metrics_server.start()
     server.start()
     if args.spec_endpoint:
-        client.wait_attached(5.0)
+        drafter.wait_attached(5.0)
     health.set_ready(True)
     heartbeat = None
     redis_url = redis_url_from(args)
@@ -170,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
         from specpool.common.registry import Heartbeat
 
         address = f"{args.advertise_host}:{port}"
-        fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, client,
+        fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, drafter,
                                  draft_length.free, lambda: draft_length.draft_model,
                                  ssd_policy_fn=draft_length.ssd_policy, layout=layout,
                                  format=model.format_label)
@@ -188,5 +188,5 @@ def main(args: argparse.Namespace) -> int:
 
     serve_until_signal(server, health, args.grace_s, on_drain=drain, metrics=metrics_server)
     scheduler.stop()
-    client.close()
+    drafter.close()
     return 0

@@ -26,7 +26,7 @@ from specpool.common.speculation import finish_reason_to_pb, method_to_pb, sampl
 from specpool.common.target_api import check_generate_request
 from specpool.common.write_deadline import WriteDeadline
 from specpool.engine.decoding import GenerationResult
-from specpool.engine.method import MAX_DRAFT_TOKENS, Method
+from specpool.engine.method import LOCAL_METHOD, MAX_DRAFT_TOKENS
 from specpool.engine.plan import SpeculationPlan
 from specpool.engine.runtime.model import Llama
 from specpool.engine.runtime.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     names (it authenticated that tenant's token). Another owner's id is simply not found."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, model: Llama, name: str,
-                 tenant: str, max_context: int, max_batch: int, client: RemoteDrafter,
+                 tenant: str, max_context: int, max_batch: int, drafter: RemoteDrafter,
                  credentials: Security | None = None, max_per_tenant: int = 0,
                  write_deadline: WriteDeadline | None = None):
         self.credentials = credentials or Security.insecure()
@@ -62,7 +62,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.tenant = tenant
         self.max_context = max_context
         self.max_batch = max_batch
-        self.client = client
+        self.drafter = drafter
 
     # -- RPCs -----------------------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return pb.GetInfoResponse(
             service_id=self.tenant, model=self.name, vocab_size=self.vocab_size, max_batch=self.max_batch,
             active_sequences=running, queued_requests=queued,
-            spec_endpoint=self.client.address or "", spec_endpoint_attached=self.client.attached,
+            spec_endpoint=self.drafter.address or "", spec_endpoint_attached=self.drafter.attached,
         )
 
     # -- translation --------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             params = replace(params, top_k=0)
         if resumed and params.seed is not None:
             params = replace(params, seed=continued_seed(params.seed, len(resumed)))
-        speculation = SpeculationPlan.of(method, bool(self.client.address), r.speculation.max_draft_tokens,
+        speculation = SpeculationPlan.of(method, bool(self.drafter.address), r.speculation.max_draft_tokens,
                                            r.speculation.tree)
         return Request(
             request_id=r.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params,
@@ -269,7 +269,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 finish_reason=finish_reason_to_pb("cancelled" if req.cancelled else res.finish_reason),
                 speculation=pb.SpeculationStats(
                     method=method_to_pb(req.speculation.method),
-                    local=req.speculation.method is Method.NGRAM and not req.speculation.remote,
+                    local=req.speculation.method is LOCAL_METHOD and not req.speculation.remote,
                     target_steps=res.target_steps,
                     drafted_tokens=res.drafted_tokens, accepted_tokens=res.accepted_tokens,
                     mean_accept_len=res.mean_accept_len, fallback_rounds=req.counts[i].fallback_rounds,

@@ -374,11 +374,11 @@ def test_target_heartbeat_fields_read_the_live_process():
     metrics.accept_length.observe(2.0)
     metrics.accept_length.observe(3.0)
     draft = SpeculationPolicy(costs(0.01), costs(0.001), max_draft=8)
-    client = SimpleNamespace(address="h:9", healthy=True, wire_s=RunningMean(0.0))
+    drafter = SimpleNamespace(address="h:9", healthy=True, wire_s=RunningMean(0.0))
     live = HeartbeatFields(
         "h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (15, 2)),
         decoder=SimpleNamespace(acceptance=AcceptanceEstimate(prior_alpha=0.3)), metrics=metrics,
-        client=client, free_policy=SpeculationPolicy(costs(0.0001)), draft_policy_fn=lambda: draft,
+        drafter=drafter, free_policy=SpeculationPolicy(costs(0.0001)), draft_policy_fn=lambda: draft,
     )
     fields = live.fields()
     assert fields["running"] == 15 and fields["queued"] == 2 and fields["mean_accept_len"] == 2.5
@@ -386,12 +386,12 @@ def test_target_heartbeat_fields_read_the_live_process():
     assert fields["predicted_speedup_ngram"] > 1.0
     assert fields["spec_endpoint"] == "h:9" and fields["methods"] == ["draft_model", "ssd", "ngram"]
     # Remote rounds pay the measured wire time: one as long as a step leaves no method worth planning.
-    client.wire_s.value = costs(0.0001)(16, 0)
+    drafter.wire_s.value = costs(0.0001)(16, 0)
     assert live.fields()["predicted_speedup_ngram"] < 1.0
     # An endpoint whose rounds keep coming late (breaker open): routers stop choosing drafts on it.
     late = HeartbeatFields("h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
                            decoder=SimpleNamespace(acceptance=AcceptanceEstimate()), metrics=metrics,
-                           client=SimpleNamespace(address="h:9", healthy=False, wire_s=RunningMean(0.0)),
+                           drafter=SimpleNamespace(address="h:9", healthy=False, wire_s=RunningMean(0.0)),
                            free_policy=None).fields()
     assert late["methods"] == ["ngram"]
 

@@ -41,10 +41,10 @@ class Recorder:
 def draft_length():
     """A target's draft length over a real remote drafter (no endpoint process: its draft costs as an
     attached endpoint would have told them), the draft model a quarter of a target step."""
-    client = RemoteDrafter("t1", "tiny", 64, None, NgramDrafter(), Recorder())
-    client.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+    drafter = RemoteDrafter("t1", "tiny", 64, None, NgramDrafter(), Recorder())
+    drafter.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
         batch_sizes=[1, 16], draft_lens=[0, 8], seconds=[0.0025, 0.003, 0.004, 0.006]))])
-    return TargetDraftLength(client, OWN)
+    return TargetDraftLength(drafter, OWN)
 
 
 def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None) -> dict:
@@ -52,7 +52,7 @@ def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None) -> 
     extra = {"layout": layout} if layout is not None else {}
     fields = HeartbeatFields(
         "h:1", "tiny", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
-        decoder=SimpleNamespace(acceptance=ACCEPTANCE), metrics=metrics, client=draft_length.client,
+        decoder=SimpleNamespace(acceptance=ACCEPTANCE), metrics=metrics, drafter=draft_length.drafter,
         free_policy=draft_length.free, draft_policy_fn=lambda: draft_length.draft_model,
         ssd_policy_fn=draft_length.ssd_policy, **extra).fields()
     assert metrics.registry.get_sample_value(
@@ -64,10 +64,10 @@ def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None) -> 
 def test_the_heartbeat_tells_the_estimate_ssds_rounds_are_chosen_by(draft_length):
     """SSD's figure is its own policy's (misses pay the draft model, hits nothing), not the draft
     model's: it rises with the hit ratio, and the lengths SSD's rounds get follow the same policy."""
-    client = draft_length.client
+    drafter = draft_length.drafter
     figures = {}
     for hits in (0.0, 1.0):
-        client.ssd_hit_ratio.value = hits
+        drafter.ssd_hit_ratio.value = hits
         fields = heartbeat(draft_length)
         figures[hits] = fields["predicted_speedup_ssd"]
         assert figures[hits] == round(predicted_speedup(draft_length.ssd_policy(), 1, ACCEPTANCE), 4)
@@ -81,7 +81,7 @@ def test_the_heartbeat_tells_the_estimate_ssds_rounds_are_chosen_by(draft_length
 def test_a_layout_with_more_cores_than_the_targets_threads_discounts_ssd(draft_length, tiny_model, tmp_path):
     """One thread of two cores: without a table at two threads, plain decoding is assumed to run twice
     as fast on both (perfect scaling, the most it could gain); with one cached, its measured step."""
-    draft_length.client.ssd_hit_ratio.value = 1.0
+    draft_length.drafter.ssd_hit_ratio.value = 1.0
     own = heartbeat(draft_length)["predicted_speedup_ssd"]
     assert heartbeat(draft_length, Layout.of(tiny_model, "tiny", 1, None, tmp_path))["predicted_speedup_ssd"] == own
 
