@@ -110,8 +110,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, const float* norm, 
 //        integer sums per 16 (xh).
 //   Q5: 5-bit q (0..31, Q5_0's, the weight q - 16), 22 bytes per 32 weights as in the file: the low 4 bits as
 //       4-bit weights, then one 32-bit word a lane of the high bits, whose byte b holds at bit j that of element
-//       4j + b (a shift and a mask put it at bit 4 of w_j's byte b); d [groups, LANES] fp16. The group's integer
-//       isum = dot(w, x) - 16 sum(xq) gives acc += isum * (d * dx_rg).
+//       4j + b (AVX-512 tests it into a byte mask that adds 16 to w_j's byte b; AVX2 shifts and masks it to bit 4);
+//       d [groups, LANES] fp16. The group's integer isum = dot(w, x) - 16 sum(xq) gives acc += isum * (d * dx_rg).
 //   Q5K: 5-bit q (0..31), as Q5 for the bits; scales as Q4K's.
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -226,10 +226,10 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
         w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
       }
     }
-    if constexpr (five_bit(LAYOUT)) {  // bit j of byte b to bit 4 (16-bit shifts: no bit 4 comes from another byte)
+    if constexpr (five_bit(LAYOUT)) {  // where bit j of byte b is set, 16 added to w_j's byte b
       const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
       for (int j = 0; j < 8; ++j)
-        w[j] = _mm512_or_si512(w[j], _mm512_and_si512(j < 4 ? _mm512_slli_epi16(hb, 4 - j) : _mm512_srli_epi16(hb, j - 4), m10));
+        w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(hb, _mm512_set1_epi8(static_cast<char>(1 << j))), w[j], m10);
     }
     if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
       const __m512i m30 = _mm512_set1_epi8(0x30);
