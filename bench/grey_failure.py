@@ -6,6 +6,10 @@ stream and a co-batched plain one on one target.
 
 Figures, per fault, all from one run (this machine is shared and noisy):
 - plain_solo: the plain stream's tokens/s alone (its prompt decoded plainly, so also the AR rate);
+- plain_pair: the slower of two plain streams' tokens/s side by side, the mean of a window before the
+  scenario and one after it: what each stream may run at while the breaker is open, when the target's
+  steps carry the two as plain rows. Uncontended (StepThread): per second the target's step thread was
+  not waiting for a core, as are plain_during_uncontended and drafted_during_uncontended;
 - plain_during / drafted_during: each stream's tokens/s while the target's breaker was open;
 - plain_ratio = plain_solo / plain_during (issue 38: within 1.5x; issue 13 asked 1.2x) and
   drafted_ratio = plain_solo / drafted_during (the drafted request against AR: within 1.3x). While
@@ -95,6 +99,35 @@ class SlowLink:
 FAULTS = {"sigstop": Hang, "slow_link": SlowLink}
 
 
+class StepThread:
+    """The target's step thread, read from /proc (its busiest thread: with --threads 1 the scheduler's,
+    which runs the model): how long it waited for a core. A rate over a window, divided by the share of the
+    window it was not kept waiting for one, is the rate the target kept on its own: other processes' load
+    on a shared machine taken out, its own waiting (on the endpoint, on anything) kept in."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def sample(self) -> dict[str, tuple[int, int]]:
+        """Each thread's (ns run, ns waited for a core) so far."""
+        stats = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                run, wait, _ = (int(v) for v in (task / "schedstat").read_text().split())
+            except (OSError, ValueError):  # a thread that ended meanwhile
+                continue
+            stats[task.name] = (run, wait)
+        return stats
+
+    def uncontended(self, rate: float, before: dict, after: dict, wall_s: float) -> float:
+        """`rate` over a window of wall_s between the samples `before` and `after`, per second the step
+        thread was not waiting for a core."""
+        common = before.keys() & after.keys()
+        busiest = max(common, key=lambda t: after[t][0] - before[t][0])
+        waited_s = (after[busiest][1] - before[busiest][1]) / 1e9
+        return rate * wall_s / max(wall_s - waited_s, 1e-3)
+
+
 class RecordedStream:
     """One Generate call in a thread: (arrival time, tokens) per delta, then its final."""
 
@@ -161,7 +194,7 @@ def step_costs(gguf: Path, draft_tokens: int, context: int = 200, repeats: int =
 
 
 def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_tokens: int, plain_tokens: int,
-            target_args: list[str], endpoint_args: list[str], window_s: float = 1.0,
+            target_args: list[str], endpoint_args: list[str], window_s: float = 2.0,
             cpus: tuple[list[int], list[int]] | None = None) -> dict:
     """The scenario of the module docstring on one endpoint and one target (pinned to `cpus`:
     (endpoint's, target's), as cluster/default.yaml pins them); returns its figures (see the
@@ -186,6 +219,22 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
             return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
                                       speculation=pb.SpeculationPreference(method=method_to_pb(method)))
 
+        step_thread = StepThread(target.proc.pid)
+
+        def pair_rate() -> float:
+            """Two plain streams side by side, for window_s: the slower one's tokens/s, uncontended."""
+            pair = [RecordedStream(stub, request(Method.NONE, plain_tokens)) for _ in range(2)]
+            wait_for(lambda: min(p.count() for p in pair) >= 20, timeout_s=120)
+            start, first = time.monotonic(), step_thread.sample()
+            time.sleep(window_s)
+            end, last = time.monotonic(), step_thread.sample()
+            rate = min(p.rate(start, end) for p in pair)
+            for p in pair:
+                p.cancel()
+                p.join(10)
+            return step_thread.uncontended(rate, first, last, end - start)
+
+        pair_first = pair_rate()
         plain = RecordedStream(stub, request(Method.NONE, plain_tokens))
         wait_for(lambda: plain.count() >= 20, timeout_s=120)
         time.sleep(window_s)
@@ -198,26 +247,30 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
         grey.start()
         try:
             wait_for(lambda: target.metric_total(BREAKER) == 1, timeout_s=10)
-            tripped = time.monotonic()
+            tripped, at_trip = time.monotonic(), step_thread.sample()
             time.sleep(max(0.0, began + FAULT_S - time.monotonic()))
         finally:
             grey.end()
-        recovered = time.monotonic()
+        recovered, at_recovery = time.monotonic(), step_thread.sample()
         plain_during, drafted_during = plain.rate(tripped, recovered), drafted.rate(tripped, recovered)
+        during_uncontended = [step_thread.uncontended(r, at_trip, at_recovery, recovered - tripped)
+                              for r in (plain_during, drafted_during)]
         # Probes ride on rounds: a drafted request keeps them going, whether or not the first one ended.
         prober = RecordedStream(stub, request(Method.DRAFT_MODEL, drafted_tokens))
         resumed = wait_for(lambda: target.metric_total(BREAKER) == 0 and time.monotonic() - recovered, timeout_s=30)
         plain.cancel()
         prober.cancel()
         drafted.join(600)
+        plain_pair = (pair_first + pair_rate()) / 2  # before and after: a drift of the machine's pace cancels
         after = generate_result(stub, request(Method.DRAFT_MODEL, 32), timeout=120).completions[0]
         done = drafted.final.completions[0] if drafted.final else None
         fallbacks = {reason: target.metric_total("specpool_target_spec_fallback_rounds_total", reason=reason)
                      for reason in FALLBACK_REASONS}
         return {
             "fault": fault, "fault_s": FAULT_S,
-            "plain_solo": solo, "plain_before": plain_before, "drafted_before": drafted_before,
+            "plain_solo": solo, "plain_pair": plain_pair, "plain_before": plain_before, "drafted_before": drafted_before,
             "plain_during": plain_during, "drafted_during": drafted_during,
+            "plain_during_uncontended": during_uncontended[0], "drafted_during_uncontended": during_uncontended[1],
             "plain_ratio": solo / max(plain_during, 1e-9), "drafted_ratio": solo / max(drafted_during, 1e-9),
             "tripped_s": tripped - began, "resumed_s": resumed,
             "equal_ar": drafted.tokens == want.token_ids,

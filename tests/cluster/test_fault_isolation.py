@@ -289,21 +289,28 @@ def test_control_tokens_typed_in_chat_content_are_text(real_target):
 def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recovers(tmp_path, fault):
     """The endpoint SIGSTOPped, or its link slowed by 300 ms each way, for 8 s under a drafted stream
     and a co-batched plain one (bench/grey_failure.py): after the breaker opens (three late rounds)
-    steps stop waiting, so both streams run about as fast as before the fault (before, every step
-    waited the full 500 ms deadline: about 2 tokens/s); within 2 s of recovery the breaker closes and
-    the endpoint drafts again; the drafted stream equals AR. The tight figures (1.2x solo, 1.3x AR)
-    are the benchmark's, on a quiet machine; here, next to other tests, the bound is 1.5x."""
+    steps stop waiting, so both streams run about as fast as two plain streams side by side, measured
+    before and after in the same run (before, every step waited the full 500 ms deadline: about 2
+    tokens/s). Each rate is per second the target's step thread was not kept waiting for a core by
+    other processes (bench/grey_failure.StepThread): its own waiting counts, the shared machine's does
+    not. Within 2 s of recovery the breaker closes and the endpoint drafts again; the drafted stream
+    equals AR. The tight figures (1.2x solo, 1.3x AR) are the benchmark's, on a quiet machine; here the
+    bound is 1.5x. (It was 1.5x the plain stream's wall-clock rate in the second before the fault, beside
+    the drafted one, where the plain row often stepped alone while the drafted one's drafts were out: one
+    clean-clone run failed at 1.73x with nothing wrong, 598 tokens/s before and 347 during.)"""
     from specpool.bench.grey_failure import measure
     from tests.cluster.test_disaggregation import tiny_files
 
-    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3, max_context=4096)
+    # A context long enough for the plain stream to run through the whole fault (at 1000 tokens/s here).
+    gguf, draft = tiny_files(tmp_path, vocab=64, seed=3, max_context=16384)
     one_thread = ["--threads", "1"]
-    f = measure(gguf, draft, fault, [3, 7, 9, 11, 3, 7], 3000, 4000,
-                ["--draft-tokens", "3", "--max-context", "4096", "--datastore", "", *one_thread],
-                ["--max-len", "4096", *one_thread])
+    f = measure(gguf, draft, fault, [3, 7, 9, 11, 3, 7], 3000, 16000,
+                ["--draft-tokens", "3", "--max-context", "16384", "--datastore", "", *one_thread],
+                ["--max-len", "16384", *one_thread])
     print({k: round(v, 2) if isinstance(v, float) else v for k, v in f.items()})
     assert f["tripped_s"] < 2.0 and f["resumed_s"] < 2.0
-    assert f["plain_during"] >= f["plain_before"] / 1.5 and f["drafted_during"] >= f["plain_before"] / 1.5
+    pair = f["plain_pair"]
+    assert f["plain_during_uncontended"] >= pair / 1.5 and f["drafted_during_uncontended"] >= pair / 1.5
     assert f["equal_ar"] and f["fallback_rounds"] > 0
     assert f["resumed_drafting"]
 
