@@ -222,6 +222,23 @@ class BlockLinear:
         return self if self._prefill is None else self._prefill
 
     @classmethod
+    def by_rows(cls, blocks: QuantizedBlocks, rows: int = 8192) -> BlockLinear:
+        """BlockLinear(blocks) repacked `rows` outputs at a time (a multiple of any build's lanes) and joined: the
+        same tensors, with the repacking's temporaries (several times the matrix) those of one part. Repacked
+        whole, Qwen2.5-1.5B's 151936-row head took the load's peak to 2.7 GB for its 191 MB of blocks."""
+        if blocks.shape[0] <= rows:
+            return cls(blocks)
+        out, width = blocks.shape
+        parts = [cls(QuantizedBlocks(blocks.kind, (min(rows, out - at), width), blocks.data[at : at + rows]))
+                 for at in range(0, out, rows)]
+        joined = parts[-1]  # its ragged last lane, if any, is the whole matrix's
+        joined.out_features = out
+        joined.qs, joined.d = (torch.cat([getattr(p, k) for p in parts]) for k in ("qs", "d"))
+        if joined.m.numel():
+            joined.m = torch.cat([p.m for p in parts])
+        return joined
+
+    @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:
         width = QuantizedBlocks.SUPER if cls.FORMATS.get(blocks.kind) in (cls.Q4K, cls.Q5K, cls.Q6K) else QuantizedBlocks.BLOCK
         return blocks.kind in cls.FORMATS and blocks.shape[1] % width == 0
@@ -272,8 +289,9 @@ class BlockEmbedding:
     table is held at the file's size (Qwen2.5-1.5B's, Q6_K: 191 MB, vs 933 MB dense fp32)."""
 
     def __init__(self, blocks: QuantizedBlocks):
-        # Its own copy of the bytes: the file's mapping is let go once the model is built.
-        self.blocks = QuantizedBlocks(blocks.kind, blocks.shape, np.array(blocks.data, copy=True))
+        # The file's bytes as given: where they are its memory map, only the pages of rows looked up stay resident
+        # (a copy of Qwen2.5-1.5B's table held 191 MB more, beside the head's repacked one).
+        self.blocks = blocks
         self.shape = torch.Size(blocks.shape)
         self.dtype = torch.float32
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from specpool.engine.runtime.config import ModelConfig
 from specpool.engine.runtime.device import default_device, draft_format, resolve_format
 from specpool.engine.runtime.draft_pair import check_trained_for
-from specpool.engine.runtime.gguf_loader import QuantizedBlocks
+from specpool.engine.runtime.gguf_loader import QuantizedBlocks, release_file_pages
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.layer import block_weights, layer
 from specpool.engine.runtime.linear import BlockEmbedding, BlockLinear, Int4Linear, Linear, StackedBlockLinear
@@ -67,7 +68,15 @@ class Llama:
         def w(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def linear(*names: str) -> Linear | Int4Linear | BlockLinear:
+        def linear(*names: str) -> Linear | Int4Linear | BlockLinear | StackedBlockLinear:
+            """`product`, then the file's pages it read let go (they stayed resident beside the repacked copy)."""
+            matrix = product(*names)
+            for n in names:
+                if n in blocks:
+                    release_file_pages(blocks[n].data)
+            return matrix
+
+        def product(*names: str) -> Linear | Int4Linear | BlockLinear | StackedBlockLinear:
             """One matrix over these weights stacked along their outputs: the int4 kernel on the file's
             blocks where every part has blocks it reads, else dense."""
 
@@ -79,7 +88,7 @@ class Llama:
             if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
                 stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
                 if self.format.own_kernels and BlockLinear.supports(stacked):
-                    return BlockLinear(stacked, prefill=dense() if dense_prefill else None)
+                    return BlockLinear(stacked, prefill=dense()) if dense_prefill else BlockLinear.by_rows(stacked)
                 if Int4Linear.supports(stacked):
                     return Int4Linear.from_blocks(stacked, prefill=dense())
             elif self.format.own_kernels and all(p is not None and BlockLinear.supports(p) for p in parts):
@@ -330,12 +339,16 @@ def weights_fingerprint(config: ModelConfig, weights: dict[str, torch.Tensor], s
     """A short digest of what the weights are: the config, each tensor's name and shape, and `sample`
     evenly spaced values of it. Two checkpoints trained apart differ in nearly every value, so this tells
     them apart where a file or directory name does not (a retrained head saved over the old one), in
-    milliseconds whatever the model's size."""
+    milliseconds whatever the model's size. A GGUF's block matrices (GGUFWeights) give their sample from the
+    blocks it sits in, the same values as dequantizing them whole, which took most of a 1.5B file's load."""
     digest = hashlib.sha1(repr(config).encode())
+    sampled = getattr(weights, "sampled", None)
     for name in sorted(weights):
-        flat = weights[name].reshape(-1)
-        digest.update(f"{name}{tuple(weights[name].shape)}".encode())
-        digest.update(flat[:: max(1, flat.numel() // sample)].to("cpu", torch.float64).numpy().tobytes())
+        shape = weights.shape_of(name) if sampled else tuple(weights[name].shape)
+        step = max(1, math.prod(shape) // sample)
+        values = sampled(name, step) if sampled else weights[name].reshape(-1)[::step]
+        digest.update(f"{name}{shape}".encode())
+        digest.update(values.to("cpu", torch.float64).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
