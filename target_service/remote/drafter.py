@@ -5,8 +5,8 @@ failing open.
 Every step, the drafts for all of this target's sequences come from the endpoint in one
 RoundsRequest on one bidirectional stream; the same message reports what the previous round
 emitted. When the endpoint is absent, late (past the per-step deadline) or failing, the affected
-sequences are drafted by a local n-gram index for that round, losslessly: a deterministic draft is
-verified as a point mass. A background thread re-attaches to a returning endpoint, and sequences
+sequences are drafted by the next member of their chain (engine/drafters/chain.py), the target's own
+n-gram index, for that round, losslessly: a deterministic draft is verified as a point mass. A background thread re-attaches to a returning endpoint, and sequences
 then re-open their sessions with their full context.
 
 The parts: connection (the stream), sessions (per-sequence bookkeeping), ssd_push (SSD's pushed tables
@@ -31,6 +31,7 @@ from specpool.common.security import Security
 from specpool.common.speculation import q_travels_dense
 from specpool.common.tensor_channel import ChannelError
 from specpool.engine.drafters.base import Capabilities, Drafter, DraftRequest, Drafts
+from specpool.engine.drafters.chain import DraftChain
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
 from specpool.engine.plan import LOCAL_NGRAM, SpeculationPlan, TreeShape
@@ -289,6 +290,12 @@ class RemoteDrafter(Drafter):
         # be made on this core and verified in the plain row's forward, wider than its own (a plain stream
         # ran 2.5-3x its solo time while the endpoint hung, issue 38).
         plain_decodes = self._plain_running()
+
+        def none_beside_plain(seq_id: str, n: int) -> DraftRow | None:
+            """No drafts for a round of none, nor for a remote sequence beside a plain one: the chain ends."""
+            return DraftRow([]) if n <= 0 or (self.sessions[seq_id].plan.remote and plain_decodes) else None
+
+        chain = DraftChain(lambda seq_id, _n: remote.get(seq_id), none_beside_plain, self._draft_locally)
         out = []
         for r in pending.requests:
             rows = []
@@ -297,18 +304,17 @@ class RemoteDrafter(Drafter):
                 if seq is None:  # left while its round was out (cancelled): the decoder drops its row
                     rows.append(DraftRow([]))
                     continue
-                if seq_id in remote:
-                    rows.append(remote[seq_id])
-                elif n <= 0 or (seq.plan.remote and plain_decodes):
-                    rows.append(DraftRow([]))
-                elif seq.plan.tree:
-                    tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)
-                    rows.append(DraftRow(tokens, parents=parents))
-                else:
-                    rows.append(DraftRow(self.local.draft(seq_id, n)))
+                rows.append(chain.draft(seq_id, n))
                 seq.drafts = list(rows[-1].tokens)
             out.append(assemble(rows, r.params))
         return out
+
+    def _draft_locally(self, seq_id: str, n: int) -> DraftRow:
+        """The chain's last member: the target's n-gram index, a tree of LOCAL_TREE for a tree session."""
+        if self.sessions[seq_id].plan.tree:
+            tokens, parents = self.local.draft_tree(seq_id, n, LOCAL_TREE)
+            return DraftRow(tokens, parents=parents)
+        return DraftRow(self.local.draft(seq_id, n))
 
     # -- the round ------------------------------------------------------------------------------
 
