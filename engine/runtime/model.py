@@ -129,10 +129,13 @@ class Llama:
         # With the engine's own kernels and every layer matrix on the file's blocks, decode and verify steps
         # run five fused ops a layer (`_fused_layers`), attention in fp32 over each query's exact visible
         # keys: equal bits by construction, at fp32's cost.
-        # The fused attention knows no window start, bias or q/k norm: such a model runs the layers below.
-        generic = config.windowed or config.qkv_bias or config.qk_norm
+        # Qwen2's q/k/v biases are added to the fused product's fp32 rows, one add per element whatever the row
+        # count; a stack whose parts differ in format (a Q4_K_M file's v in Q6_K) runs a product a part. The fused
+        # attention knows no window start or q/k norm: such a model runs the layers below.
+        generic = config.windowed or config.qk_norm
         self.fused = self.format.own_kernels and not generic and all(
-            isinstance(weights[k], BlockLinear) for weights in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+            isinstance(weights[k], (BlockLinear, StackedBlockLinear))
+            for weights in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down"))
         self.attention_dtype = torch.float64 if self.format.int4 and not self.fused else dtype
         # Prefill runs the dense twin in bf16 under q4, which turns the last-ulp differences of a padded
         # batch (other attention lengths, other kernel blocking) into other bf16 roundings: a HumanEval
@@ -324,6 +327,8 @@ class Llama:
         eps = self.config.norm_eps
         for li, weights in enumerate(self.layers):
             qkv = weights["wqkv"](x, weights["attn_norm"], eps)
+            if "bqkv" in weights:
+                qkv += weights["bqkv"]
             attn = torch.ops.specpool.cache_attention(qkv, cos, sin, cache.k[li], cache.v[li], *visible_keys)
             x = weights["wo"](attn, residual=x)
             x = weights["w_down"](weights["w_gate_up"](x, weights["ffn_norm"], eps), silu_mul=True, residual=x)

@@ -390,14 +390,19 @@ def _k_blocks(kind, rows: int, cols: int, rng) -> QuantizedBlocks:
 Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 
 
-def test_a_k_quant_model_runs_on_its_blocks_with_no_dense_copy():
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
+def test_a_k_quant_model_runs_on_its_blocks_with_no_dense_copy(qkv_bias):
     """A Q4_K_M-like model (q and k Q4_K, v Q6_K, the output Q5_0, gate and up Q4_K, down Q6_K, the embedding
-    Q6_K): every matrix on its blocks, prefill too, and the embedding looked up by rows; its rows pass the
-    start-up check, and greedy speculation equals its AR decoding."""
+    Q6_K), of the Llama family and of Qwen2's (q/k/v biases): every matrix on its blocks, prefill too, and the
+    embedding looked up by rows; decode and verify steps run the fused layers, the stack of q, k (Q4_K) and v
+    (Q6_K) and the biases included; its rows pass the start-up check, and greedy speculation equals its AR
+    decoding."""
+    import dataclasses
+
     from specpool.engine.runtime.gguf_loader import GGUFWeights
     from specpool.engine.runtime.linear import BlockEmbedding, StackedBlockLinear
 
-    config = tiny_config(vocab_size=64, d_model=256)
+    config = dataclasses.replace(tiny_config(vocab_size=64, d_model=256), qkv_bias=qkv_bias)
     dense = random_weights(config, seed=5)
     rng = np.random.default_rng(5)
     kinds = {"wq": Q4_K, "wk": Q4_K, "wv": Q6_K, "wo": Q5_0, "w_gate": Q4_K, "w_up": Q4_K, "w_down": Q6_K}
@@ -410,7 +415,7 @@ def test_a_k_quant_model_runs_on_its_blocks_with_no_dense_copy():
             blocks[name] = _k_blocks(kind, *t.shape, rng)
     weights = GGUFWeights({k: v for k, v in dense.items() if k not in blocks}, blocks)
     model = Llama(config, weights, "q4", "cpu", blocks=blocks)
-    assert model.format.own_kernels and "bit-identical" in model.format_check
+    assert model.format.own_kernels and "bit-identical" in model.format_check and model.fused
     layer = model.layers[0]
     assert isinstance(layer["wqkv"], StackedBlockLinear) and isinstance(model.embed, BlockEmbedding)
     assert all(isinstance(layer[k], BlockLinear) and layer[k].prefill is layer[k] for k in ("wo", "w_gate_up", "w_down"))
