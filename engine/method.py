@@ -57,6 +57,8 @@ class MethodRow:
     listed_only: bool = False
     endpoint_cost: int = 0  # ties between equal predicted speedups go to the cheapest for the endpoint
     bench_modes: tuple[str, ...] = ()  # `specpool bench` modes that measure it; the first runs in process
+    # The method whose drafter its drafter falls back to (SSD: a miss it would not draft now), built with it.
+    backup: Method | None = None
 
 
 # In the order the endpoint offers them: the first it builds is what a session that names none gets.
@@ -68,7 +70,7 @@ METHODS = (
     # SSD's forks are chains; it runs on the head where the endpoint has one.
     MethodRow(Method.SSD, "ssd", leases_slot=True, reads_features=True, prespeculates=True, trees=False,
               charges="misses", speedup_field="predicted_speedup_ssd", listed_only=True, endpoint_cost=2,
-              bench_modes=("ssd",)),
+              bench_modes=("ssd",), backup=Method.NGRAM),
     MethodRow(Method.NGRAM, "ngram", local=True, max_draft=16, speedup_field="predicted_speedup_ngram",
               bench_modes=("ngram",)),
     MethodRow(Method.NONE),

@@ -3,16 +3,16 @@
 A drafter is a module of this package with `build(sources) -> Drafter | None` (None: these sources
 cannot build it, e.g. no draft model was loaded), named by its method's row (engine/method.py). The
 pooled endpoint offers every method its sources build, in the table's order (the first is what a
-session that names none gets); SSD takes its fast backup from here too.
+session that names none gets). A method's row may name a backup method (SSD's: n-gram), whose drafter
+is built with it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 
-from specpool.engine.drafters import ngram, ssd
 from specpool.engine.drafters.base import Drafter
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.method import METHODS, Method
@@ -36,19 +36,16 @@ class DraftSources:
     ssd: Mapping[str, object] = field(default_factory=dict)  # SsdDrafter options
 
 
-def _ssd(sources: DraftSources) -> Drafter | None:
-    return ssd.build(sources, fast=ngram.build(sources))  # n-gram drafts are its fast backup
-
-
-_SPECIAL: dict[Method, Callable[[DraftSources], Drafter | None]] = {Method.SSD: _ssd}
-
-
 def build(method: Method, sources: DraftSources) -> Drafter | None:
-    """A new drafter of this method, or None where the method or these sources have none."""
-    if method in _SPECIAL:
-        return _SPECIAL[method](sources)
-    name = method.row.drafter
-    return importlib.import_module(f"{__package__}.{name}").build(sources) if name is not None else None
+    """A new drafter of this method, or None where the method or these sources have none; a method with
+    a backup (SSD) gets a new drafter of that one to fall back to."""
+    row = method.row
+    if row.drafter is None:
+        return None
+    module = importlib.import_module(f"{__package__}.{row.drafter}")
+    if row.backup is None:
+        return module.build(sources)
+    return module.build(sources, backup=build(row.backup, sources))
 
 
 def build_all(sources: DraftSources) -> dict[Method, Drafter]:

@@ -418,10 +418,10 @@ def _stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tenso
     return torch.stack(ids), torch.stack(probs)
 
 
-def build(sources, fast: Drafter | None) -> SsdDrafter | None:
+def build(sources, backup: Drafter | None = None) -> SsdDrafter | None:
     """The registry's SSD drafter (drafters/registry.py): on the head where there is one (its forks grow
-    from the head's predicted features), else on the draft model; `fast` (the registry's n-gram drafter,
-    if any) is its backup. SSD sequences hold forks too, so they get a cache of their own: a sequence
+    from the head's predicted features), else on the draft model; `backup` (the drafter of its method
+    row's backup, n-gram) is the fast one a miss may fall back to. SSD sequences hold forks too, so they get a cache of their own: a sequence
     holds up to max_len tokens, pre-speculation feeds its drafts on top, and a fork a bonus token and
     its own drafts (without that room, a sequence near max_len failed the pre-speculation of every SSD
     sequence in its step)."""
@@ -430,4 +430,4 @@ def build(sources, fast: Drafter | None) -> SsdDrafter | None:
         return None
     options = {"max_sequences": 16, "fork_slots": 128} | dict(sources.ssd)
     return SsdDrafter(model, max_len=sources.max_len + 2 * MAX_DRAFT_TOKENS + 1,
-                      fast=fast, **options)
+                      fast=backup, **options)
