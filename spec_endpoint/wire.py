@@ -13,6 +13,7 @@ from specpool.common.speculation import (
     backend_to_pb,
     drafter_from_pb,
     drafter_to_pb,
+    on_the_wire,
     sampling_from_pb,
     sparse_q_to_pb,
 )
@@ -135,7 +136,8 @@ def capacity_to(report: CapacityReport, only: str | None = None) -> pb.GetCapaci
     """only: list that tenant's figures alone ("": no tenant's); None: every tenant's."""
     models = []
     for m in report.models:
-        out = pb.ModelDrafters(target_model=m.target_model, drafters=[drafter_to_pb(k) for k in m.drafters])
+        offered = [drafter_to_pb(k) for k in m.drafters if on_the_wire(k)]
+        out = pb.ModelDrafters(target_model=m.target_model, drafters=offered)
         if m.draft_step_costs is not None:
             c = m.draft_step_costs
             out.draft_step_costs.CopyFrom(pb.StepCostTable(

@@ -79,6 +79,12 @@ def drafter_from_pb(value: int, field: str = "drafter") -> Method | None:
     return _method_from(_DRAFTER_PB, value, field, spec_pb.DrafterKind)
 
 
+def on_the_wire(method: Method) -> bool:
+    """Whether the Speculation API names this drafter (a method added to the table without a DrafterKind
+    value runs in process only: an endpoint builds it but offers it to no target)."""
+    return method in _DRAFTER_PB
+
+
 def drafter_to_pb(method: Method | None) -> int:
     """Method.NONE has no drafter: asking for one is a bug of the caller's."""
     if method is None:
