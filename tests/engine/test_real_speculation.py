@@ -48,3 +48,29 @@ def test_ngram_speculation_equals_ar(real_model, prompts, ar_outputs):
     store = SuffixArrayDatastore.load(MODELS / "smollm2-135m-datastore.npz")
     results = generate(model, prompts, SamplingParams(), 48, NgramDrafter(store), 8)
     assert [r.token_ids for r in results] == ar_outputs
+
+
+@pytest.fixture(scope="module")
+def qwen_coder_1_5b():
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M in the default format (auto: q4 on its K-quant blocks), where
+    `make setup` has assembled it."""
+    from specpool.engine.runtime.chunked_models import ModelNotAssembled, model_path
+
+    try:
+        path = model_path("qwen2.5-coder-1.5b")
+    except ModelNotAssembled as e:
+        pytest.skip(str(e))
+    return Llama.from_gguf(path, dtype="auto", device="cpu")
+
+
+@pytest.mark.parametrize("draft_len", [2, 8])
+def test_qwen_coder_ngram_speculation_equals_ar(qwen_coder_1_5b, draft_len):
+    """Issue 50: the K-quant file's fused layers (Qwen2 biases, mixed Q4_K/Q6_K stacks) verify K drafts
+    with the same greedy tokens as one-token decode steps, on the real 1.5B."""
+    model, tokenizer = qwen_coder_1_5b
+    prompt = tokenizer.encode_chat([{"role": "user", "content": (
+        "Add type hints to this function and return it:\n```python\ndef add(a, b):\n    return a + b\n```")}])
+    [ar] = generate(model, [prompt], SamplingParams(), 32)
+    [spec] = generate(model, [prompt], SamplingParams(), 32, NgramDrafter(), draft_len)
+    assert spec.token_ids == ar.token_ids
+    print(f"n-gram K={draft_len}: {len(spec.token_ids)} tokens in {spec.target_steps} target steps")
