@@ -6,9 +6,9 @@ stream and a co-batched plain one on one target.
 
 Figures, per fault, all from one run (this machine is shared and noisy):
 - plain_solo: the plain stream's tokens/s alone (its prompt decoded plainly, so also the AR rate);
-- plain_pair: the slower of two plain streams' tokens/s side by side, the mean of a window before the
-  scenario and one after it: what each stream may run at while the breaker is open, when the target's
-  steps carry the two as plain rows. Uncontended (StepThread): per second the target's step thread was
+- plain_pair: the slower of two plain streams' tokens/s side by side, after the scenario, each from the
+  plain stream's context halfway through the fault: what each stream may run at while the breaker is
+  open, when the target's steps carry the two as plain rows of that length. Uncontended (StepThread): per second the target's step thread was
   not waiting for a core, as are plain_during_uncontended and drafted_during_uncontended;
 - plain_during / drafted_during: each stream's tokens/s while the target's breaker was open;
 - plain_ratio = plain_solo / plain_during (issue 38: within 1.5x; issue 13 asked 1.2x) and
@@ -215,15 +215,17 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
                               env=ca.env)
         stub = target_pb2_grpc.TargetServiceStub(ca.client("bench").channel(target.address, "target", "grey"))
 
-        def request(method: Method, max_tokens: int) -> pb.GenerateRequest:
-            return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, ignore_eos=True,
+        def request(method: Method, max_tokens: int, context: list[int] = prompt) -> pb.GenerateRequest:
+            return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=context), max_tokens=max_tokens, ignore_eos=True,
                                       speculation=pb.SpeculationPreference(method=method_to_pb(method)))
 
         step_thread = StepThread(target.proc.pid)
 
-        def pair_rate() -> float:
-            """Two plain streams side by side, for window_s: the slower one's tokens/s, uncontended."""
-            pair = [RecordedStream(stub, request(Method.NONE, plain_tokens)) for _ in range(2)]
+        def pair_rate(context: list[int]) -> float:
+            """Two plain streams side by side from `context`, for window_s: the slower one's tokens/s,
+            uncontended."""
+            # Room for window_s at a few thousand tokens/s, within the context the plain stream had.
+            pair = [RecordedStream(stub, request(Method.NONE, 3000, context)) for _ in range(2)]
             wait_for(lambda: min(p.count() for p in pair) >= 20, timeout_s=120)
             start, first = time.monotonic(), step_thread.sample()
             time.sleep(window_s)
@@ -234,7 +236,6 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
                 p.join(10)
             return step_thread.uncontended(rate, first, last, end - start)
 
-        pair_first = pair_rate()
         plain = RecordedStream(stub, request(Method.NONE, plain_tokens))
         wait_for(lambda: plain.count() >= 20, timeout_s=120)
         time.sleep(window_s)
@@ -261,7 +262,10 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
         plain.cancel()
         prober.cancel()
         drafted.join(600)
-        plain_pair = (pair_first + pair_rate()) / 2  # before and after: a drift of the machine's pace cancels
+        # From the plain stream's context halfway through the fault: a step's cost grows with the context
+        # (measured from the prompt alone, the pair ran 1.7x the fault's rate on a quiet machine).
+        halfway = sum(n for t, n in plain.stamps if t <= (tripped + recovered) / 2)
+        plain_pair = pair_rate(prompt + plain.tokens[:halfway])
         after = generate_result(stub, request(Method.DRAFT_MODEL, 32), timeout=120).completions[0]
         done = drafted.final.completions[0] if drafted.final else None
         fallbacks = {reason: target.metric_total("specpool_target_spec_fallback_rounds_total", reason=reason)

@@ -289,8 +289,8 @@ def test_control_tokens_typed_in_chat_content_are_text(real_target):
 def test_a_grey_endpoint_is_not_waited_on_and_is_drafted_on_again_when_it_recovers(tmp_path, fault):
     """The endpoint SIGSTOPped, or its link slowed by 300 ms each way, for 8 s under a drafted stream
     and a co-batched plain one (bench/grey_failure.py): after the breaker opens (three late rounds)
-    steps stop waiting, so both streams run about as fast as two plain streams side by side, measured
-    before and after in the same run (before, every step waited the full 500 ms deadline: about 2
+    steps stop waiting, so both streams run about as fast as two plain streams side by side from the same
+    context, measured in the same run (before, every step waited the full 500 ms deadline: about 2
     tokens/s). Each rate is per second the target's step thread was not kept waiting for a core by
     other processes (bench/grey_failure.StepThread): its own waiting counts, the shared machine's does
     not. Within 2 s of recovery the breaker closes and the endpoint drafts again; the drafted stream
