@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specpool.engine.decoding import Decoder, GenerationResult
-from specpool.engine.drafters.base import Drafter, Drafts
+from specpool.engine.drafters.base import Capabilities, Drafter, Drafts
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
@@ -56,7 +56,7 @@ class FeatureRecorder(Drafter):
     """A drafter that never drafts: it reads the features the decoder hands a feature-fed head, for
     every position the target was fed (the prompt at prefill, then each emitted token)."""
 
-    inputs = frozenset({"features"})
+    caps = Capabilities(features=True)
 
     def __init__(self):
         self.features: dict[str, list[torch.Tensor]] = {}
