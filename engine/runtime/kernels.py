@@ -1,5 +1,6 @@
 """The engine's own CPU kernels (engine/runtime/csrc/cpu_kernels.cpp): weight-block products for the few rows of
-decode and verify steps, and attention over each query's exact visible keys.
+decode and verify steps, and attention over each query's exact visible keys; and the repacking of a GGUF's blocks
+into their layouts at load (csrc/repack.cpp).
 
 They are compiled once per machine class (engine/runtime/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
 portable C++) with the C++ compiler torch's extension builder finds, into a cache that `make setup`
@@ -26,7 +27,7 @@ from specpool.engine.runtime.device import kernel_isa
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "repack.cpp")]
 # What each class compiles for: the instructions every machine of that class has, never -march=native,
 # so a build (or a container image) moves between machines of one class.
 ISA_FLAGS = {
@@ -43,7 +44,7 @@ def cache_dir() -> Path:
 def build_name(isa: str) -> str:
     """The build of this source, these flags and this torch for `isa`: its cache entry's name, and what a
     table of measured step costs is keyed by."""
-    digest = hashlib.sha256("|".join([SOURCE.read_text(), *_flags(isa), torch.__version__]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256("|".join([*(s.read_text() for s in SOURCES), *_flags(isa), torch.__version__]).encode()).hexdigest()[:12]
     return f"specpool_cpu_kernels_{isa}_{digest}"
 
 
@@ -64,7 +65,7 @@ def build(isa: str) -> None:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=flags,
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(directory), extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 

@@ -14,6 +14,7 @@ weights instead: `.prefill` of every matrix here.
 
 from __future__ import annotations
 
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -156,59 +157,15 @@ class BlockLinear:
         self._prefill = prefill
         self.layout = self.FORMATS[blocks.kind]
         self.out_features, self.in_features = blocks.shape
-        # The kernel's layout (engine/runtime/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a block.
+        # The kernel's layout (engine/runtime/csrc/cpu_kernels.cpp): one output per 32-bit lane, `lanes` outputs a
+        # block, the last block padded with zero weights; repacked from the file's bytes by csrc/repack.cpp.
         lanes, offset_8bit = torch.ops.specpool.block_layout()
         self.pad = -self.out_features % lanes
-        fields = [F.pad(f, (0, 0, 0, self.pad)) for f in blocks.fields()]  # zero rows: weights 0
-        blocks_out, groups = (self.out_features + self.pad) // lanes, self.in_features // QuantizedBlocks.BLOCK
-
-        def by_lane(v: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out / lanes, n, lanes]
-            return v.view(blocks_out, lanes, -1).transpose(1, 2)
-
-        def half(v: torch.Tensor) -> torch.Tensor:  # fp32 -> fp16, which must hold it exactly
-            h = v.half()
-            if not torch.equal(h.float(), v):  # the file's fp16 values, or -8 times them: always exact
-                raise ValueError("block scales that fp16 does not hold exactly")
-            return h
-
-        def nibbles(q: torch.Tensor) -> torch.Tensor:  # [blocks, groups, 4 vectors, lanes, 4]: w_2L low, w_2L+1 high
-            t = q.view(blocks_out, lanes, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
-            return (t[:, :, :, 0] | (t[:, :, :, 1] << 4)).reshape(blocks_out, groups, 16 * lanes)
-
-        def five_bits(q: torch.Tensor) -> torch.Tensor:  # q 0..31: the low nibbles, then a 32-bit word a lane whose
-            high = (q >> 4).view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 1, 4, 3)  # byte b holds at bit j
-            word = sum(high[..., j] << j for j in range(8))  # element 4j + b's fifth bit: [.., lanes, b]
-            return torch.cat([nibbles(q & 0x0F), word.reshape(blocks_out, groups, 4 * lanes)], -1).contiguous()
-
-        if self.layout == self.Q4:
-            d, *rest, q = fields
-            m = rest[0] if blocks.kind == GGMLQuantizationType.Q4_1 else -8 * d
-            self.qs = nibbles(q).contiguous()
-            self.d, self.m = (half(by_lane(v)).contiguous() for v in (d, m))
-        elif self.layout == self.Q5:  # Q5_0: d [blocks, groups, lanes]; its q - 16 back to 0..31
-            d, q = fields
-            self.qs = five_bits((q.to(torch.int16) + 16).to(torch.uint8))
-            self.d, self.m = half(by_lane(d)).contiguous(), torch.zeros(0, dtype=torch.float16)
-        elif self.layout == self.Q8:  # [blocks, groups, 8 vectors, lanes, 4 elements]
-            d, q = fields
-            packed = q.view(blocks_out, lanes, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks_out, groups, -1)
-            if offset_8bit:  # unsigned q + 128, undone in the kernel by -128 d (exact)
-                self.qs = (packed.to(torch.int16) + 128).to(torch.uint8).contiguous()
-            else:
-                self.qs = packed.contiguous().view(torch.uint8)
-            self.d, self.m = half(by_lane(d)).contiguous(), torch.zeros(0, dtype=torch.float16)
-        elif self.layout in (self.Q4K, self.Q5K):  # d [blocks, supers, (d, dmin), lanes]; m [.., groups, (sc, mn), lanes]
-            d, dmin, sc, mn, q = fields
-            self.qs = nibbles(q).contiguous() if self.layout == self.Q4K else five_bits(q)
-            self.d = half(torch.stack([by_lane(d), by_lane(dmin)], 2)).contiguous()
-            self.m = torch.stack([by_lane(sc), by_lane(mn)], 2).contiguous()
-        else:  # Q6_K: the low nibbles as 4-bit weights, then the high 2 bits four to a byte; d [blocks, supers, lanes]
-            d, sc, q = fields
-            high = (q >> 4).view(blocks_out, lanes, groups, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [.., h, lanes, b, t]
-            high = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
-            self.qs = torch.cat([nibbles(q & 0x0F), high.reshape(blocks_out, groups, 8 * lanes)], -1).contiguous()
-            self.d = half(by_lane(d)).contiguous()
-            self.m = sc.view(blocks_out, lanes, groups, 2).permute(0, 2, 3, 1).contiguous()  # [blocks, groups, 2, lanes]
+        with warnings.catch_warnings():  # the file's read-only map: the repacking only reads it
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            raw = torch.from_numpy(np.ascontiguousarray(blocks.data))
+        self.qs, self.d, self.m = torch.ops.specpool.repack_blocks(raw, int(blocks.kind), self.in_features, lanes,
+                                                                   offset_8bit)
 
     # A model whose blocks are all of these formats keeps a dense twin for prefill steps (the 135M default's,
     # 98 MB: prefilling a 200-token prompt on the blocks took 1.9x the bf16 twin's time, 217 vs 116 ms, 1
@@ -220,23 +177,6 @@ class BlockLinear:
     def prefill(self) -> Linear | BlockLinear:
         """The matrix prefill steps run: the dense twin where there is one, else these blocks."""
         return self if self._prefill is None else self._prefill
-
-    @classmethod
-    def by_rows(cls, blocks: QuantizedBlocks, rows: int = 8192) -> BlockLinear:
-        """BlockLinear(blocks) repacked `rows` outputs at a time (a multiple of any build's lanes) and joined: the
-        same tensors, with the repacking's temporaries (several times the matrix) those of one part. Repacked
-        whole, Qwen2.5-1.5B's 151936-row head took the load's peak to 2.7 GB for its 191 MB of blocks."""
-        if blocks.shape[0] <= rows:
-            return cls(blocks)
-        out, width = blocks.shape
-        parts = [cls(QuantizedBlocks(blocks.kind, (min(rows, out - at), width), blocks.data[at : at + rows]))
-                 for at in range(0, out, rows)]
-        joined = parts[-1]  # its ragged last lane, if any, is the whole matrix's
-        joined.out_features = out
-        joined.qs, joined.d = (torch.cat([getattr(p, k) for p in parts]) for k in ("qs", "d"))
-        if joined.m.numel():
-            joined.m = torch.cat([p.m for p in parts])
-        return joined
 
     @classmethod
     def supports(cls, blocks: QuantizedBlocks) -> bool:

@@ -88,7 +88,7 @@ class Llama:
             if all(p is not None for p in parts) and len({p.kind for p in parts}) == 1:
                 stacked = QuantizedBlocks.cat(parts) if len(parts) > 1 else parts[0]
                 if self.format.own_kernels and BlockLinear.supports(stacked):
-                    return BlockLinear(stacked, prefill=dense()) if dense_prefill else BlockLinear.by_rows(stacked)
+                    return BlockLinear(stacked, prefill=dense() if dense_prefill else None)
                 if Int4Linear.supports(stacked):
                     return Int4Linear.from_blocks(stacked, prefill=dense())
             elif self.format.own_kernels and all(p is not None and BlockLinear.supports(p) for p in parts):

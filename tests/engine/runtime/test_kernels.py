@@ -20,6 +20,7 @@ from specpool.engine.runtime import kernels
 from specpool.engine.runtime.device import kernel_isa
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.linear import BlockLinear
+from tests.engine.runtime.repack_reference import reference_repack
 
 Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
@@ -108,6 +109,16 @@ def test_the_file_formats_fields_are_gguf_s_weights(kind):
     assert torch.equal(w.float(), blocks.dequantize())
 
 
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q8_0, *FILE_FORMATS])
+def test_the_repacking_writes_each_layout_as_the_torch_reference_does(kind):
+    """csrc/repack.cpp, from the file's bytes, against the layouts written in torch from the blocks' fields
+    (tests/engine/runtime/repack_reference.py), the padding of a ragged last lane included."""
+    blocks = _blocks(kind, 40, 512)
+    lin = BlockLinear(blocks)
+    for got, want in zip((lin.qs, lin.d, lin.m), reference_repack(blocks)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kind", FILE_FORMATS)
 def test_the_file_formats_rows_do_not_depend_on_their_neighbours(kind):
     lin = BlockLinear(_blocks(kind, 48, 512))
@@ -167,6 +178,10 @@ def test_block_linear_refuses_bad_shapes():
     lin = BlockLinear(_blocks(Q4_1, 16, 64), prefill=None)
     with pytest.raises(RuntimeError, match="64"):
         lin(torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="rows of 64 weights are 40 bytes, not 36"):  # a row cut short
+        torch.ops.specpool.repack_blocks(torch.zeros(16, 36, dtype=torch.uint8), int(Q4_1), 64, 16, True)
+    with pytest.raises(RuntimeError, match="no kernel layout for ggml type 10"):  # Q2_K
+        torch.ops.specpool.repack_blocks(torch.zeros(16, 84, dtype=torch.uint8), 10, 256, 16, True)
 
 
 def reference_attention(q, k, v, slot, prefix, extra):

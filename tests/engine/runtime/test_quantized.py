@@ -426,9 +426,9 @@ def test_a_k_quant_model_runs_on_its_blocks_with_no_dense_copy(qkv_bias):
     assert generate(model, [prompt], SamplingParams(), 12, NgramDrafter(), 3, stop_ids=[])[0].token_ids == ar
 
 
-def test_a_block_file_loads_without_its_dense_copies():
+def test_a_block_files_fingerprint_is_the_digest_of_its_dense_weights():
     """The fingerprint samples a block matrix from the blocks its values sit in (the same digest as dequantizing it
-    whole), and a matrix repacked a few rows at a time is the same tensors as one repacked whole."""
+    whole)."""
     from specpool.engine.runtime.gguf_loader import GGUFWeights
     from specpool.engine.runtime.model import weights_fingerprint
 
@@ -440,10 +440,3 @@ def test_a_block_file_loads_without_its_dense_copies():
                                              quantize(dense["layers.0.wo"].numpy(), Q5_0))}
     weights = GGUFWeights({k: v for k, v in dense.items() if k not in blocks}, blocks)
     assert weights_fingerprint(config, weights) == weights_fingerprint(config, dict(weights.items()))
-    if not kernels.available():
-        pytest.skip("no C++ compiler")
-    for b in blocks.values():
-        whole, by_rows = BlockLinear(b), BlockLinear.by_rows(b, rows=16)
-        assert all(torch.equal(getattr(whole, k), getattr(by_rows, k)) for k in ("qs", "d", "m"))
-        x = torch.randn(3, b.shape[1])
-        assert torch.equal(whole(x), by_rows(x))
