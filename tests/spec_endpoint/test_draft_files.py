@@ -13,8 +13,8 @@ from specpool.engine.runtime.gguf_loader import model_name
 from specpool.spec_endpoint import drafters as drafters_module
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
 from specpool.spec_endpoint.server import add_arguments
-from tests.engine.runtime.test_chunked_models import stand_ins
 from tests.engine.runtime.gguf_families import byte_vocabulary, write_gguf
+from tests.engine.runtime.test_chunked_models import stand_ins
 from tests.engine.runtime.test_families import hf_model
 
 OPTIONS = LoadOptions(max_sessions=2, max_len=128, device=torch.device("cpu"), dtype="fp32")
