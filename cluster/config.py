@@ -12,6 +12,9 @@ from pathlib import Path
 
 import yaml
 
+from specpool.common.model_args import drafter_models
+from specpool.engine.runtime.chunked_models import ModelNotAssembled, model_path
+
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
 
 
@@ -73,7 +76,7 @@ class EndpointSpec:
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     tenant: str
-    model: str | None = None  # a GGUF path; None: SmolLM2-135M-Instruct
+    model: str | None = None  # a GGUF path (a short name in the file: its assembled file); None: SmolLM2-135M-Instruct
     max_batch: int | None = 8
     max_context: int | None = 1024
     threads: int | None = 1
@@ -199,10 +202,25 @@ def _build(cls: type, raw: dict, where: str):
             expected = {"int": int, "float": (int, float), "str": str}.get(f.type.split(" |")[0], object)
             if not isinstance(value, expected) or isinstance(value, bool):
                 raise ConfigError(f"{where}.{f.name}: expected {f.type.split(' |')[0]}, got {value!r}")
+        if f.name == "model" and value is not None:
+            value = _resolved(model_path, value, f"{where}.model")
+        elif f.name == "drafters":
+            value = tuple(_resolved(drafter_models, d, f"{where}.drafters[{i}]") for i, d in enumerate(value))
         values[f.name] = value
     try:
         return cls(**values)
     except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _resolved(resolve, value: str, where: str) -> str:
+    """A model's short name (`model: qwen2.5-coder-1.5b`, and a drafter's target and draft=) as its assembled
+    file, here where the file is read: a short name `make setup` has not assembled stops `specpool up` before
+    any server starts. The servers are given the path, as if the file had named it (on Ray: each node needs the
+    file at that path, as it needs any path the file names)."""
+    try:
+        return resolve(value)
+    except ModelNotAssembled as e:
         raise ConfigError(f"{where}: {e}") from e
 
 

@@ -19,8 +19,10 @@ import grpc
 from specpool.common import http_limits, logs, serving
 from specpool.common.errors import FieldError
 from specpool.common.metrics_http import MetricsHttpServer
+from specpool.common.model_args import drafter_arg
 from specpool.common.security import Security
 from specpool.engine.plan import TreeShape
+from specpool.engine.runtime.chunked_models import MODELS
 from specpool.spec_endpoint import wire
 from specpool.spec_endpoint.drafters import TREE_SHAPE, DrafterSpec, HostedDrafters, LoadOptions
 from specpool.spec_endpoint.endpoint import Endpoint, EndpointConfig
@@ -159,8 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50060, help="gRPC port (0: pick a free one)")
     parser.add_argument("--metrics-port", type=int, default=9460, help="Prometheus /metrics port (0: pick)")
     parser.add_argument(
-        "--drafter", action="append", default=[], metavar="NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]",
-        help="drafters for one target model (repeatable); default: SmolLM2-135M-Instruct with "
+        "--drafter", action="append", type=drafter_arg, default=[],
+        metavar="NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]",
+        help="drafters for one target model (repeatable; the target and a draft model file may be short names, "
+             f"as serve-target's --model: {', '.join(MODELS)}); default: SmolLM2-135M-Instruct with "
              "models/smollm2-135m-draft, models/smollm2-135m-head and models/smollm2-135m-datastore.npz",
     )
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")

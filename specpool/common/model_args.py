@@ -1,4 +1,5 @@
-"""The flags of every command that loads a target model: `specpool generate`, `bench` and `serve-target`."""
+"""The flags of every command that loads a target model: `specpool generate`, `bench` and `serve-target`; and
+serve-spec's `--drafter`, whose target and draft model may be short names too (as may a cluster file's)."""
 
 from __future__ import annotations
 
@@ -25,5 +26,25 @@ def model_arg(text: str) -> str:
     """--model's value as a path: a short name (engine/runtime/chunked_models.py) becomes its assembled file."""
     try:
         return model_path(text)
+    except ModelNotAssembled as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def drafter_models(text: str) -> str:
+    """A `--drafter` value, `[NAME=]TARGET[,draft=PATH][,head=DIR][,datastore=NPZ]`, with its target's and its
+    draft's short names resolved to their assembled files (model_path); everything else as given, for
+    DrafterSpec.parse to check. Resolved before the target's name is taken from its file name, so a short
+    name hosts drafters under the name its targets report. Raises ModelNotAssembled as model_path does."""
+    head, *options = text.split(",")
+    name, sep, target = head.partition("=")
+    head = f"{name}={model_path(target)}" if sep else model_path(head)
+    return ",".join([head, *(f"draft={model_path(o.removeprefix('draft='))}" if o.startswith("draft=") else o
+                             for o in options)])
+
+
+def drafter_arg(text: str) -> str:
+    """--drafter's value with its short names resolved (drafter_models)."""
+    try:
+        return drafter_models(text)
     except ModelNotAssembled as e:
         raise argparse.ArgumentTypeError(str(e)) from e

@@ -61,6 +61,33 @@ def test_bad_files_name_the_key(raw, message):
 # -- a running cluster -----------------------------------------------------------------------------------
 
 
+def test_short_names_in_a_cluster_file_resolve_as_it_loads(tmp_path, monkeypatch):
+    """`model:` and a drafter's target and draft= may be short names: the servers get the assembled files; an
+    unassembled one is refused as the file loads, naming the key and `make setup`, before any server starts."""
+    from specpool.cluster.launcher import endpoint_command, target_command
+    from tests.engine.runtime.test_chunked_models import stand_ins
+
+    paths = stand_ins(tmp_path, monkeypatch)
+    target, draft = paths["qwen2.5-coder-1.5b"], paths["qwen2.5-coder-0.5b"]
+    raw = {"endpoints": [{"drafters": ["qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b"]}],
+           "targets": [{"tenant": "a", "model": "qwen2.5-coder-1.5b"}, {"tenant": "b", "model": "default"}]}
+    config = ClusterConfig.from_dict(raw)
+    assert config.endpoints[0].drafters == (f"{target},draft={draft}",)
+    assert [t.model for t in config.targets] == [target, None]
+    command = endpoint_command(config.endpoints[0])
+    assert command[command.index("--drafter") + 1] == f"{target},draft={draft}"
+    command = target_command(config.targets[0], None)
+    assert command[command.index("--model") + 1] == target
+    (tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf").unlink()
+    with pytest.raises(ConfigError, match=r"config: endpoints\[0\]\.drafters\[0\]: qwen2.5-coder-0.5b: .* is not "
+                                          r"assembled; run `make setup`"):
+        ClusterConfig.from_dict(raw)
+    raw["endpoints"] = []
+    raw["targets"][1]["model"] = "qwen2.5-coder-0.5b"
+    with pytest.raises(ConfigError, match=r"config: targets\[1\]\.model: qwen2.5-coder-0.5b: .* run `make setup`"):
+        ClusterConfig.from_dict(raw)
+
+
 @pytest.mark.slow
 def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_kind):
     from specpool.cluster.demo import AUTO, NONE, run_demo

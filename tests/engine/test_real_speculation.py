@@ -4,10 +4,13 @@ from pathlib import Path
 
 import pytest
 
+from specpool.bench.workloads import load_workload
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.model import ModelDrafter
 from specpool.engine.drafters.ngram import NgramDrafter
+from specpool.engine.runtime.chunked_models import ModelNotAssembled, model_path
+from specpool.engine.runtime.draft_pair import load_draft
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
@@ -54,13 +57,23 @@ def test_ngram_speculation_equals_ar(real_model, prompts, ar_outputs):
 def qwen_coder_1_5b():
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M in the default format (auto: q4 on its K-quant blocks), where
     `make setup` has assembled it."""
-    from specpool.engine.runtime.chunked_models import ModelNotAssembled, model_path
+    return Llama.from_gguf(_assembled("qwen2.5-coder-1.5b"), dtype="auto", device="cpu")
 
+
+@pytest.fixture(scope="module")
+def qwen_coder_0_5b_draft(qwen_coder_1_5b):
+    """Qwen2.5-Coder-0.5B-Instruct as the 1.5B's draft model, loaded as serve-spec's `--drafter
+    TARGET,draft=GGUF` loads it (spec_endpoint/drafters.py: the same vocabulary, the default format)."""
+    model, _ = qwen_coder_1_5b
+    return load_draft(_assembled("qwen2.5-coder-0.5b"), _assembled("qwen2.5-coder-1.5b"), model.config.vocab_size,
+                      "auto", "cpu")
+
+
+def _assembled(name: str) -> str:
     try:
-        path = model_path("qwen2.5-coder-1.5b")
+        return model_path(name)
     except ModelNotAssembled as e:
         pytest.skip(str(e))
-    return Llama.from_gguf(path, dtype="auto", device="cpu")
 
 
 @pytest.mark.parametrize("draft_len", [2, 8])
@@ -74,3 +87,21 @@ def test_qwen_coder_ngram_speculation_equals_ar(qwen_coder_1_5b, draft_len):
     [spec] = generate(model, [prompt], SamplingParams(), 32, NgramDrafter(), draft_len)
     assert spec.token_ids == ar.token_ids
     print(f"n-gram K={draft_len}: {len(spec.token_ids)} tokens in {spec.target_steps} target steps")
+
+
+@pytest.mark.parametrize("workload", ["humaneval", "chat"])
+def test_qwen_coder_draft_model_speculation_equals_ar(qwen_coder_1_5b, qwen_coder_0_5b_draft, workload):
+    """Issue 50: the real 0.5B drafting for the real 1.5B (both in the default format) gives the 1.5B's own
+    greedy tokens, on the first HumanEval prompt (raw text) and the first chat prompt (the chat template)."""
+    model, tokenizer = qwen_coder_1_5b
+    [prompt] = load_workload(workload, tokenizer, limit=1)
+    new_tokens, draft_len = 64, 4
+    [ar] = generate(model, [prompt], SamplingParams(), new_tokens)
+    drafter = ModelDrafter(qwen_coder_0_5b_draft, 1, len(prompt) + new_tokens + draft_len + 1)
+    [spec] = generate(model, [prompt], SamplingParams(), new_tokens, drafter, draft_len)
+    assert spec.token_ids == ar.token_ids
+    # The draft model's path ran: it proposed, the target took some, in fewer forwards than tokens.
+    assert spec.drafted_tokens > 0 and spec.accepted_tokens > 0
+    assert spec.target_steps < len(spec.token_ids)
+    print(f"0.5B draft, K={draft_len}, {workload}: {len(spec.token_ids)} tokens in {spec.target_steps} target steps "
+          f"({spec.mean_accept_len:.2f} per step), {spec.accepted_tokens}/{spec.drafted_tokens} drafts accepted")

@@ -3,13 +3,18 @@ directory): hosted when it shares the target's tokenizer, refused at start namin
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from specpool.engine.method import Method
+from specpool.engine.runtime.gguf_loader import model_name
 from specpool.spec_endpoint import drafters as drafters_module
 from specpool.spec_endpoint.drafters import DrafterSpec, LoadOptions, ModelDrafters
+from specpool.spec_endpoint.server import add_arguments
 from tests.engine.runtime.gguf_families import byte_vocabulary, write_gguf
+from tests.engine.runtime.test_chunked_models import stand_ins
 from tests.engine.runtime.test_families import hf_model
 
 OPTIONS = LoadOptions(max_sessions=2, max_len=128, device=torch.device("cpu"), dtype="fp32")
@@ -46,3 +51,20 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start(tmp_path, target):
     smaller.save_pretrained(tmp_path / "smaller")
     with pytest.raises(ValueError, match="differ in size"):
         ModelDrafters.load(DrafterSpec.parse(f"{target},draft={tmp_path / 'smaller'}"), OPTIONS)
+
+
+def test_short_names_of_target_and_draft_resolve_where_the_flag_is_read(tmp_path, monkeypatch, capsys):
+    """`--drafter qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b`: both assembled files, hosted under the name the
+    target reports for its file (the file's, not the short name); an unassembled one stops serve-spec at its
+    flags, naming `make setup`."""
+    paths = stand_ins(tmp_path, monkeypatch)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    [text] = parser.parse_args(["--drafter", "qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b"]).drafter
+    spec = DrafterSpec.parse(text)
+    assert (str(spec.target_gguf), str(spec.draft_dir)) == (paths["qwen2.5-coder-1.5b"], paths["qwen2.5-coder-0.5b"])
+    assert spec.name == model_name(paths["qwen2.5-coder-1.5b"]) == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    (tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf").unlink()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--drafter", "qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b"])
+    assert "argument --drafter: qwen2.5-coder-0.5b: " in capsys.readouterr().err

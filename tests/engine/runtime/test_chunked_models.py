@@ -137,6 +137,20 @@ def test_the_installed_chunk_packages_add_up_to_each_model():
     assert chunked_models.main(["pins"]) == 0
 
 
+def stand_ins(tmp_path: Path, monkeypatch, names=tuple(MODELS)) -> dict[str, str]:
+    """A model cache in tmp_path where `names` are assembled and verified (stand-in bytes, the record
+    `make setup` writes), the others not: short name -> the path it resolves to. For tests of the places
+    that take a model, which load nothing."""
+    monkeypatch.setenv("SPECPOOL_MODEL_CACHE", str(tmp_path))
+    paths = {}
+    for name in names:
+        path = tmp_path / MODELS[name].file_name
+        path.write_bytes(b"stand-in")
+        chunked_models._write_record(path, MODELS[name].sha256)
+        paths[name] = str(path)
+    return paths
+
+
 def test_short_names_resolve_to_verified_files_only(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPOOL_MODEL_CACHE", str(tmp_path))
     assert model_path("models/x.gguf") == "models/x.gguf"
@@ -177,3 +191,38 @@ def test_the_assembled_file_is_the_model(name, types, monkeypatch):
     assert model.weights == {} and model.config.vocab_size == 151936 and model.config.qkv_bias
     assert readers[0].fields["general.architecture"].contents() == "qwen2"
     assert Counter(t.tensor_type.name for t in readers[0].tensors) == types
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"], ["serve-target"], ["train-draft"]])
+def test_every_model_flag_takes_short_names(tmp_path, monkeypatch, capsys, command):
+    """generate, bench, serve-target and train-draft resolve --model as it is parsed; an unassembled one stops
+    the command there, naming `make setup`."""
+    from specpool.cli import build_parser
+
+    paths = stand_ins(tmp_path, monkeypatch, names=["qwen2.5-coder-1.5b"])
+    parser = build_parser(tools=[command[0]])
+    assert parser.parse_args([*command, "--model", "qwen2.5-coder-1.5b"]).model == paths["qwen2.5-coder-1.5b"]
+    assert parser.parse_args([*command, "--model", "models/x.gguf"]).model == "models/x.gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--model", "qwen2.5-coder-0.5b"])
+    assert "argument --model: qwen2.5-coder-0.5b: " in capsys.readouterr().err
+
+
+def test_drafter_values_resolve_their_target_and_draft(tmp_path, monkeypatch):
+    """serve-spec's --drafter (and a cluster file's drafters): the target and draft= may be short names; a
+    head or datastore is a path as given."""
+    from specpool.common.model_args import drafter_arg, drafter_models
+
+    paths = stand_ins(tmp_path, monkeypatch)
+    target, draft = paths["qwen2.5-coder-1.5b"], paths["qwen2.5-coder-0.5b"]
+    assert drafter_models("qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b") == f"{target},draft={draft}"
+    assert (drafter_models("m=qwen2.5-coder-1.5b,head=h,draft=qwen2.5-coder-0.5b,datastore=s.npz")
+            == f"m={target},head=h,draft={draft},datastore=s.npz")
+    assert drafter_models("/x/t.gguf,draft=/d,bogus=1") == "/x/t.gguf,draft=/d,bogus=1"  # (parse refuses bogus)
+    assert drafter_models("m=qwen2.5-coder-0.5b") == f"m={draft}"
+    assert drafter_models("m=/x/qwen2.5-coder-1.5b,head=qwen2.5-coder-0.5b") == "m=/x/qwen2.5-coder-1.5b,head=qwen2.5-coder-0.5b"
+    (tmp_path / MODELS["qwen2.5-coder-0.5b"].file_name).unlink()
+    with pytest.raises(ModelNotAssembled, match=r"qwen2.5-coder-0.5b: .* is not assembled; run `make setup`"):
+        drafter_models("qwen2.5-coder-1.5b,draft=qwen2.5-coder-0.5b")
+    with pytest.raises(argparse.ArgumentTypeError, match="run `make setup`"):
+        drafter_arg("qwen2.5-coder-0.5b")
