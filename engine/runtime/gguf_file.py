@@ -28,6 +28,7 @@ from specpool.engine.runtime.hf_config import ModelFileError
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: llama.cpp refuses more
+MAX_NESTING = 8  # arrays of arrays (llama.cpp reads none): a bound, so a crafted file cannot exhaust the stack
 HEADER = "GGUF header"  # the field errors name where no key or tensor is at fault
 
 # The fixed-size value types, as numpy reads them.
@@ -157,8 +158,9 @@ class _Parser:
             tensors[name] = self.tensor(name, kind, dims, data_offset + offset)
         return GGUFFile(self.path, version, fields, types, tensors, alignment, data_offset)
 
-    def value(self, kind: int) -> tuple[tuple[GGUFValueType, ...], Any]:
-        """(the value's type and item types, the value) of the value of this type at `at`."""
+    def value(self, kind: int, depth: int = 1) -> tuple[tuple[GGUFValueType, ...], Any]:
+        """(the value's type and item types, the value) of the value of this type at `at`; an array is the
+        `depth`th of arrays nested."""
         if kind in _SCALARS:
             scalar = _SCALARS[kind]
             return (GGUFValueType(kind),), scalar.unpack_from(self.buf, self.take(scalar.size, "the value"))[0]
@@ -174,9 +176,11 @@ class _Parser:
         if item == GGUFValueType.STRING:
             return (GGUFValueType.ARRAY, GGUFValueType.STRING), self.strings(count)
         if item == GGUFValueType.ARRAY:  # the items' own item types are not checked to agree
+            if depth == MAX_NESTING:
+                raise self.fail(f"arrays nested more than {MAX_NESTING} deep")
             if 12 * count > self.size - self.at:  # each at least an item type and a length
                 raise self.past_end(f"the array of {count} arrays", 12 * count, self.at)
-            items = [self.value(GGUFValueType.ARRAY) for _ in range(count)]
+            items = [self.value(GGUFValueType.ARRAY, depth + 1) for _ in range(count)]
             inner = items[0][0] if items else (GGUFValueType.ARRAY,)
             return (GGUFValueType.ARRAY, *inner), [v for _, v in items]
         raise self.fail(f"unknown array item type {item}")

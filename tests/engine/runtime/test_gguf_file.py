@@ -229,3 +229,22 @@ def test_a_power_of_two_alignment_in_a_uint32_only(tmp_path):
     path.write_bytes(raw)
     with pytest.raises(ModelFileError, match="bad.gguf: general.alignment: 48 of type UINT32: must be a power of two"):
         GGUFFile.read(path)
+
+
+def test_arrays_nested_more_than_8_deep_are_refused(tmp_path):
+    """A bound on the recursion, so that a crafted file fails as a ModelFileError."""
+
+    def nested(levels: int) -> Path:
+        value = [1]
+        for _ in range(levels - 1):
+            value = [value]
+        writer = GGUFWriter(str(tmp_path / f"deep{levels}.gguf"), "llama")
+        writer.add_key_value("test.deep", value, V.ARRAY)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        return tmp_path / f"deep{levels}.gguf"
+
+    assert assert_agrees(nested(8)).types["test.deep"] == (V.ARRAY,) * 8 + (V.INT32,)
+    with pytest.raises(ModelFileError, match="deep9.gguf: test.deep: arrays nested more than 8 deep"):
+        GGUFFile.read(nested(9))
