@@ -248,3 +248,25 @@ def test_arrays_nested_more_than_8_deep_are_refused(tmp_path):
     assert assert_agrees(nested(8)).types["test.deep"] == (V.ARRAY,) * 8 + (V.INT32,)
     with pytest.raises(ModelFileError, match="deep9.gguf: test.deep: arrays nested more than 8 deep"):
         GGUFFile.read(nested(9))
+
+
+def test_tensor_views_are_of_the_memory_map_the_loader_releases(tmp_path):
+    """gguf_loader.release_file_pages finds the np.memmap under a tensor's data and drops the pages a read
+    touched: how a model's load keeps the file's pages from staying resident beside its repacked copy."""
+    from specpool.engine.runtime.gguf_loader import release_file_pages
+
+    def resident_file_kb() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+    writer = GGUFWriter(str(tmp_path / "big.gguf"), "llama")
+    writer.add_tensor("big", np.ones((1024, 4096), np.float32))  # 16 MB
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = np.asarray(GGUFFile.read(tmp_path / "big.gguf").tensors["big"].data)
+    before = resident_file_kb()
+    assert data.sum() == data.size
+    touched = resident_file_kb()
+    release_file_pages(data)
+    assert touched - before > 12_000 and touched - resident_file_kb() > 12_000, (before, touched)
