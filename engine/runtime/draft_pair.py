@@ -46,10 +46,10 @@ def token_strings(path: str | Path) -> list[str] | None:
         for text, i in vocab.items():
             tokens[i] = text
         return tokens
-    from gguf import GGUFReader
+    from specpool.engine.runtime.gguf_file import GGUFFile
 
-    field = GGUFReader(path).fields.get("tokenizer.ggml.tokens")
-    return None if field is None else list(field.contents())
+    tokens = GGUFFile.read(path).fields.get("tokenizer.ggml.tokens")
+    return None if tokens is None else list(tokens)
 
 
 def draft_to_target_ids(draft_path: Path, draft_rows: int, target_path: Path, target_rows: int) -> torch.Tensor | None:

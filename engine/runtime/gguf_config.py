@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from gguf import GGUFReader, ReaderTensor
-
 from specpool.engine.runtime.config import FAMILIES, ModelConfig, file_tensors
+from specpool.engine.runtime.gguf_file import GGUFFile, GGUFTensor
 from specpool.engine.runtime.hf_config import ModelFileError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -34,15 +33,14 @@ LAYER_NAMES = {
 MODEL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 
 
-def _fields(path: Path, reader: GGUFReader):
+def _fields(path: Path, gguf: GGUFFile):
     def get(key: str, kind: type | tuple[type, ...] = int, default=...):
         """The header's value of `key`, of this type; `default` where it is missing."""
-        field = reader.fields.get(key)
-        if field is None:
+        if key not in gguf.fields:
             if default is ...:
                 raise ModelFileError(path, key, "missing")
             return default
-        value = field.contents()
+        value = gguf.fields[key]
         if kind is float and isinstance(value, int):
             value = float(value)
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
@@ -54,9 +52,9 @@ def _fields(path: Path, reader: GGUFReader):
     return get
 
 
-def read_gguf_config(path: Path, reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> tuple[ModelConfig, str]:
+def read_gguf_config(path: Path, gguf: GGUFFile) -> tuple[ModelConfig, str]:
     """(the model's shape, its architecture) from a GGUF's header and tensor list."""
-    get = _fields(path, reader)
+    get, tensors = _fields(path, gguf), gguf.tensors
     arch = get("general.architecture", str)
     if arch not in ARCHITECTURES:
         raise ModelFileError(path, "general.architecture", f"{arch!r} is not supported (supported: "
@@ -89,7 +87,7 @@ def read_gguf_config(path: Path, reader: GGUFReader, tensors: dict[str, ReaderTe
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         ffn_dim=get(f"{arch}.feed_forward_length"),
-        vocab_size=int(embed.shape[1]),
+        vocab_size=embed.shape[0],
         rope_base=get(f"{arch}.rope.freq_base", float, 10000.0),
         norm_eps=get(f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5),
         tie_embeddings="output.weight" not in tensors,
@@ -105,13 +103,13 @@ def read_gguf_config(path: Path, reader: GGUFReader, tensors: dict[str, ReaderTe
     ), arch
 
 
-def _rope_freq_factors(path: Path, tensor: ReaderTensor | None, head_dim: int) -> tuple[float, ...] | None:
+def _rope_freq_factors(path: Path, tensor: GGUFTensor | None, head_dim: int) -> tuple[float, ...] | None:
     if tensor is None:
         return None
-    factors = [float(x) for x in tensor.data.reshape(-1)] if tensor.tensor_type.name == "F32" else None
+    factors = tensor.data.reshape(-1).tolist() if tensor.type.name == "F32" else None
     if factors is None or len(factors) != head_dim // 2 or min(factors) <= 0:
         raise ModelFileError(path, ROPE_FREQS, f"expected {head_dim // 2} positive F32 factors (one per RoPE pair), "
-                                               f"got {tensor.tensor_type.name} {list(tensor.shape)}")
+                                               f"got {tensor.type.name} {list(tensor.shape)}")
     return tuple(factors)
 
 

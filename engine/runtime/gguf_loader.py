@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K, dequantize, quantize
 
@@ -28,6 +28,7 @@ from specpool.engine.runtime.gguf_config import (
     neox_heads,
     read_gguf_config,
 )
+from specpool.engine.runtime.gguf_file import GGUFFile
 from specpool.engine.runtime.hf_config import ModelFileError
 from specpool.engine.runtime.rope import to_adjacent_pairs
 
@@ -266,11 +267,6 @@ REQUANTIZE = ("requantize it with llama.cpp's llama-quantize to a type the engin
               "--allow-requantize)")
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
     """Read a GGUF of a supported architecture (engine/runtime/gguf_config.py); `only` limits which weights
     are read (a draft needs just "embed"). A bad file fails here as ModelFileError, naming the key or tensor."""
@@ -278,11 +274,11 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf's own errors: a bad magic, a truncated file, an unknown tensor type
+        gguf = GGUFFile.read(path)  # a bad header or tensor fails as ModelFileError, naming the key or tensor
+    except OSError as e:
         raise ModelFileError(path, "GGUF header", f"unreadable ({type(e).__name__}: {e})") from e
-    tensors = {t.name: t for t in reader.tensors}
-    config, arch = read_gguf_config(path, reader, tensors)
+    tensors = gguf.tensors
+    config, arch = read_gguf_config(path, gguf)
     expected = expected_gguf_tensors(config)
     unexpected = [n for n in tensors if n not in expected and n != ROPE_FREQS]
     if unexpected:
@@ -300,42 +296,43 @@ def load_gguf(path: str | Path, only: set[str] | None = None) -> GGUFModel:
         if only is not None and ours not in only:
             continue
         t = tensors[name]
-        if tuple(int(d) for d in reversed(t.shape)) != shape:  # GGUF lists dims innermost first
-            raise ModelFileError(path, name, f"shape {tuple(int(d) for d in reversed(t.shape))}, expected {shape}")
-        if t.tensor_type != GGMLQuantizationType.F32 and t.tensor_type not in READ_TYPES:
-            raise ModelFileError(path, name, f"tensor type {t.tensor_type.name} is not supported (supported: F32, "
+        if t.shape != shape:
+            raise ModelFileError(path, name, f"shape {t.shape}, expected {shape}")
+        if t.type != GGMLQuantizationType.F32 and t.type not in READ_TYPES:
+            raise ModelFileError(path, name, f"tensor type {t.type.name} is not supported (supported: F32, "
                                              f"{', '.join(sorted(k.name for k in READ_TYPES))}): "
                                              + REQUANTIZE.format(name=path.name, stem=path.name.removesuffix('.gguf')))
         data = np.asarray(t.data)
         heads = neox_heads(ours, config) if arch in NEOX else None
         if heads is not None:  # per row of blocks, or of floats: the rows move whole
             data = data[to_adjacent_pairs(torch.arange(shape[0]), heads).numpy()]
-        if t.tensor_type in BLOCK_FORMATS and len(shape) == 2:
-            blocks[ours] = QuantizedBlocks(t.tensor_type, shape, data)
+        if t.type in BLOCK_FORMATS and len(shape) == 2:
+            blocks[ours] = QuantizedBlocks(t.type, shape, data)
             continue
-        array = data.astype(np.float32) if t.tensor_type == GGMLQuantizationType.F32 else dequantize(data, t.tensor_type)
+        array = data.astype(np.float32) if t.type == GGMLQuantizationType.F32 else dequantize(data, t.type)
         weights[ours] = torch.from_numpy(np.ascontiguousarray(array.reshape(shape), dtype=np.float32))
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            dense_blocks[t.tensor_type.name] = dense_blocks.get(t.tensor_type.name, 0) + 1
+        if t.type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            dense_blocks[t.type.name] = dense_blocks.get(t.type.name, 0) + 1
     if dense_blocks:  # one line a file: these run dense, at 4-8 times their bytes
         log.warning("%s: %s tensors have no kernel and were dequantized to dense fp32; to run them on their blocks, %s",
                     path, ", ".join(f"{n} {k}" for k, n in sorted(dense_blocks.items())),
                     REQUANTIZE.format(name=path.name, stem=path.name.removesuffix(".gguf")))
 
+    field = gguf.fields.get
     return GGUFModel(
         config=config,
         weights=GGUFWeights(weights, blocks),
-        tokens=list(_field(reader, "tokenizer.ggml.tokens", [])),
-        token_types=[int(x) for x in _field(reader, "tokenizer.ggml.token_type", [])],
-        merges=list(_field(reader, "tokenizer.ggml.merges", [])),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        tokens=list(field("tokenizer.ggml.tokens", [])),
+        token_types=np.asarray(field("tokenizer.ggml.token_type", []), dtype=np.int64).tolist(),
+        merges=list(field("tokenizer.ggml.merges", [])),
+        chat_template=field("tokenizer.chat_template"),
         blocks=blocks,
-        tokenizer_pre=_field(reader, "tokenizer.ggml.pre"),
-        tokenizer_model=_field(reader, "tokenizer.ggml.model"),
-        scores=[float(x) for x in _field(reader, "tokenizer.ggml.scores", [])],
-        unk_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
-        add_bos=_field(reader, "tokenizer.ggml.add_bos_token"),
-        add_space_prefix=_field(reader, "tokenizer.ggml.add_space_prefix"),
+        tokenizer_pre=field("tokenizer.ggml.pre"),
+        tokenizer_model=field("tokenizer.ggml.model"),
+        scores=np.asarray(field("tokenizer.ggml.scores", []), dtype=np.float64).tolist(),
+        unk_id=field("tokenizer.ggml.unknown_token_id"),
+        add_bos=field("tokenizer.ggml.add_bos_token"),
+        add_space_prefix=field("tokenizer.ggml.add_space_prefix"),
     )
 
 

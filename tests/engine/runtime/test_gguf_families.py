@@ -274,10 +274,13 @@ def test_a_block_type_without_a_kernel_is_dequantized_after_one_log_line(tmp_pat
     assert torch.equal(model.weights["layers.1.w_up"], torch.from_numpy(want.reshape(256, 256)))
 
 
-def test_a_truncated_file_is_refused_at_load(tmp_path):
+def test_a_truncated_file_is_refused_at_load_naming_the_tensor_cut(tmp_path):
+    from specpool.engine.runtime.gguf_file import GGUFFile
+
     path = _bad_file(tmp_path)
-    path.write_bytes(path.read_bytes()[:-1000])
-    with pytest.raises(ModelFileError, match="bad.gguf: GGUF header: unreadable"):
+    last = list(GGUFFile.read(path).tensors.values())[-1]
+    path.write_bytes(path.read_bytes()[: last.offset + last.n_bytes // 2])
+    with pytest.raises(ModelFileError, match=f"bad.gguf: {last.name}: .* runs past the end of the file"):
         load_model_file(path)
 
 
