@@ -26,6 +26,7 @@ from specpool.engine.runtime.gguf_loader import QuantizedBlocks, release_file_pa
 from specpool.engine.runtime.kv_cache import KVCache
 from specpool.engine.runtime.layer import block_weights, layer
 from specpool.engine.runtime.linear import BlockEmbedding, BlockLinear, Int4Linear, Linear, StackedBlockLinear
+from specpool.engine.runtime.process_env import release_freed_heap
 from specpool.engine.runtime.rope import rope_angles
 from specpool.engine.runtime.row_check import row_mismatch
 from specpool.engine.runtime.step_layout import StepLayout, check_rows
@@ -42,6 +43,7 @@ class Llama:
         four_bit = any(b.four_bit for b in (blocks or {}).values())
         self.format = resolve_format(dtype, self.device, four_bit)  # bf16 only where native; q4 where fast
         self._build(weights, blocks)
+        release_freed_heap()  # the build's temporaries, before the row check's own
         # Lossless against its own AR on this machine, or the next format (engine/runtime/row_check.py). An
         # explicit dense dtype is kept and its check reported; the engine's own choices (auto, q4) fall back.
         self.format_check = "rows not checked off the CPU"

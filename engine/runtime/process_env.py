@@ -5,6 +5,9 @@ other device choice.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import os
 
@@ -69,3 +72,18 @@ def isa_ceilings(runs) -> tuple[str, str | None]:
     if not runs("avx512_bf16"):
         return "AVX512_CORE_VNNI", None
     return ("ALL" if runs("amx") else "AVX512_CORE_BF16"), None
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_freed_heap() -> None:
+    """Hand the heap's free pages back to the system after a load's temporaries are gone. glibc keeps them
+    mapped: after a 151,936-token vocabulary's tokenizer was built, 80 MB of freed memory stayed resident,
+    and so counted in the model load's peak. Only glibc has malloc_trim: elsewhere nothing."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -20,7 +20,10 @@ import torch
 
 CHECK_LAYERS = 2  # the first layers and the head: every kind of matrix and attention the format runs
 PROMPT, DRAFTS = 12, 8  # a verify step of K = 8 after a 12-token prompt
-BATCH = 16  # a batch's verify step: 16 x 9 rows, past the row counts where kernels switch their blocking
+# A batch's verify step: 8 x 9 = 72 rows, past the row counts where kernels switch their blocking (oneDNN's bf16
+# at 32; the engine's own row tiles of 16, AMX's from 6 or 12 rows). 16 x 9 rows took a 151,936-token head's
+# logits, 87 MB, to the top of a 1.5B file's load.
+BATCH = 8
 
 
 def row_mismatch(model) -> str | None:

@@ -4,6 +4,7 @@ as Llama 2's and Mistral's files carry it), or a Hugging Face directory's tokeni
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+
+from specpool.engine.runtime.process_env import release_freed_heap
 
 # llama.cpp's token types (tokenizer.ggml.token_type) it matches whole in text and leaves out of decoded text:
 # control tokens such as <|im_start|> or [INST], and the unknown token <unk>.
@@ -105,12 +108,10 @@ class Tokenizer:
 
     def _setup_gguf(self, tok: HFTokenizer, tokens: Sequence[str], token_types: Sequence[int], max_token_bytes: int,
                     chat_template: str | None, bos_id: int, eos_id: int) -> None:
-        # The same tokenizer without control tokens: what a chat message's content is encoded with.
-        text_only = HFTokenizer.from_str(tok.to_str())
         # Control tokens must be matched whole, or "<|im_start|>" is split into "<", "|", ...
         control = [t for t, ty in zip(tokens, token_types) if ty in SPECIAL_TOKEN_TYPES]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        self._setup(tok, text_only, control, len(tokens), max_token_bytes, chat_template, bos_id, eos_id)
+        self._setup(tok, control, len(tokens), max_token_bytes, chat_template, bos_id, eos_id)
 
     @classmethod
     def from_hf(cls, tokenizer_json: str, chat_template: str | None, bos_id: int, eos_id: int,
@@ -118,16 +119,13 @@ class Tokenizer:
         """A Hugging Face tokenizer.json (its text), whose special added tokens are the control tokens;
         `special_tokens`: tokenizer_config.json's bos_token, eos_token, ... as its template sees them."""
         tok = HFTokenizer.from_str(tokenizer_json)
-        spec = json.loads(tokenizer_json)
-        control = [t["content"] for t in spec.get("added_tokens", []) if t.get("special")]
-        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if not t.get("special")]
-        text_only = HFTokenizer.from_str(json.dumps(spec))
+        control = [t["content"] for t in json.loads(tokenizer_json).get("added_tokens", []) if t.get("special")]
         size = tok.get_vocab_size(with_added_tokens=True)
         spelled = tok.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         self = cls.__new__(cls)
         # Decoded alone, a SentencePiece token drops its leading "▁" (a space it covers in running text).
         widest = max(len(s.encode()) + (tok.id_to_token(i) or "").startswith("▁") for i, s in enumerate(spelled))
-        self._setup(tok, text_only, control, size, widest, chat_template, bos_id, eos_id)
+        self._setup(tok, control, size, widest, chat_template, bos_id, eos_id)
         for name, token in (special_tokens or {}).items():
             if token is None:  # unset: undefined in the template (it renders as ""), as in transformers
                 self._template_vars.pop(name, None)
@@ -135,10 +133,9 @@ class Tokenizer:
                 self._template_vars[name] = token
         return self
 
-    def _setup(self, tok: HFTokenizer, text_only: HFTokenizer, control_tokens: list[str], vocab_size: int,
-               max_token_bytes: int, chat_template: str | None, bos_id: int, eos_id: int) -> None:
+    def _setup(self, tok: HFTokenizer, control_tokens: list[str], vocab_size: int, max_token_bytes: int,
+               chat_template: str | None, bos_id: int, eos_id: int) -> None:
         self._tok = tok
-        self._text_only = text_only
         self.control_tokens = control_tokens
         self.vocab_size = vocab_size
         # No token covers more text than this, so a text of n bytes has at least n / max_token_bytes tokens.
@@ -158,12 +155,25 @@ class Tokenizer:
         BPE (gpt2; the caller refuses other models)."""
         g, config = gguf_model, gguf_model.config
         if g.tokenizer_model == "llama":
-            return cls.sentencepiece(
+            tokenizer = cls.sentencepiece(
                 g.tokens, g.scores, g.token_types, g.chat_template, config.bos_id, config.eos_id,
                 unk_id=0 if g.unk_id is None else g.unk_id, add_bos=g.add_bos is not False,
                 add_space_prefix=g.add_space_prefix is not False)
-        return cls(g.tokens, g.merges, g.token_types, g.chat_template, config.bos_id, config.eos_id, g.tokenizer_pre,
-                   add_bos=g.add_bos is True)
+        else:
+            tokenizer = cls(g.tokens, g.merges, g.token_types, g.chat_template, config.bos_id, config.eos_id,
+                            g.tokenizer_pre, add_bos=g.add_bos is True)
+        release_freed_heap()  # building it went through its whole text as JSON
+        return tokenizer
+
+    @functools.cached_property
+    def _text_only(self) -> HFTokenizer:
+        """The same tokenizer without its control tokens: what a chat message's content is encoded with. Built
+        on first use, by a message holding a control token's text: a second copy of a 151,936-token vocabulary
+        held 46 MB, and building it at load took the load's peak 80 MB higher. (Two threads may both build it:
+        the same tokenizer, one kept.)"""
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if not t.get("special")]
+        return HFTokenizer.from_str(json.dumps(spec))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -67,7 +67,7 @@ def test_the_int4_path_with_a_bf16_head_whose_rows_differ_runs_its_dense_matrice
                                                                               linear.Int4Linear)
     assert model.format_check == "decode, verify, tree and batch rows bit-identical"
     [line] = [r.getMessage() for r in caplog.records if "so it runs as" in r.getMessage()]
-    assert "q4 (torch int4, bf16 dense): a batch of 16 verify rows each (144 rows) differs" in line, line
+    assert "q4 (torch int4, bf16 dense): a batch of 8 verify rows each (72 rows) differs" in line, line
 
 
 def test_an_int4_path_whose_rows_differ_runs_as_fp32(shipped, caplog, monkeypatch):
