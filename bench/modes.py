@@ -24,6 +24,7 @@ from specpool.engine.plan import TreeShape
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import cached_step_costs
 from specpool.engine.policy.draft_length import HybridDraftLength, ModelShare, SpeculationPolicy
+from specpool.engine.runtime.draft_pair import is_model_file, load_draft
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
@@ -140,9 +141,14 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
     needs_draft = any(m.split(":")[0] in ("sd", "sd-tree", "hf-assisted") for m in cfg.modes)
     draft = None
     if needs_draft:
-        if cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
-            raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint; none at {cfg.draft_dir}")
-        draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), cfg.draft_dtype, str(model.device))
+        if cfg.draft_dir is not None and cfg.draft_dir.exists() and is_model_file(cfg.draft_dir):
+            # a model of its own sharing the target's tokenizer (the Qwen pair's 0.5B): refused here otherwise
+            draft = load_draft(cfg.draft_dir, cfg.model_path, model.config.vocab_size, cfg.draft_dtype, str(model.device))
+        elif cfg.draft_dir is None or not (cfg.draft_dir / "model.safetensors").exists():
+            raise FileNotFoundError(f"modes sd/hf-assisted need a draft checkpoint or model file; none at {cfg.draft_dir}")
+        else:
+            draft = Llama.from_draft_checkpoint(cfg.draft_dir, model.embed.float().cpu(), cfg.draft_dtype,
+                                                str(model.device))
     if cfg.datastore and not cfg.datastore.exists():
         raise FileNotFoundError(f"no n-gram datastore at {cfg.datastore}: build one with `specpool build-datastore`"
                                 " or pass --datastore '' to use the per-request index alone")

@@ -27,9 +27,8 @@ from specpool.engine.drafters.suffix_store import SuffixStore, SuffixStores
 from specpool.engine.method import Method
 from specpool.engine.plan import TreeShape
 from specpool.engine.policy.costs import StepCosts, cached_step_costs
-from specpool.engine.runtime.draft_pair import TargetMismatch, VocabularyMismatch, load_draft
+from specpool.engine.runtime.draft_pair import TargetMismatch, VocabularyMismatch, is_model_file, load_draft
 from specpool.engine.runtime.gguf_loader import GGUFModel, default_model_path, model_name
-from specpool.engine.runtime.hf_config import read_json
 from specpool.engine.runtime.hf_loader import HFModel, load_model_file
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import make_generator
@@ -195,7 +194,7 @@ def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HF
     """A draft model or head checkpoint, with the target's embeddings: one trained for another target is refused.
     A draft model may also be a model file of its own (a GGUF, a Hugging Face directory) sharing the target's
     tokenizer (engine/runtime/draft_pair.py): a pair whose vocabularies differ is refused here, at start."""
-    if kind == "draft" and _is_model_file(path):
+    if kind == "draft" and is_model_file(path):
         try:
             return load_draft(path, spec.target_gguf, target.config.vocab_size, options.dtype, str(options.device))
         except VocabularyMismatch as e:
@@ -209,15 +208,6 @@ def _load_draft(spec: DrafterSpec, kind: str, path: Path, target: GGUFModel | HF
         raise ValueError(f"--drafter {spec.name}: head={path} is not a draft head (train one with "
                          "`specpool train-draft --kind head`); pass a draft model as draft=DIR")
     return model
-
-
-def _is_model_file(path: Path) -> bool:
-    """A GGUF, or a Hugging Face directory (its config.json names an architecture), not one of the project's
-    draft checkpoints (whose config.json holds the engine's own ModelConfig)."""
-    if not path.is_dir():
-        return True
-    config = path / "config.json"
-    return config.is_file() and "architectures" in read_json(config)
 
 
 class HostedDrafters:

@@ -218,7 +218,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="routed-ray modes: the Ray cluster to launch the cluster file on (unset or alone: a one-node "
                         "Ray on 127.0.0.1 for the run)")
-    b.add_argument("--draft", default="models/smollm2-135m-draft", help="draft checkpoint directory")
+    b.add_argument("--draft", default="models/smollm2-135m-draft", type=model_arg,
+                   help="the draft model: a checkpoint directory (train-draft's), or a model file sharing the "
+                        "target's tokenizer (a GGUF, a Hugging Face directory, a short name: qwen2.5-coder-0.5b)")
     b.add_argument("--head", default="models/smollm2-135m-head", help="feature-fed head checkpoint directory")
     b.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the draft model's and the head's weights (auto: Q8_0 blocks through the engine's CPU "

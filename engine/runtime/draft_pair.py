@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specpool.engine.runtime.config import ModelConfig
-from specpool.engine.runtime.hf_config import ModelFileError
+from specpool.engine.runtime.hf_config import ModelFileError, read_json
 
 
 class VocabularyMismatch(ValueError):
@@ -100,6 +100,15 @@ def map_to_target(config: ModelConfig, weights: dict[str, torch.Tensor], target_
     embed[target_ids] = weights["embed"][:n]
     weights = weights | {"embed": embed, "lm_head": head, "output_ids": target_ids}
     return replace(config, vocab_size=target_rows, tie_embeddings=False, head_dim=config.head_dim), weights
+
+
+def is_model_file(path: Path) -> bool:
+    """A GGUF, or a Hugging Face directory (its config.json names an architecture), not one of the project's
+    draft checkpoints (whose config.json holds the engine's own ModelConfig)."""
+    if not path.is_dir():
+        return True
+    config = path / "config.json"
+    return config.is_file() and "architectures" in read_json(config)
 
 
 def load_draft(path: str | Path, target_path: str | Path, target_rows: int, dtype: str | None = None,

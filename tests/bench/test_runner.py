@@ -96,3 +96,24 @@ def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():
                 if r["mode"] == "ar-fp32":
                     continue  # the reference format beside the default: its own numerics, timed only
                 assert r["outputs_match_ar"], f"{path.name}: batch {batch}, {r['mode']} differs from AR"
+
+
+def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
+    """--draft takes a model file sharing the target's tokenizer, here by its short name: the Qwen2.5-Coder pair
+    (issue 51's headline), its 0.5B drafting for the 1.5B in process."""
+    from specpool.engine.runtime.chunked_models import model_path
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"})
+                        + "\n")
+    out = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
+         "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "24", "--batch-sizes", "1",
+         "--modes", "ar,sd:4", "--datastore", "", "--json", str(out), "--threads", "2"],
+        check=True, timeout=900,
+    )
+    report = json.loads(out.read_text())
+    assert report["draft"] == model_path("qwen2.5-coder-0.5b")
+    sd = next(r for r in report["results"] if r["mode"] == "sd:4")
+    assert sd["outputs_match_ar"] is True and sd["mean_accept_len"] > 1.5, sd

