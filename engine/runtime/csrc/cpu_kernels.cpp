@@ -200,6 +200,99 @@ struct Block {
   const void* m;
 };
 
+#if defined(SPECPOOL_AVX512)
+// Group g of a block, unpacked: w_j's lane i holds elements 4j..4j+3 of output i's group, unsigned.
+template <int64_t LAYOUT>
+inline void unpack_group(const uint8_t* block, __m512i* w) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (LAYOUT == Q8) {
+    for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
+  } else {
+    for (int k = 0; k < 4; ++k) {
+      const __m512i b = _mm512_loadu_si512(block + 64 * k);
+      w[2 * k] = _mm512_and_si512(b, m4);
+      w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+    }
+  }
+  if constexpr (five_bit(LAYOUT)) {  // where bit j of byte b is set, 16 added to w_j's byte b
+    const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(hb, _mm512_set1_epi8(static_cast<char>(1 << j))), w[j], m10);
+  }
+  if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b = _mm512_loadu_si512(block + 256 + 64 * h);
+      w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(b, 4), m30));
+      w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), m30));
+      w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(b, m30));
+      w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
+    }
+  }
+}
+
+// One group's scales, a lane per output: d_g and m_g, or (Q6K) the super-block's d and the two sub-blocks' sc.
+struct Scales {
+  __m512 dv, mv;
+  __m512i sc0, sc1;
+};
+
+// `super` carries a K-quant super-block's d and -dmin from its first group to the next seven.
+template <int64_t LAYOUT>
+inline Scales group_scales(const Block& blk, int64_t g, __m512* super) {
+  const at::Half* d_half = blk.d;
+  const uint8_t* m_bytes = static_cast<const uint8_t*>(blk.m);
+  Scales s;
+  if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
+    s.dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
+    s.mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                              reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
+                        : _mm512_mul_ps(s.dv, _mm512_set1_ps(-128.f));  // exact: a power of two
+  } else {
+    if (g % 8 == 0) {
+      const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
+      super[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
+      if constexpr (k_min(LAYOUT))  // negated: exact
+        super[1] = _mm512_sub_ps(_mm512_setzero_ps(),
+                                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
+    }
+    const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
+    const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
+    if constexpr (k_min(LAYOUT)) {
+      s.dv = _mm512_mul_ps(super[0], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
+      s.mv = _mm512_mul_ps(super[1], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
+    } else {
+      s.dv = super[0];
+      s.sc0 = _mm512_cvtepi8_epi32(s0);
+      s.sc1 = _mm512_cvtepi8_epi32(s1);
+    }
+  }
+  return s;
+}
+
+// Row r's group g added to its accumulator, from the group's integer dot products: `dot` all 32 of them
+// (dot1 unused), or for Q6K `dot` its first 16 and dot1 its last. The only float arithmetic of a product:
+// every path runs it alike, whichever instructions made the integers.
+template <int64_t LAYOUT>
+inline __m512 group_epilogue(__m512 acc, __m512i dot, __m512i dot1, const Scales& s, const float* dx,
+                             const float* xs, const int32_t* xh, int64_t groups, int r, int64_t g) {
+  const __m512 dxv = _mm512_mul_ps(s.dv, _mm512_set1_ps(dx[r * groups + g]));
+  if constexpr (LAYOUT == Q6K) {
+    const int32_t* h = xh + (r * groups + g) * 2;
+    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s.sc0, _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0]))),
+                                          _mm512_mullo_epi32(s.sc1, _mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1]))));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dxv, acc);
+  } else if constexpr (LAYOUT == Q5) {
+    const int32_t* h = xh + (r * groups + g) * 2;
+    const __m512i isum = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * (h[0] + h[1])));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dxv, acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dxv, acc);
+    return _mm512_fmadd_ps(s.mv, _mm512_set1_ps(xs[r * groups + g]), acc);
+  }
+}
+#endif
+
 // Outputs of one block of LANES, for `TILE` rows; y points at row 0's first of them.
 // TILE, the row count, is a template argument so that the rows' accumulators live in registers.
 template <int64_t LAYOUT, int TILE>
@@ -210,63 +303,14 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
   const at::Half* d_half = blk.d;
   const uint8_t* m_bytes = static_cast<const uint8_t*>(blk.m);
 #if defined(SPECPOOL_AVX512)
+  (void)d_half, (void)m_bytes;
   __m512 acc[TILE];
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512 super_d = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();  // Q4K, Q6K: the super-block's
+  __m512 super[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // K-quants: the super-block's d, -dmin
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
-    const uint8_t* block = blk.qs + g * BYTES;
-    if constexpr (LAYOUT == Q8) {
-      for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
-    } else {
-      for (int k = 0; k < 4; ++k) {
-        const __m512i b = _mm512_loadu_si512(block + 64 * k);
-        w[2 * k] = _mm512_and_si512(b, m4);
-        w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-      }
-    }
-    if constexpr (five_bit(LAYOUT)) {  // where bit j of byte b is set, 16 added to w_j's byte b
-      const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
-      for (int j = 0; j < 8; ++j)
-        w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(hb, _mm512_set1_epi8(static_cast<char>(1 << j))), w[j], m10);
-    }
-    if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
-      const __m512i m30 = _mm512_set1_epi8(0x30);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i b = _mm512_loadu_si512(block + 256 + 64 * h);
-        w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(b, 4), m30));
-        w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), m30));
-        w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(b, m30));
-        w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
-      }
-    }
-    __m512 dv, mv;
-    __m512i sc0, sc1;
-    if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
-      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
-      mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                              reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
-                        : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
-    } else {
-      if (g % 8 == 0) {
-        const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
-        super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
-        if constexpr (k_min(LAYOUT))  // negated: exact
-          super_min = _mm512_sub_ps(_mm512_setzero_ps(),
-                                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
-      }
-      const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
-      const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
-      if constexpr (k_min(LAYOUT)) {
-        dv = _mm512_mul_ps(super_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
-        mv = _mm512_mul_ps(super_min, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
-      } else {
-        dv = super_d;
-        sc0 = _mm512_cvtepi8_epi32(s0);
-        sc1 = _mm512_cvtepi8_epi32(s1);
-      }
-    }
+    unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
+    const Scales s = group_scales<LAYOUT>(blk, g, super);
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
@@ -276,26 +320,13 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 4], broadcast4_512(x + 4 * j + 16));
         }
-        const int32_t* h = xh + (r * groups + g) * 2;
-        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * h[0]))),
-                                              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * h[1]))));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-      } else if constexpr (LAYOUT == Q5) {
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
-          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
-        }
-        const int32_t* h = xh + (r * groups + g) * 2;
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(16 * (h[0] + h[1])));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+        acc[r] = group_epilogue<LAYOUT>(acc[r], s0, s1, s, dx, xs, xh, groups, r, g);
       } else {
         for (int j = 0; j < 8; j += 2) {
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
         }
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
+        acc[r] = group_epilogue<LAYOUT>(acc[r], _mm512_add_epi32(s0, s1), s1, s, dx, xs, xh, groups, r, g);
       }
     }
   }
