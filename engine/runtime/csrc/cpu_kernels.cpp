@@ -233,8 +233,7 @@ inline void unpack_group(const uint8_t* block, __m512i* w) {
 
 // One group's scales, a lane per output: d_g and m_g, or (Q6K) the super-block's d and the two sub-blocks' sc.
 struct Scales {
-  __m512 dv, mv;
-  __m512i sc0, sc1;
+  __m512 dv, mv, sc0, sc1;
 };
 
 // `super` carries a K-quant super-block's d and -dmin from its first group to the next seven.
@@ -263,8 +262,8 @@ inline Scales group_scales(const Block& blk, int64_t g, __m512* super) {
       s.mv = _mm512_mul_ps(super[1], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
     } else {
       s.dv = super[0];
-      s.sc0 = _mm512_cvtepi8_epi32(s0);
-      s.sc1 = _mm512_cvtepi8_epi32(s1);
+      s.sc0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0));
+      s.sc1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1));
     }
   }
   return s;
@@ -278,10 +277,12 @@ inline __m512 group_epilogue(__m512 acc, __m512i dot, __m512i dot1, const Scales
                              const float* xs, const int32_t* xh, int64_t groups, int r, int64_t g) {
   const __m512 dxv = _mm512_mul_ps(s.dv, _mm512_set1_ps(dx[r * groups + g]));
   if constexpr (LAYOUT == Q6K) {
+    // isum = sc0 * t0 + sc1 * t1 in fp32, exactly: |t| <= 16 * 32 * 127 and |sc| <= 128, so every product and
+    // the sum stay below 2^24 (the bits of the integer isum converted), in fewer instructions than vpmulld.
     const int32_t* h = xh + (r * groups + g) * 2;
-    const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(s.sc0, _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0]))),
-                                          _mm512_mullo_epi32(s.sc1, _mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1]))));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dxv, acc);
+    const __m512 t0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0])));
+    const __m512 t1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1])));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(t1, s.sc1, _mm512_mul_ps(t0, s.sc0)), dxv, acc);
   } else if constexpr (LAYOUT == Q5) {
     const int32_t* h = xh + (r * groups + g) * 2;
     const __m512i isum = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * (h[0] + h[1])));
