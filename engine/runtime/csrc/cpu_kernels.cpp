@@ -12,11 +12,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -463,6 +467,175 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
 #endif
 }
 
+#if defined(SPECPOOL_AVX512)
+#ifndef SPECPOOL_AMX_AHEAD
+#define SPECPOOL_AMX_AHEAD 4
+#endif
+// ---------------------------------------------------------------------------------------------
+// AMX (Intel's tile unit), where the CPU runs it and Python asked for it (set_amx_rows): a row tile's group of
+// 32 inputs is one TDPBSUD (signed A x unsigned B, int32 C) for all its rows, where the vector path spends 8
+// vpdpbusd a row. A is the rows' 32 bytes of xq (quantize_rows' layout, `in` bytes apart); B is the group's
+// unpacked vectors w_0..w_7 as its 8 rows: AMX's B layout (K/4 rows of N times 4 bytes) is exactly one w_j a
+// row. C's row r is then, lane for lane, the integer the vector path sums for row r (exact either way), and
+// group_epilogue runs on it as there: a row's bits are those of the 1-row vector path.
+// Tiles: C in tmm0/1, A in tmm2/3, B in tmm4/5. Q6K's two sub-blocks are two products of K = 16 (A0 B0 -> C0,
+// A1 B1 -> C1); the other layouts alternate groups between (tmm0, 2, 4) and (tmm1, 3, 5), so that a group's
+// product need not wait for the previous group's sums to be stored.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes a row
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for `rows` rows of `layout` (TILELOADD/TDPBSUD read their shapes from here): C in tmm0-3
+// (one a group in flight; Q6K's two halves of a group take two), A in tmm4-5 and B in tmm6-7, alternating.
+void amx_configure(int64_t layout, int rows) {
+  TileConfig cfg;
+  const bool halves = layout == Q6K;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? rows : halves ? 4 : 8;  // B: w_j a row
+    cfg.colsb[t] = t == 4 || t == 5 ? (halves ? GROUP / 2 : GROUP) : 4 * LANES;  // A: a row's bytes of the group
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+void amx_release() { asm volatile("tilerelease" ::); }
+
+// Row tiles of at least this many rows run on AMX; 0: none (set_amx_rows). Not Q6K's: its float work per row
+// (two sub-block scales) is most of its vector path's time already, and a tile product's fixed cost (some 35
+// cycles a group, whatever the rows) made it slower than the vector path at every row count up to 16
+// (2048x1536, 1 thread: 9 rows 213 vs 185 us, 16 rows 391 vs 308).
+std::atomic<int> amx_min_rows{0};
+std::atomic<int64_t> amx_tiles_run{0};  // (block, row tile) products AMX ran: what a test checks
+
+// One product C += A B into tile C from activations x (rows `in` bytes apart) and weights b (rows of 64 bytes),
+// then C stored to c. The pointer comes back through the asm ("+r"), so that the loads of what was stored depend
+// on the store and follow it; declaring the stored bytes an "=m" output instead kept every row's accumulator
+// in memory (GCC 12), where the vector path keeps them in registers.
+#define SPECPOOL_TILE_PRODUCT(C, A, B, x, b, bytes, c)                                                      \
+  do {                                                                                                      \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #A ::"r"(x), "r"(in));                                       \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #B ::"r"(b), "r"(int64_t{64}),                                \
+                 "m"(*reinterpret_cast<const uint8_t(*)[bytes]>(b)));                                       \
+    asm volatile("tilezero %%tmm" #C ::);                                                                   \
+    asm volatile("tdpbsud %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                          \
+    asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" : "+r"(c) : "r"(int64_t{64}));                         \
+  } while (0)
+
+// Group g's integer sums for every row, in flight slot SET, stored to c (and, Q6K, its second half to c1): x its
+// activations, b its unpacked weights (Q8: packed).
+template <int64_t LAYOUT, int SET>
+inline void tile_group(const int8_t* x, int64_t in, const uint8_t* b, int32_t*& c, int32_t*& c1) {
+  if constexpr (LAYOUT == Q6K) {
+    if constexpr (SET == 0) {
+      SPECPOOL_TILE_PRODUCT(0, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT(1, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+    } else {
+      SPECPOOL_TILE_PRODUCT(2, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT(3, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+    }
+  } else if constexpr (SET == 0) {
+    SPECPOOL_TILE_PRODUCT(0, 4, 6, x, b, 512, c);
+  } else if constexpr (SET == 1) {
+    SPECPOOL_TILE_PRODUCT(1, 5, 7, x, b, 512, c);
+  } else if constexpr (SET == 2) {
+    SPECPOOL_TILE_PRODUCT(2, 4, 6, x, b, 512, c);
+  } else {
+    SPECPOOL_TILE_PRODUCT(3, 5, 7, x, b, 512, c);
+  }
+}
+#undef SPECPOOL_TILE_PRODUCT
+
+// block_rows for a row tile on AMX: the same outputs, bit for bit, with one tile product a group (two for Q6K).
+template <int64_t LAYOUT, int TILE>
+void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const float* dx, const float* xs,
+                    const int32_t* xh, int64_t in, const float* res, float* y, int64_t out) {
+  constexpr int BYTES = group_bytes(LAYOUT);
+  // Products run DEPTH groups ahead of the float work that reads their sums (a product's result takes some 70
+  // cycles to reach a vector load), on as many C tiles as that keeps in flight (Q6K's take two each).
+  constexpr int DEPTH = LAYOUT == Q6K ? 1 : 3, SETS = DEPTH + 1;
+  // Unpacked B, further ahead still: a tile load of bytes that vector stores have just written waits for those
+  // stores to leave the core (at 1 row 4x the vector path's time, measured), while stores made groups earlier
+  // have long landed in L1.
+  constexpr int AHEAD = DEPTH + SPECPOOL_AMX_AHEAD, RING = AHEAD + 1;
+  alignas(64) uint8_t wbuf[RING][8 * 4 * LANES];
+  alignas(64) int32_t sums[SETS][2][TILE * LANES];  // C as stored, per slot (and Q6K's half)
+  const auto unpack = [&blk, &wbuf](int64_t g) {
+    if constexpr (LAYOUT != Q8) {  // Q8's B is its packed bytes as they are
+      __m512i w[8];
+      unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(wbuf[g % RING] + 64 * j, w[j]);
+    }
+  };
+  int32_t* c[SETS][2];
+  for (int t = 0; t < SETS; ++t) c[t][0] = sums[t][0], c[t][1] = sums[t][1];
+  const auto product = [&](int64_t g) {
+    const int8_t* x = xq + g * GROUP;
+    const uint8_t* b = LAYOUT == Q8 ? blk.qs + g * BYTES : wbuf[g % RING];
+    int32_t*(&cs)[2] = c[g % SETS];
+    switch (g % SETS) {
+      case 0: tile_group<LAYOUT, 0>(x, in, b, cs[0], cs[1]); break;
+      case 1: tile_group<LAYOUT, 1>(x, in, b, cs[0], cs[1]); break;
+      case 2: tile_group<LAYOUT, 2>(x, in, b, cs[0], cs[1]); break;
+      default: tile_group<LAYOUT, 3>(x, in, b, cs[0], cs[1]); break;
+    }
+  };
+  __m512 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 super[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < std::min<int64_t>(AHEAD, groups); ++g) unpack(g);
+  for (int64_t g = 0; g < std::min<int64_t>(DEPTH, groups); ++g) product(g);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + DEPTH < groups) product(g + DEPTH);  // runs while this group's sums are read
+    if (g + AHEAD < groups) unpack(g + AHEAD);
+    const Scales s = group_scales<LAYOUT>(blk, g, super);
+    const int32_t* c0 = c[g % SETS][0];
+    const int32_t* c1 = c[g % SETS][1];
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; ++r) {
+      const __m512i dot = _mm512_load_si512(c0 + r * LANES);
+      const __m512i dot1 = LAYOUT == Q6K ? _mm512_load_si512(c1 + r * LANES) : dot;
+      acc[r] = group_epilogue<LAYOUT>(acc[r], dot, dot1, s, dx, xs, xh, groups, r, g);
+    }
+  }
+  for (int r = 0; r < TILE; ++r)
+    _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(acc[r], _mm512_loadu_ps(res + r * out)) : acc[r]);
+}
+
+template <int64_t LAYOUT>
+auto amx_rows_fn(int tile) -> decltype(&block_rows_amx<LAYOUT, 1>) {
+  switch (tile) {
+    case 1: return &block_rows_amx<LAYOUT, 1>;
+    case 2: return &block_rows_amx<LAYOUT, 2>;
+    case 3: return &block_rows_amx<LAYOUT, 3>;
+    case 4: return &block_rows_amx<LAYOUT, 4>;
+    case 5: return &block_rows_amx<LAYOUT, 5>;
+    case 6: return &block_rows_amx<LAYOUT, 6>;
+    case 7: return &block_rows_amx<LAYOUT, 7>;
+    case 8: return &block_rows_amx<LAYOUT, 8>;
+    case 9: return &block_rows_amx<LAYOUT, 9>;
+    case 10: return &block_rows_amx<LAYOUT, 10>;
+    case 11: return &block_rows_amx<LAYOUT, 11>;
+    case 12: return &block_rows_amx<LAYOUT, 12>;
+    case 13: return &block_rows_amx<LAYOUT, 13>;
+    case 14: return &block_rows_amx<LAYOUT, 14>;
+    case 15: return &block_rows_amx<LAYOUT, 15>;
+    default: return &block_rows_amx<LAYOUT, 16>;
+  }
+}
+
+// Row tiles of at least `rows` rows on AMX from now on (0: none); asks Linux for the tile state first. Python
+// calls it only where cpu_features has seen AMX execute: VMs have advertised it and faulted. -> whether on.
+bool set_amx_rows(int64_t rows) {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  amx_min_rows = rows > 0 && permitted ? static_cast<int>(std::min<int64_t>(rows, ROW_TILE_MAX)) : 0;
+  return amx_min_rows > 0;
+}
+#else
+bool set_amx_rows(int64_t) { return false; }  // AMX is an AVX-512 build's
+#endif
+
 template <int64_t LAYOUT>
 auto rows_fn(int tile) -> decltype(&block_rows<LAYOUT, 1>) {
   switch (tile) {
@@ -557,15 +730,47 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   // Per block of outputs: bytes of weights, of d (fp16 elements) and of m.
   const int64_t block_bytes = groups * qs.size(2);
   const int64_t block_d = d.numel() / blocks, block_m = no_m ? 0 : m.numel() * m.element_size() / blocks;
+#if defined(SPECPOOL_AVX512)
+  const int amx_rows = amx_min_rows.load();
+  const auto amx_rows_of = [layout](int tile) {
+    switch (layout) {
+      case Q4: return amx_rows_fn<Q4>(tile);
+      case Q5: return amx_rows_fn<Q5>(tile);
+      case Q8: return amx_rows_fn<Q8>(tile);
+      case Q4K: return amx_rows_fn<Q4K>(tile);
+      case Q5K: return amx_rows_fn<Q5K>(tile);
+      default: return amx_rows_fn<Q6K>(tile);
+    }
+  };
+#endif
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+#if defined(SPECPOOL_AVX512)
+    int configured = 0;  // the rows this thread's tiles are configured for (0: not configured)
+    int64_t on_amx = 0;
+#endif
     for (int64_t ob = begin; ob < end; ++ob) {
       const Block blk{q_ptr + ob * block_bytes, d_ptr + ob * block_d, m_ptr ? m_ptr + ob * block_m : nullptr};
-      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-        rows_of(static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0)))(
-            blk, groups, xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups,
-            xh_ptr ? xh_ptr + r0 * groups * 2 : nullptr, in, res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr,
-            y_ptr + r0 * out + ob * LANES, out);
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0));
+        auto fn = rows_of(tile);
+#if defined(SPECPOOL_AVX512)
+        if (amx_rows > 0 && tile >= amx_rows && layout != Q6K) {
+          if (configured != tile) amx_configure(layout, configured = tile);
+          fn = amx_rows_of(tile);
+          ++on_amx;
+        }
+#endif
+        fn(blk, groups, xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups,
+           xh_ptr ? xh_ptr + r0 * groups * 2 : nullptr, in, res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr,
+           y_ptr + r0 * out + ob * LANES, out);
+      }
     }
+#if defined(SPECPOOL_AVX512)
+    if (configured) {
+      amx_release();
+      amx_tiles_run += on_amx;
+    }
+#endif
   });
   auto shape = x.sizes().vec();
   shape.back() = out;
@@ -745,12 +950,23 @@ at::Tensor cache_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // What BlockLinear packs for this build: (lanes, whether 8-bit weights are stored offset by 128).
 std::tuple<int64_t, bool> block_layout() { return {LANES, SIGNED_OFFSET}; }
 
+// How many (block, row tile) products have run on AMX in this process: a test's proof that they did.
+int64_t amx_tiles() {
+#if defined(SPECPOOL_AVX512)
+  return amx_tiles_run.load();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specpool, lib) {
   lib.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int layout, Tensor? norm=None, float eps=0, "
           "bool silu_mul=False, Tensor? residual=None) -> Tensor");
   lib.def("block_layout() -> (int, bool)", &block_layout);  // no tensor to dispatch on: one impl for all
+  lib.def("set_amx_rows(int rows) -> bool", &set_amx_rows);
+  lib.def("amx_tiles() -> int", &amx_tiles);
   lib.def("visible_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");
   lib.def("cache_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor write_slot, "
           "Tensor write_pos, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");
