@@ -274,9 +274,10 @@ inline Scales group_scales(const Block& blk, int64_t g, __m512* super) {
 }
 
 // Row r's group g added to its accumulator, from the group's integer dot products: `dot` all 32 of them
-// (dot1 unused), or for Q6K `dot` its first 16 and dot1 its last. The only float arithmetic of a product:
-// every path runs it alike, whichever instructions made the integers.
-template <int64_t LAYOUT>
+// (dot1 unused), or for Q6K `dot` its first 16 and dot1 its last; CENTERED, of the weights' signed q - 32
+// (Q6K) or q - 16 (Q5) already, as AMX computes them. The only float arithmetic of a product: every path
+// runs it alike, whichever instructions made the integers.
+template <int64_t LAYOUT, bool CENTERED = false>
 inline __m512 group_epilogue(__m512 acc, __m512i dot, __m512i dot1, const Scales& s, const float* dx,
                              const float* xs, const int32_t* xh, int64_t groups, int r, int64_t g) {
   const __m512 dxv = _mm512_mul_ps(s.dv, _mm512_set1_ps(dx[r * groups + g]));
@@ -284,12 +285,12 @@ inline __m512 group_epilogue(__m512 acc, __m512i dot, __m512i dot1, const Scales
     // isum = sc0 * t0 + sc1 * t1 in fp32, exactly: |t| <= 16 * 32 * 127 and |sc| <= 128, so every product and
     // the sum stay below 2^24 (the bits of the integer isum converted), in fewer instructions than vpmulld.
     const int32_t* h = xh + (r * groups + g) * 2;
-    const __m512 t0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0])));
-    const __m512 t1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1])));
+    const __m512 t0 = _mm512_cvtepi32_ps(CENTERED ? dot : _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0])));
+    const __m512 t1 = _mm512_cvtepi32_ps(CENTERED ? dot1 : _mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1])));
     return _mm512_fmadd_ps(_mm512_fmadd_ps(t1, s.sc1, _mm512_mul_ps(t0, s.sc0)), dxv, acc);
   } else if constexpr (LAYOUT == Q5) {
     const int32_t* h = xh + (r * groups + g) * 2;
-    const __m512i isum = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * (h[0] + h[1])));
+    const __m512i isum = CENTERED ? dot : _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * (h[0] + h[1])));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dxv, acc);
   } else {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dxv, acc);
@@ -468,9 +469,6 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
 }
 
 #if defined(SPECPOOL_AVX512)
-#ifndef SPECPOOL_AMX_AHEAD
-#define SPECPOOL_AMX_AHEAD 4
-#endif
 // ---------------------------------------------------------------------------------------------
 // AMX (Intel's tile unit), where the CPU runs it and Python asked for it (set_amx_rows): a row tile's group of
 // 32 inputs is one TDPBSUD (signed A x unsigned B, int32 C) for all its rows, where the vector path spends 8
@@ -502,26 +500,30 @@ void amx_configure(int64_t layout, int rows) {
 
 void amx_release() { asm volatile("tilerelease" ::); }
 
-// Row tiles of at least this many rows run on AMX; 0: none (set_amx_rows). Not Q6K's: its float work per row
-// (two sub-block scales) is most of its vector path's time already, and a tile product's fixed cost (some 35
-// cycles a group, whatever the rows) made it slower than the vector path at every row count up to 16
-// (2048x1536, 1 thread: 9 rows 213 vs 185 us, 16 rows 391 vs 308).
-std::atomic<int> amx_min_rows{0};
+std::atomic<int> amx_min_rows{0};  // row tiles of at least this many rows run on AMX; 0: none (set_amx_rows)
+// Q6K's from this many rows only: two products a group (a fixed cost of some 35 cycles each, whatever the rows)
+// against float work per row that is most of its vector path's time already. 2048x1536, 1 thread, AMX's time
+// over the vector path's: 1.04 at 6 rows, 1.06 at 9, 0.94 at 12, 0.86 at 16.
+constexpr int AMX_Q6K_ROWS = 12;
 std::atomic<int64_t> amx_tiles_run{0};  // (block, row tile) products AMX ran: what a test checks
 
 // One product C += A B into tile C from activations x (rows `in` bytes apart) and weights b (rows of 64 bytes),
 // then C stored to c. The pointer comes back through the asm ("+r"), so that the loads of what was stored depend
 // on the store and follow it; declaring the stored bytes an "=m" output instead kept every row's accumulator
 // in memory (GCC 12), where the vector path keeps them in registers.
-#define SPECPOOL_TILE_PRODUCT(C, A, B, x, b, bytes, c)                                                      \
+#define SPECPOOL_TILE_PRODUCT(DP, C, A, B, x, b, bytes, c)                                                  \
   do {                                                                                                      \
     asm volatile("tileloadd (%0,%1,1), %%tmm" #A ::"r"(x), "r"(in));                                       \
     asm volatile("tileloadd (%0,%1,1), %%tmm" #B ::"r"(b), "r"(int64_t{64}),                                \
                  "m"(*reinterpret_cast<const uint8_t(*)[bytes]>(b)));                                       \
     asm volatile("tilezero %%tmm" #C ::);                                                                   \
-    asm volatile("tdpbsud %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                          \
+    asm volatile(DP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                              \
     asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" : "+r"(c) : "r"(int64_t{64}));                         \
   } while (0)
+
+// Weights AMX takes signed, centered (Q6K's q - 32, Q5's q - 16): the products are then the integers the vector
+// path makes by subtracting 32 or 16 times the activations' sums, one instruction a row fewer.
+constexpr bool amx_centered(int64_t layout) { return layout == Q6K || layout == Q5; }
 
 // Group g's integer sums for every row, in flight slot SET, stored to c (and, Q6K, its second half to c1): x its
 // activations, b its unpacked weights (Q8: packed).
@@ -529,20 +531,27 @@ template <int64_t LAYOUT, int SET>
 inline void tile_group(const int8_t* x, int64_t in, const uint8_t* b, int32_t*& c, int32_t*& c1) {
   if constexpr (LAYOUT == Q6K) {
     if constexpr (SET == 0) {
-      SPECPOOL_TILE_PRODUCT(0, 4, 6, x, b, 256, c);
-      SPECPOOL_TILE_PRODUCT(1, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 0, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 1, 5, 7, x + GROUP / 2, b + 256, 256, c1);
     } else {
-      SPECPOOL_TILE_PRODUCT(2, 4, 6, x, b, 256, c);
-      SPECPOOL_TILE_PRODUCT(3, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 2, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 3, 5, 7, x + GROUP / 2, b + 256, 256, c1);
     }
-  } else if constexpr (SET == 0) {
-    SPECPOOL_TILE_PRODUCT(0, 4, 6, x, b, 512, c);
-  } else if constexpr (SET == 1) {
-    SPECPOOL_TILE_PRODUCT(1, 5, 7, x, b, 512, c);
-  } else if constexpr (SET == 2) {
-    SPECPOOL_TILE_PRODUCT(2, 4, 6, x, b, 512, c);
   } else {
-    SPECPOOL_TILE_PRODUCT(3, 5, 7, x, b, 512, c);
+    // TDPBSUD: signed activations x unsigned weights; TDPBSSD: both signed (centered)
+    if constexpr (SET == 0) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 0, 4, 6, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 0, 4, 6, x, b, 512, c);
+    } else if constexpr (SET == 1) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 1, 5, 7, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 1, 5, 7, x, b, 512, c);
+    } else if constexpr (SET == 2) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 2, 4, 6, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 2, 4, 6, x, b, 512, c);
+    } else {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 3, 5, 7, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 3, 5, 7, x, b, 512, c);
+    }
   }
 }
 #undef SPECPOOL_TILE_PRODUCT
@@ -558,14 +567,16 @@ void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const fl
   // Unpacked B, further ahead still: a tile load of bytes that vector stores have just written waits for those
   // stores to leave the core (at 1 row 4x the vector path's time, measured), while stores made groups earlier
   // have long landed in L1.
-  constexpr int AHEAD = DEPTH + SPECPOOL_AMX_AHEAD, RING = AHEAD + 1;
+  constexpr int AHEAD = DEPTH + 4, RING = AHEAD + 1;
   alignas(64) uint8_t wbuf[RING][8 * 4 * LANES];
   alignas(64) int32_t sums[SETS][2][TILE * LANES];  // C as stored, per slot (and Q6K's half)
   const auto unpack = [&blk, &wbuf](int64_t g) {
     if constexpr (LAYOUT != Q8) {  // Q8's B is its packed bytes as they are
       __m512i w[8];
       unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
-      for (int j = 0; j < 8; ++j) _mm512_store_si512(wbuf[g % RING] + 64 * j, w[j]);
+      const __m512i center = _mm512_set1_epi8(LAYOUT == Q6K ? 32 : 16);
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(wbuf[g % RING] + 64 * j, amx_centered(LAYOUT) ? _mm512_sub_epi8(w[j], center) : w[j]);
     }
   };
   int32_t* c[SETS][2];
@@ -596,7 +607,7 @@ void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const fl
     for (int r = 0; r < TILE; ++r) {
       const __m512i dot = _mm512_load_si512(c0 + r * LANES);
       const __m512i dot1 = LAYOUT == Q6K ? _mm512_load_si512(c1 + r * LANES) : dot;
-      acc[r] = group_epilogue<LAYOUT>(acc[r], dot, dot1, s, dx, xs, xh, groups, r, g);
+      acc[r] = group_epilogue<LAYOUT, amx_centered(LAYOUT)>(acc[r], dot, dot1, s, dx, xs, xh, groups, r, g);
     }
   }
   for (int r = 0; r < TILE; ++r)
@@ -754,7 +765,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
         const int tile = static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0));
         auto fn = rows_of(tile);
 #if defined(SPECPOOL_AVX512)
-        if (amx_rows > 0 && tile >= amx_rows && layout != Q6K) {
+        if (amx_rows > 0 && tile >= std::max(amx_rows, layout == Q6K ? AMX_Q6K_ROWS : 0)) {
           if (configured != tile) amx_configure(layout, configured = tile);
           fn = amx_rows_of(tile);
           ++on_amx;
