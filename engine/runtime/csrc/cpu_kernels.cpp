@@ -273,6 +273,10 @@ inline Scales group_scales(const Block& blk, int64_t g, __m512* super) {
   return s;
 }
 
+// Layouts whose integer sums the epilogue takes centered (Q6K's weights q - 32, Q5's q - 16): AMX multiplies
+// them as signed weights, and the vector path starts its sums at -32 or -16 times the activations' sums.
+constexpr bool amx_centered(int64_t layout) { return layout == Q6K || layout == Q5; }
+
 // Row r's group g added to its accumulator, from the group's integer dot products: `dot` all 32 of them
 // (dot1 unused), or for Q6K `dot` its first 16 and dot1 its last; CENTERED, of the weights' signed q - 32
 // (Q6K) or q - 16 (Q5) already, as AMX computes them. The only float arithmetic of a product: every path
@@ -320,19 +324,24 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+      // Two chains (half the latency), each started at its share of the centering (Q6K: -32 times the
+      // activations' sum per 16, Q5: -16 times theirs): the integers group_epilogue takes CENTERED, exactly.
+      const int32_t* h = amx_centered(LAYOUT) ? xh + (r * groups + g) * 2 : nullptr;
+      __m512i s0 = LAYOUT == Q6K ? _mm512_set1_epi32(-32 * h[0]) : LAYOUT == Q5 ? _mm512_set1_epi32(-16 * (h[0] + h[1]))
+                                                                                 : _mm512_setzero_si512();
+      __m512i s1 = LAYOUT == Q6K ? _mm512_set1_epi32(-32 * h[1]) : _mm512_setzero_si512();
       if constexpr (LAYOUT == Q6K) {  // s0 the first 16 elements, s1 the last
         for (int j = 0; j < 4; ++j) {
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 4], broadcast4_512(x + 4 * j + 16));
         }
-        acc[r] = group_epilogue<LAYOUT>(acc[r], s0, s1, s, dx, xs, xh, groups, r, g);
+        acc[r] = group_epilogue<LAYOUT, true>(acc[r], s0, s1, s, dx, xs, xh, groups, r, g);
       } else {
         for (int j = 0; j < 8; j += 2) {
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
         }
-        acc[r] = group_epilogue<LAYOUT>(acc[r], _mm512_add_epi32(s0, s1), s1, s, dx, xs, xh, groups, r, g);
+        acc[r] = group_epilogue<LAYOUT, amx_centered(LAYOUT)>(acc[r], _mm512_add_epi32(s0, s1), s1, s, dx, xs, xh, groups, r, g);
       }
     }
   }
@@ -520,10 +529,6 @@ std::atomic<int64_t> amx_tiles_run{0};  // (block, row tile) products AMX ran: w
     asm volatile(DP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                              \
     asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" : "+r"(c) : "r"(int64_t{64}));                         \
   } while (0)
-
-// Weights AMX takes signed, centered (Q6K's q - 32, Q5's q - 16): the products are then the integers the vector
-// path makes by subtracting 32 or 16 times the activations' sums, one instruction a row fewer.
-constexpr bool amx_centered(int64_t layout) { return layout == Q6K || layout == Q5; }
 
 // Group g's integer sums for every row, in flight slot SET, stored to c (and, Q6K, its second half to c1): x its
 // activations, b its unpacked weights (Q8: packed).
