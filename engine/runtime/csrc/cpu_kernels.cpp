@@ -235,6 +235,17 @@ inline void unpack_group(const uint8_t* block, __m512i* w) {
   }
 }
 
+// The weights PREFETCH_GROUPS groups ahead, into L1: a decode step streams them from memory once, and the
+// hardware's prefetchers alone left it waiting on them. Qwen2.5-Coder-1.5B Q4_K_M, 1 thread: a 1-row step
+// 92 -> 68 ms, a 9-row one 143 -> 104 ms (24 groups ahead; 48 and 96 measured the same). Addresses past the
+// last block are harmless (a prefetch never faults), so they are computed as integers, not pointers.
+constexpr int64_t PREFETCH_GROUPS = 24;
+template <int64_t LAYOUT>
+inline void prefetch_group(const uint8_t* qs, int64_t g) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(qs) + static_cast<uintptr_t>(g * group_bytes(LAYOUT));
+  for (int line = 0; line < group_bytes(LAYOUT); line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
 // One group's scales, a lane per output: d_g and m_g, or (Q6K) the super-block's d and the two sub-blocks' sc.
 struct Scales {
   __m512 dv, mv, sc0, sc1;
@@ -318,6 +329,7 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
   __m512 super[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // K-quants: the super-block's d, -dmin
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_group<LAYOUT>(blk.qs, g + PREFETCH_GROUPS);
     __m512i w[8];
     unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
     const Scales s = group_scales<LAYOUT>(blk, g, super);
@@ -603,6 +615,7 @@ void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const fl
   for (int64_t g = 0; g < std::min<int64_t>(AHEAD, groups); ++g) unpack(g);
   for (int64_t g = 0; g < std::min<int64_t>(DEPTH, groups); ++g) product(g);
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_group<LAYOUT>(blk.qs, g + PREFETCH_GROUPS);
     if (g + DEPTH < groups) product(g + DEPTH);  // runs while this group's sums are read
     if (g + AHEAD < groups) unpack(g + AHEAD);
     const Scales s = group_scales<LAYOUT>(blk, g, super);
