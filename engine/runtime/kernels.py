@@ -39,7 +39,9 @@ ISA_FLAGS = {
 # Row tiles of at least this many rows run on AMX where kernel_amx() says it may (Q6_K's from 12: cpu_kernels.cpp).
 # A tile product costs about as much as 5 rows of the vector path's dot products whatever the rows, while each
 # row's float work stays: AMX's time over the vector path's, 2048x1536, 1 thread, Xeon family 6 model 207:
-# Q4_K 1.14 at 5 rows, 1.0 at 6, 0.94 at 8, 0.86 at 9, 0.79 at 12; Q5_0 and Q8_0 0.96 at 6, 0.78 at 9.
+# Q4_K 1.14 at 5 rows, 1.0 at 6, 0.94 at 8, 0.86 at 9, 0.79 at 12; Q5_0 and Q8_0 0.96 at 6, 0.78 at 9. In a whole
+# step, where the weights stream from memory, it gains less: Qwen2.5-Coder-1.5B Q4_K_M's T(1, 8), 1 thread, 157
+# -> 143 ms before the kernels prefetched their weights, 106 -> 104 ms since.
 AMX_MIN_ROWS = 6
 
 
