@@ -4,7 +4,10 @@ decode and verify steps, and attention over each query's exact visible keys.
 They are compiled once per machine class (engine/runtime/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
 portable C++) with the C++ compiler torch's extension builder finds, into a cache that `make setup`
 fills (`python -m specpool.engine.runtime.kernels`). A process that finds no build compiles it on first use; one
-where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line.
+where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line. The
+AVX-512 VNNI build also carries an AMX path, which loading turns on where device.py's `kernel_amx` allows it:
+verify steps' row tiles of AMX_MIN_ROWS rows and up then take their integer sums from AMX's int8 tiles, with
+the very same results, bit for bit.
 
     python -m specpool.engine.runtime.kernels                              # build this machine's class
     SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.engine.runtime.kernels    # and the AVX2 class's
