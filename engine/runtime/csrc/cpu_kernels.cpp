@@ -496,10 +496,12 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
 // vpdpbusd a row. A is the rows' 32 bytes of xq (quantize_rows' layout, `in` bytes apart); B is the group's
 // unpacked vectors w_0..w_7 as its 8 rows: AMX's B layout (K/4 rows of N times 4 bytes) is exactly one w_j a
 // row. C's row r is then, lane for lane, the integer the vector path sums for row r (exact either way), and
-// group_epilogue runs on it as there: a row's bits are those of the 1-row vector path.
-// Tiles: C in tmm0/1, A in tmm2/3, B in tmm4/5. Q6K's two sub-blocks are two products of K = 16 (A0 B0 -> C0,
-// A1 B1 -> C1); the other layouts alternate groups between (tmm0, 2, 4) and (tmm1, 3, 5), so that a group's
-// product need not wait for the previous group's sums to be stored.
+// group_epilogue runs on it as there: a row's bits are those of the 1-row vector path. Q6K's two sub-blocks
+// are two products of K = 16; Q6K and Q5 multiply centered, signed weights (TDPBSSD; amx_centered).
+// Measured against the vector path (2048x1536, 1 thread): a tile product costs some 35 cycles a group whatever
+// the rows, about 5 rows of vpdpbusd, while each row's float work (group_epilogue) stays the same; so AMX pays
+// from 6 rows (12 for Q6K), by 0.86x at 9 rows of Q4_K in cache, and by less in a whole step, whose weights
+// stream from memory (kernels.py, AMX_MIN_ROWS).
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
