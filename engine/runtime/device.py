@@ -238,6 +238,12 @@ def kernel_isa() -> str:
     return "avx2" if capability in ("AVX2", "AVX512") and cpu_features.runs("avx2") else "portable"
 
 
+def kernel_amx() -> bool:
+    """Whether the engine's CPU kernels may run verify steps' row tiles on AMX's int8 tiles: an AVX-512 VNNI
+    build on a CPU that has executed a tile load (cpu_features; VMs have advertised AMX and faulted on it)."""
+    return kernel_isa() == "avx512vnni" and cpu_features.runs("amx")
+
+
 def distributed_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

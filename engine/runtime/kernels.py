@@ -5,7 +5,10 @@ into their layouts at load (csrc/repack.cpp).
 They are compiled once per machine class (engine/runtime/device.py's `kernel_isa`: AVX-512 with VNNI, AVX2, or
 portable C++) with the C++ compiler torch's extension builder finds, into a cache that `make setup`
 fills (`python -m specpool.engine.runtime.kernels`). A process that finds no build compiles it on first use; one
-where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line.
+where compiling fails runs the eager paths (torch's int4 kernel, float64 attention) after one log line. The
+AVX-512 VNNI build also carries an AMX path, which loading turns on where device.py's `kernel_amx` allows it:
+verify steps' row tiles of AMX_MIN_ROWS rows and up then take their integer sums from AMX's int8 tiles, with
+the very same results, bit for bit.
 
     python -m specpool.engine.runtime.kernels                              # build this machine's class
     SPECPOOL_NO_NATIVE_BF16=1 python -m specpool.engine.runtime.kernels    # and the AVX2 class's
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specpool.engine.runtime.device import kernel_isa
+from specpool.engine.runtime.device import kernel_amx, kernel_isa
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,15 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "portable": [],
 }
+
+
+# Row tiles of at least this many rows run on AMX where kernel_amx() says it may (Q6_K's from 12: cpu_kernels.cpp).
+# A tile product costs about as much as 5 rows of the vector path's dot products whatever the rows, while each
+# row's float work stays: AMX's time over the vector path's, 2048x1536, 1 thread, Xeon family 6 model 207:
+# Q4_K 1.14 at 5 rows, 1.0 at 6, 0.94 at 8, 0.86 at 9, 0.79 at 12; Q5_0 and Q8_0 0.96 at 6, 0.78 at 9. In a whole
+# step, where the weights stream from memory, it gains less: Qwen2.5-Coder-1.5B Q4_K_M's T(1, 8), 1 thread, 157
+# -> 143 ms before the kernels prefetched their weights, 106 -> 104 ms since.
+AMX_MIN_ROWS = 6
 
 
 def cache_dir() -> Path:
@@ -81,7 +93,8 @@ def available() -> bool:
         log.warning("the engine's CPU kernels (%s) could not be built, running the eager paths instead: %s",
                     isa, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return False
-    log.info("engine CPU kernels (%s) ready in %.1f s", isa, time.perf_counter() - start)
+    amx = kernel_amx() and torch.ops.specpool.set_amx_rows(AMX_MIN_ROWS)
+    log.info("engine CPU kernels (%s%s) ready in %.1f s", isa, ", AMX" if amx else "", time.perf_counter() - start)
     return True
 
 

@@ -12,11 +12,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -200,6 +204,116 @@ struct Block {
   const void* m;
 };
 
+#if defined(SPECPOOL_AVX512)
+// Group g of a block, unpacked: w_j's lane i holds elements 4j..4j+3 of output i's group, unsigned.
+template <int64_t LAYOUT>
+inline void unpack_group(const uint8_t* block, __m512i* w) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (LAYOUT == Q8) {
+    for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
+  } else {
+    for (int k = 0; k < 4; ++k) {
+      const __m512i b = _mm512_loadu_si512(block + 64 * k);
+      w[2 * k] = _mm512_and_si512(b, m4);
+      w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
+    }
+  }
+  if constexpr (five_bit(LAYOUT)) {  // where bit j of byte b is set, 16 added to w_j's byte b
+    const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(hb, _mm512_set1_epi8(static_cast<char>(1 << j))), w[j], m10);
+  }
+  if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b = _mm512_loadu_si512(block + 256 + 64 * h);
+      w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(b, 4), m30));
+      w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), m30));
+      w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(b, m30));
+      w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
+    }
+  }
+}
+
+// The weights PREFETCH_GROUPS groups ahead, into L1: a decode step streams them from memory once, and the
+// hardware's prefetchers alone left it waiting on them. Qwen2.5-Coder-1.5B Q4_K_M, 1 thread: a 1-row step
+// 92 -> 68 ms, a 9-row one 143 -> 104 ms (24 groups ahead; 48 and 96 measured the same). Addresses past the
+// last block are harmless (a prefetch never faults), so they are computed as integers, not pointers.
+constexpr int64_t PREFETCH_GROUPS = 24;
+template <int64_t LAYOUT>
+inline void prefetch_group(const uint8_t* qs, int64_t g) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(qs) + static_cast<uintptr_t>(g * group_bytes(LAYOUT));
+  for (int line = 0; line < group_bytes(LAYOUT); line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
+// One group's scales, a lane per output: d_g and m_g, or (Q6K) the super-block's d and the two sub-blocks' sc.
+struct Scales {
+  __m512 dv, mv, sc0, sc1;
+};
+
+// `super` carries a K-quant super-block's d and -dmin from its first group to the next seven.
+template <int64_t LAYOUT>
+inline Scales group_scales(const Block& blk, int64_t g, __m512* super) {
+  const at::Half* d_half = blk.d;
+  const uint8_t* m_bytes = static_cast<const uint8_t*>(blk.m);
+  Scales s;
+  if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
+    s.dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
+    s.mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                              reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
+                        : _mm512_mul_ps(s.dv, _mm512_set1_ps(-128.f));  // exact: a power of two
+  } else {
+    if (g % 8 == 0) {
+      const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
+      super[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
+      if constexpr (k_min(LAYOUT))  // negated: exact
+        super[1] = _mm512_sub_ps(_mm512_setzero_ps(),
+                                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
+    }
+    const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
+    const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
+    if constexpr (k_min(LAYOUT)) {
+      s.dv = _mm512_mul_ps(super[0], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
+      s.mv = _mm512_mul_ps(super[1], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
+    } else {
+      s.dv = super[0];
+      s.sc0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0));
+      s.sc1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1));
+    }
+  }
+  return s;
+}
+
+// Layouts whose integer sums the epilogue takes centered (Q6K's weights q - 32, Q5's q - 16): AMX multiplies
+// them as signed weights, and the vector path starts its sums at -32 or -16 times the activations' sums.
+constexpr bool amx_centered(int64_t layout) { return layout == Q6K || layout == Q5; }
+
+// Row r's group g added to its accumulator, from the group's integer dot products: `dot` all 32 of them
+// (dot1 unused), or for Q6K `dot` its first 16 and dot1 its last; CENTERED, of the weights' signed q - 32
+// (Q6K) or q - 16 (Q5) already, as AMX computes them. The only float arithmetic of a product: every path
+// runs it alike, whichever instructions made the integers.
+template <int64_t LAYOUT, bool CENTERED = false>
+inline __m512 group_epilogue(__m512 acc, __m512i dot, __m512i dot1, const Scales& s, const float* dx,
+                             const float* xs, const int32_t* xh, int64_t groups, int r, int64_t g) {
+  const __m512 dxv = _mm512_mul_ps(s.dv, _mm512_set1_ps(dx[r * groups + g]));
+  if constexpr (LAYOUT == Q6K) {
+    // isum = sc0 * t0 + sc1 * t1 in fp32, exactly: |t| <= 16 * 32 * 127 and |sc| <= 128, so every product and
+    // the sum stay below 2^24 (the bits of the integer isum converted), in fewer instructions than vpmulld.
+    const int32_t* h = xh + (r * groups + g) * 2;
+    const __m512 t0 = _mm512_cvtepi32_ps(CENTERED ? dot : _mm512_sub_epi32(dot, _mm512_set1_epi32(32 * h[0])));
+    const __m512 t1 = _mm512_cvtepi32_ps(CENTERED ? dot1 : _mm512_sub_epi32(dot1, _mm512_set1_epi32(32 * h[1])));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(t1, s.sc1, _mm512_mul_ps(t0, s.sc0)), dxv, acc);
+  } else if constexpr (LAYOUT == Q5) {
+    const int32_t* h = xh + (r * groups + g) * 2;
+    const __m512i isum = CENTERED ? dot : _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * (h[0] + h[1])));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dxv, acc);
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dxv, acc);
+    return _mm512_fmadd_ps(s.mv, _mm512_set1_ps(xs[r * groups + g]), acc);
+  }
+}
+#endif
+
 // Outputs of one block of LANES, for `TILE` rows; y points at row 0's first of them.
 // TILE, the row count, is a template argument so that the rows' accumulators live in registers.
 template <int64_t LAYOUT, int TILE>
@@ -210,92 +324,36 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
   const at::Half* d_half = blk.d;
   const uint8_t* m_bytes = static_cast<const uint8_t*>(blk.m);
 #if defined(SPECPOOL_AVX512)
+  (void)d_half, (void)m_bytes;
   __m512 acc[TILE];
   for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512 super_d = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();  // Q4K, Q6K: the super-block's
+  __m512 super[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // K-quants: the super-block's d, -dmin
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_group<LAYOUT>(blk.qs, g + PREFETCH_GROUPS);
     __m512i w[8];
-    const uint8_t* block = blk.qs + g * BYTES;
-    if constexpr (LAYOUT == Q8) {
-      for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(block + 64 * k);
-    } else {
-      for (int k = 0; k < 4; ++k) {
-        const __m512i b = _mm512_loadu_si512(block + 64 * k);
-        w[2 * k] = _mm512_and_si512(b, m4);
-        w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m4);
-      }
-    }
-    if constexpr (five_bit(LAYOUT)) {  // where bit j of byte b is set, 16 added to w_j's byte b
-      const __m512i hb = _mm512_loadu_si512(block + 16 * LANES), m10 = _mm512_set1_epi8(0x10);
-      for (int j = 0; j < 8; ++j)
-        w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(hb, _mm512_set1_epi8(static_cast<char>(1 << j))), w[j], m10);
-    }
-    if constexpr (LAYOUT == Q6K) {  // the high 2 bits into bits 4..5 (16-bit shifts: the mask drops what crosses bytes)
-      const __m512i m30 = _mm512_set1_epi8(0x30);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i b = _mm512_loadu_si512(block + 256 + 64 * h);
-        w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(b, 4), m30));
-        w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(b, 2), m30));
-        w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(b, m30));
-        w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
-      }
-    }
-    __m512 dv, mv;
-    __m512i sc0, sc1;
-    if constexpr (LAYOUT == Q4 || LAYOUT == Q8 || LAYOUT == Q5) {
-      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_half + g * LANES)));
-      mv = LAYOUT == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                              reinterpret_cast<const at::Half*>(m_bytes) + g * LANES)))
-                        : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // exact: a power of two
-    } else {
-      if (g % 8 == 0) {
-        const at::Half* sd = d_half + g / 8 * (k_min(LAYOUT) ? 2 : 1) * LANES;
-        super_d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd)));
-        if constexpr (k_min(LAYOUT))  // negated: exact
-          super_min = _mm512_sub_ps(_mm512_setzero_ps(),
-                                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sd + LANES))));
-      }
-      const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES));
-      const __m128i s1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_bytes + g * 2 * LANES + LANES));
-      if constexpr (k_min(LAYOUT)) {
-        dv = _mm512_mul_ps(super_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s0)));  // exact
-        mv = _mm512_mul_ps(super_min, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s1)));  // exact
-      } else {
-        dv = super_d;
-        sc0 = _mm512_cvtepi8_epi32(s0);
-        sc1 = _mm512_cvtepi8_epi32(s1);
-      }
-    }
+    unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
+    const Scales s = group_scales<LAYOUT>(blk, g, super);
 #pragma GCC unroll 16
     for (int r = 0; r < tile; ++r) {
       const int8_t* x = xq + r * in + g * GROUP;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: half the latency
+      // Two chains (half the latency), each started at its share of the centering (Q6K: -32 times the
+      // activations' sum per 16, Q5: -16 times theirs): the integers group_epilogue takes CENTERED, exactly.
+      const int32_t* h = amx_centered(LAYOUT) ? xh + (r * groups + g) * 2 : nullptr;
+      __m512i s0 = LAYOUT == Q6K ? _mm512_set1_epi32(-32 * h[0]) : LAYOUT == Q5 ? _mm512_set1_epi32(-16 * (h[0] + h[1]))
+                                                                                 : _mm512_setzero_si512();
+      __m512i s1 = LAYOUT == Q6K ? _mm512_set1_epi32(-32 * h[1]) : _mm512_setzero_si512();
       if constexpr (LAYOUT == Q6K) {  // s0 the first 16 elements, s1 the last
         for (int j = 0; j < 4; ++j) {
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 4], broadcast4_512(x + 4 * j + 16));
         }
-        const int32_t* h = xh + (r * groups + g) * 2;
-        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(sc0, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * h[0]))),
-                                              _mm512_mullo_epi32(sc1, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * h[1]))));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-      } else if constexpr (LAYOUT == Q5) {
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
-          s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
-        }
-        const int32_t* h = xh + (r * groups + g) * 2;
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(16 * (h[0] + h[1])));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
+        acc[r] = group_epilogue<LAYOUT, true>(acc[r], s0, s1, s, dx, xs, xh, groups, r, g);
       } else {
         for (int j = 0; j < 8; j += 2) {
           s0 = _mm512_dpbusd_epi32(s0, w[j], broadcast4_512(x + 4 * j));
           s1 = _mm512_dpbusd_epi32(s1, w[j + 1], broadcast4_512(x + 4 * j + 4));
         }
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
+        acc[r] = group_epilogue<LAYOUT, amx_centered(LAYOUT)>(acc[r], _mm512_add_epi32(s0, s1), s1, s, dx, xs, xh, groups, r, g);
       }
     }
   }
@@ -431,6 +489,184 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
 #endif
 }
 
+#if defined(SPECPOOL_AVX512)
+// ---------------------------------------------------------------------------------------------
+// AMX (Intel's tile unit), where the CPU runs it and Python asked for it (set_amx_rows): a row tile's group of
+// 32 inputs is one TDPBSUD (signed A x unsigned B, int32 C) for all its rows, where the vector path spends 8
+// vpdpbusd a row. A is the rows' 32 bytes of xq (quantize_rows' layout, `in` bytes apart); B is the group's
+// unpacked vectors w_0..w_7 as its 8 rows: AMX's B layout (K/4 rows of N times 4 bytes) is exactly one w_j a
+// row. C's row r is then, lane for lane, the integer the vector path sums for row r (exact either way), and
+// group_epilogue runs on it as there: a row's bits are those of the 1-row vector path. Q6K's two sub-blocks
+// are two products of K = 16; Q6K and Q5 multiply centered, signed weights (TDPBSSD; amx_centered).
+// Measured against the vector path (2048x1536, 1 thread): a tile product costs some 35 cycles a group whatever
+// the rows, about 5 rows of vpdpbusd, while each row's float work (group_epilogue) stays the same; so AMX pays
+// from 6 rows (12 for Q6K), by 0.86x at 9 rows of Q4_K in cache, and by less in a whole step, whose weights
+// stream from memory (kernels.py, AMX_MIN_ROWS).
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes a row
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for `rows` rows of `layout` (TILELOADD/TDPBSUD read their shapes from here): C in tmm0-3
+// (one a group in flight; Q6K's two halves of a group take two), A in tmm4-5 and B in tmm6-7, alternating.
+void amx_configure(int64_t layout, int rows) {
+  TileConfig cfg;
+  const bool halves = layout == Q6K;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? rows : halves ? 4 : 8;  // B: w_j a row
+    cfg.colsb[t] = t == 4 || t == 5 ? (halves ? GROUP / 2 : GROUP) : 4 * LANES;  // A: a row's bytes of the group
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+void amx_release() { asm volatile("tilerelease" ::); }
+
+std::atomic<int> amx_min_rows{0};  // row tiles of at least this many rows run on AMX; 0: none (set_amx_rows)
+// Q6K's from this many rows only: two products a group (a fixed cost of some 35 cycles each, whatever the rows)
+// against float work per row that is most of its vector path's time already. 2048x1536, 1 thread, AMX's time
+// over the vector path's: 1.04 at 6 rows, 1.06 at 9, 0.94 at 12, 0.86 at 16.
+constexpr int AMX_Q6K_ROWS = 12;
+std::atomic<int64_t> amx_tiles_run{0};  // (block, row tile) products AMX ran: what a test checks
+
+// One product C += A B into tile C from activations x (rows `in` bytes apart) and weights b (rows of 64 bytes),
+// then C stored to c. The pointer comes back through the asm ("+r"), so that the loads of what was stored depend
+// on the store and follow it; declaring the stored bytes an "=m" output instead kept every row's accumulator
+// in memory (GCC 12), where the vector path keeps them in registers.
+#define SPECPOOL_TILE_PRODUCT(DP, C, A, B, x, b, bytes, c)                                                  \
+  do {                                                                                                      \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #A ::"r"(x), "r"(in));                                       \
+    asm volatile("tileloadd (%0,%1,1), %%tmm" #B ::"r"(b), "r"(int64_t{64}),                                \
+                 "m"(*reinterpret_cast<const uint8_t(*)[bytes]>(b)));                                       \
+    asm volatile("tilezero %%tmm" #C ::);                                                                   \
+    asm volatile(DP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::);                                              \
+    asm volatile("tilestored %%tmm" #C ", (%0,%1,1)" : "+r"(c) : "r"(int64_t{64}));                         \
+  } while (0)
+
+// Group g's integer sums for every row, in flight slot SET, stored to c (and, Q6K, its second half to c1): x its
+// activations, b its unpacked weights (Q8: packed).
+template <int64_t LAYOUT, int SET>
+inline void tile_group(const int8_t* x, int64_t in, const uint8_t* b, int32_t*& c, int32_t*& c1) {
+  if constexpr (LAYOUT == Q6K) {
+    if constexpr (SET == 0) {
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 0, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 1, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+    } else {
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 2, 4, 6, x, b, 256, c);
+      SPECPOOL_TILE_PRODUCT("tdpbssd", 3, 5, 7, x + GROUP / 2, b + 256, 256, c1);
+    }
+  } else {
+    // TDPBSUD: signed activations x unsigned weights; TDPBSSD: both signed (centered)
+    if constexpr (SET == 0) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 0, 4, 6, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 0, 4, 6, x, b, 512, c);
+    } else if constexpr (SET == 1) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 1, 5, 7, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 1, 5, 7, x, b, 512, c);
+    } else if constexpr (SET == 2) {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 2, 4, 6, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 2, 4, 6, x, b, 512, c);
+    } else {
+      if constexpr (amx_centered(LAYOUT)) SPECPOOL_TILE_PRODUCT("tdpbssd", 3, 5, 7, x, b, 512, c);
+      else SPECPOOL_TILE_PRODUCT("tdpbsud", 3, 5, 7, x, b, 512, c);
+    }
+  }
+}
+#undef SPECPOOL_TILE_PRODUCT
+
+// block_rows for a row tile on AMX: the same outputs, bit for bit, with one tile product a group (two for Q6K).
+template <int64_t LAYOUT, int TILE>
+void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const float* dx, const float* xs,
+                    const int32_t* xh, int64_t in, const float* res, float* y, int64_t out) {
+  constexpr int BYTES = group_bytes(LAYOUT);
+  // Products run DEPTH groups ahead of the float work that reads their sums (a product's result takes some 70
+  // cycles to reach a vector load), on as many C tiles as that keeps in flight (Q6K's take two each).
+  constexpr int DEPTH = LAYOUT == Q6K ? 1 : 3, SETS = DEPTH + 1;
+  // Unpacked B, further ahead still: a tile load of bytes that vector stores have just written waits for those
+  // stores to leave the core (at 1 row 4x the vector path's time, measured), while stores made groups earlier
+  // have long landed in L1.
+  constexpr int AHEAD = DEPTH + 4, RING = AHEAD + 1;
+  alignas(64) uint8_t wbuf[RING][8 * 4 * LANES];
+  alignas(64) int32_t sums[SETS][2][TILE * LANES];  // C as stored, per slot (and Q6K's half)
+  const auto unpack = [&blk, &wbuf](int64_t g) {
+    if constexpr (LAYOUT != Q8) {  // Q8's B is its packed bytes as they are
+      __m512i w[8];
+      unpack_group<LAYOUT>(blk.qs + g * BYTES, w);
+      const __m512i center = _mm512_set1_epi8(LAYOUT == Q6K ? 32 : 16);
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(wbuf[g % RING] + 64 * j, amx_centered(LAYOUT) ? _mm512_sub_epi8(w[j], center) : w[j]);
+    }
+  };
+  int32_t* c[SETS][2];
+  for (int t = 0; t < SETS; ++t) c[t][0] = sums[t][0], c[t][1] = sums[t][1];
+  const auto product = [&](int64_t g) {
+    const int8_t* x = xq + g * GROUP;
+    const uint8_t* b = LAYOUT == Q8 ? blk.qs + g * BYTES : wbuf[g % RING];
+    int32_t*(&cs)[2] = c[g % SETS];
+    switch (g % SETS) {
+      case 0: tile_group<LAYOUT, 0>(x, in, b, cs[0], cs[1]); break;
+      case 1: tile_group<LAYOUT, 1>(x, in, b, cs[0], cs[1]); break;
+      case 2: tile_group<LAYOUT, 2>(x, in, b, cs[0], cs[1]); break;
+      default: tile_group<LAYOUT, 3>(x, in, b, cs[0], cs[1]); break;
+    }
+  };
+  __m512 acc[TILE];
+  for (int r = 0; r < TILE; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 super[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < std::min<int64_t>(AHEAD, groups); ++g) unpack(g);
+  for (int64_t g = 0; g < std::min<int64_t>(DEPTH, groups); ++g) product(g);
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_group<LAYOUT>(blk.qs, g + PREFETCH_GROUPS);
+    if (g + DEPTH < groups) product(g + DEPTH);  // runs while this group's sums are read
+    if (g + AHEAD < groups) unpack(g + AHEAD);
+    const Scales s = group_scales<LAYOUT>(blk, g, super);
+    const int32_t* c0 = c[g % SETS][0];
+    const int32_t* c1 = c[g % SETS][1];
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; ++r) {
+      const __m512i dot = _mm512_load_si512(c0 + r * LANES);
+      const __m512i dot1 = LAYOUT == Q6K ? _mm512_load_si512(c1 + r * LANES) : dot;
+      acc[r] = group_epilogue<LAYOUT, amx_centered(LAYOUT)>(acc[r], dot, dot1, s, dx, xs, xh, groups, r, g);
+    }
+  }
+  for (int r = 0; r < TILE; ++r)
+    _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(acc[r], _mm512_loadu_ps(res + r * out)) : acc[r]);
+}
+
+template <int64_t LAYOUT>
+auto amx_rows_fn(int tile) -> decltype(&block_rows_amx<LAYOUT, 1>) {
+  switch (tile) {
+    case 1: return &block_rows_amx<LAYOUT, 1>;
+    case 2: return &block_rows_amx<LAYOUT, 2>;
+    case 3: return &block_rows_amx<LAYOUT, 3>;
+    case 4: return &block_rows_amx<LAYOUT, 4>;
+    case 5: return &block_rows_amx<LAYOUT, 5>;
+    case 6: return &block_rows_amx<LAYOUT, 6>;
+    case 7: return &block_rows_amx<LAYOUT, 7>;
+    case 8: return &block_rows_amx<LAYOUT, 8>;
+    case 9: return &block_rows_amx<LAYOUT, 9>;
+    case 10: return &block_rows_amx<LAYOUT, 10>;
+    case 11: return &block_rows_amx<LAYOUT, 11>;
+    case 12: return &block_rows_amx<LAYOUT, 12>;
+    case 13: return &block_rows_amx<LAYOUT, 13>;
+    case 14: return &block_rows_amx<LAYOUT, 14>;
+    case 15: return &block_rows_amx<LAYOUT, 15>;
+    default: return &block_rows_amx<LAYOUT, 16>;
+  }
+}
+
+// Row tiles of at least `rows` rows on AMX from now on (0: none); asks Linux for the tile state first. Python
+// calls it only where cpu_features has seen AMX execute: VMs have advertised it and faulted. -> whether on.
+bool set_amx_rows(int64_t rows) {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  amx_min_rows = rows > 0 && permitted ? static_cast<int>(std::min<int64_t>(rows, ROW_TILE_MAX)) : 0;
+  return amx_min_rows > 0;
+}
+#else
+bool set_amx_rows(int64_t) { return false; }  // AMX is an AVX-512 build's
+#endif
+
 template <int64_t LAYOUT>
 auto rows_fn(int tile) -> decltype(&block_rows<LAYOUT, 1>) {
   switch (tile) {
@@ -525,15 +761,47 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   // Per block of outputs: bytes of weights, of d (fp16 elements) and of m.
   const int64_t block_bytes = groups * qs.size(2);
   const int64_t block_d = d.numel() / blocks, block_m = no_m ? 0 : m.numel() * m.element_size() / blocks;
+#if defined(SPECPOOL_AVX512)
+  const int amx_rows = amx_min_rows.load();
+  const auto amx_rows_of = [layout](int tile) {
+    switch (layout) {
+      case Q4: return amx_rows_fn<Q4>(tile);
+      case Q5: return amx_rows_fn<Q5>(tile);
+      case Q8: return amx_rows_fn<Q8>(tile);
+      case Q4K: return amx_rows_fn<Q4K>(tile);
+      case Q5K: return amx_rows_fn<Q5K>(tile);
+      default: return amx_rows_fn<Q6K>(tile);
+    }
+  };
+#endif
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+#if defined(SPECPOOL_AVX512)
+    int configured = 0;  // the rows this thread's tiles are configured for (0: not configured)
+    int64_t on_amx = 0;
+#endif
     for (int64_t ob = begin; ob < end; ++ob) {
       const Block blk{q_ptr + ob * block_bytes, d_ptr + ob * block_d, m_ptr ? m_ptr + ob * block_m : nullptr};
-      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
-        rows_of(static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0)))(
-            blk, groups, xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups,
-            xh_ptr ? xh_ptr + r0 * groups * 2 : nullptr, in, res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr,
-            y_ptr + r0 * out + ob * LANES, out);
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        const int tile = static_cast<int>(std::min<int64_t>(ROW_TILE, rows - r0));
+        auto fn = rows_of(tile);
+#if defined(SPECPOOL_AVX512)
+        if (amx_rows > 0 && tile >= std::max(amx_rows, layout == Q6K ? AMX_Q6K_ROWS : 0)) {
+          if (configured != tile) amx_configure(layout, configured = tile);
+          fn = amx_rows_of(tile);
+          ++on_amx;
+        }
+#endif
+        fn(blk, groups, xq_ptr + r0 * in, dx_ptr + r0 * groups, xs_ptr + r0 * groups,
+           xh_ptr ? xh_ptr + r0 * groups * 2 : nullptr, in, res_ptr ? res_ptr + r0 * out + ob * LANES : nullptr,
+           y_ptr + r0 * out + ob * LANES, out);
+      }
     }
+#if defined(SPECPOOL_AVX512)
+    if (configured) {
+      amx_release();
+      amx_tiles_run += on_amx;
+    }
+#endif
   });
   auto shape = x.sizes().vec();
   shape.back() = out;
@@ -713,12 +981,23 @@ at::Tensor cache_attention(const at::Tensor& qkv, const at::Tensor& cos, const a
 // What BlockLinear packs for this build: (lanes, whether 8-bit weights are stored offset by 128).
 std::tuple<int64_t, bool> block_layout() { return {LANES, SIGNED_OFFSET}; }
 
+// How many (block, row tile) products have run on AMX in this process: a test's proof that they did.
+int64_t amx_tiles() {
+#if defined(SPECPOOL_AVX512)
+  return amx_tiles_run.load();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specpool, lib) {
   lib.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int layout, Tensor? norm=None, float eps=0, "
           "bool silu_mul=False, Tensor? residual=None) -> Tensor");
   lib.def("block_layout() -> (int, bool)", &block_layout);  // no tensor to dispatch on: one impl for all
+  lib.def("set_amx_rows(int rows) -> bool", &set_amx_rows);
+  lib.def("amx_tiles() -> int", &amx_tiles);
   lib.def("visible_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");
   lib.def("cache_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k, Tensor(b!) v, Tensor write_slot, "
           "Tensor write_pos, Tensor slot, Tensor prefix, Tensor extra) -> Tensor");

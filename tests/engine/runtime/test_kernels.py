@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from specpool.engine.runtime import kernels
-from specpool.engine.runtime.device import kernel_isa
+from specpool.engine.runtime.device import kernel_amx, kernel_isa
 from specpool.engine.runtime.gguf_loader import QuantizedBlocks
 from specpool.engine.runtime.linear import BlockLinear
 from tests.engine.runtime.repack_reference import reference_repack
@@ -129,6 +129,39 @@ def test_the_file_formats_rows_do_not_depend_on_their_neighbours(kind):
     gate_up = torch.randn(19, 1024)  # the MLP's down product: silu(gate) * up fused before it
     alone = torch.cat([lin(gate_up[i : i + 1], silu_mul=True) for i in range(19)])
     assert torch.equal(lin(gate_up, silu_mul=True), alone)
+
+
+def test_amx_runs_exactly_where_device_py_allows_it():
+    """Row tiles of kernels.AMX_MIN_ROWS rows run on AMX's tiles where kernel_amx() says so (the AVX-512 VNNI
+    build on a CPU that has executed a tile load), and nowhere else: the AVX2 and portable builds never do."""
+    before = torch.ops.specpool.amx_tiles()
+    BlockLinear(_blocks(Q4_K, 32, 256))(torch.randn(kernels.AMX_MIN_ROWS, 256))
+    assert (torch.ops.specpool.amx_tiles() > before) == kernel_amx(), kernel_isa()
+
+
+@pytest.mark.skipif(not kernel_amx(), reason="AMX does not execute here, or this is not the AVX-512 VNNI build")
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q8_0, *FILE_FORMATS])
+def test_amx_row_tiles_give_the_bits_of_the_1_row_vector_path(kind):
+    """Every row tile from 2 rows up on AMX (Q6_K's from 12): rows 1-19, with the fused norm,
+    silu_mul and residual, each row's outputs are those of the row alone on the vector path, bit for bit."""
+    lin = BlockLinear(_blocks(kind, 48, 512))
+    x, norm, residual = torch.randn(19, 512) * 2, torch.rand(512) + 0.5, torch.randn(19, 48)
+    gate_up = torch.randn(19, 1024)
+    down = BlockLinear(_blocks(kind, 48, 512))
+    torch.ops.specpool.set_amx_rows(0)
+    try:
+        alone = torch.cat([lin(x[i : i + 1], norm, 1e-5) for i in range(19)])
+        alone_res = torch.cat([lin(x[i : i + 1], residual=residual[i : i + 1]) for i in range(19)])
+        alone_silu = torch.cat([down(gate_up[i : i + 1], silu_mul=True) for i in range(19)])
+        assert torch.ops.specpool.set_amx_rows(2)
+        before = torch.ops.specpool.amx_tiles()
+        for rows in range(1, 20):
+            assert torch.equal(lin(x[:rows], norm, 1e-5), alone[:rows]), rows
+            assert torch.equal(lin(x[:rows], residual=residual[:rows]), alone_res[:rows]), rows
+            assert torch.equal(down(gate_up[:rows], silu_mul=True), alone_silu[:rows]), rows
+        assert torch.ops.specpool.amx_tiles() > before
+    finally:
+        torch.ops.specpool.set_amx_rows(kernels.AMX_MIN_ROWS)
 
 
 def test_block_linear_fuses_the_layers_rms_norm():
@@ -305,10 +338,10 @@ def test_cache_attention_ropes_writes_and_attends():
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_the_other_classes_builds_pass_these_tests(isa):
     """The AVX2 build (8 lanes, signed 8-bit weights) and the portable C++ one (a CPU without AVX2), each
-    run through this file's tests in a fresh process."""
+    run through this file's tests in a fresh process (but the AMX bits test: those builds never run AMX)."""
     env = {**os.environ, "SPECPOOL_KERNEL_ISA": isa}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "not other_classes and not without_a_compiler"], env=env, capture_output=True, text=True,
+                          "not other_classes and not without_a_compiler and not amx_row_tiles"], env=env, capture_output=True, text=True,
                          timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]

@@ -193,14 +193,14 @@ import specpool  # first, as in every specpool process: engine/runtime/process_e
 import json, sys, torch
 from specpool.engine.runtime.device import cpu_class
 from specpool.engine.runtime.model import Llama
-from specpool.engine.runtime.device import kernel_isa
+from specpool.engine.runtime.device import kernel_amx, kernel_isa
 m, _ = Llama.from_gguf(sys.argv[1], dtype="q4", device="cpu")
 cache = m.new_cache(1, 16)
 slot = cache.allocate()
 m.forward(cache, [slot], [[1, 2, 3]])
 logits = m.forward(cache, [slot], [[4]])  # a decode step: the fused layers
 print(json.dumps(cpu_class() | {"matrices": type(m.layers[0]["wqkv"]).__name__, "fused": m.fused,
-                                "kernel_isa": kernel_isa(), "head": str(m.format.dense_dtype),
+                                "kernel_isa": kernel_isa(), "amx": kernel_amx(), "head": str(m.format.dense_dtype),
                                 "finite": bool(logits.isfinite().all())}))
 """
 
@@ -213,7 +213,7 @@ def test_q4_runs_on_an_avx2_machine(tiny_q4_gguf):
                          text=True, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["cpu_capability"] == "AVX2" and got["native_bf16"] is False
-    assert got["matrices"] == "BlockLinear" and got["fused"] and got["kernel_isa"] == "avx2"
+    assert got["matrices"] == "BlockLinear" and got["fused"] and got["kernel_isa"] == "avx2" and got["amx"] is False
     assert got["head"] == "torch.float32" and got["finite"]
 
 
