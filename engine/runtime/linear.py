@@ -163,7 +163,7 @@ class BlockLinear:
         self.pad = -self.out_features % lanes
         with warnings.catch_warnings():  # the file's read-only map: the repacking only reads it
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            raw = torch.from_numpy(np.ascontiguousarray(blocks.data))
+            raw = torch.from_numpy(np.ascontiguousarray(blocks.rows()))
         self.qs, self.d, self.m = torch.ops.specpool.repack_blocks(raw, int(blocks.kind), self.in_features, lanes,
                                                                    offset_8bit)
 
@@ -238,7 +238,8 @@ class BlockEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., d] fp32."""
         flat = ids.reshape(-1).cpu().numpy()
-        rows = dequantize(self.blocks.data[flat], self.blocks.kind).reshape(len(flat), self.shape[1])
+        stored = flat if self.blocks.order is None else self.blocks.order[flat]
+        rows = dequantize(self.blocks.data[stored], self.blocks.kind).reshape(len(flat), self.shape[1])
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).view(*ids.shape, self.shape[1])
 
     @classmethod
