@@ -12,11 +12,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -634,26 +637,16 @@ void block_rows_amx(const Block& blk, int64_t groups, const int8_t* xq, const fl
     _mm512_storeu_ps(y + r * out, res != nullptr ? _mm512_add_ps(acc[r], _mm512_loadu_ps(res + r * out)) : acc[r]);
 }
 
+// The AMX instantiation for a tile of `tile` rows (1 .. ROW_TILE_MAX), from a table made at compile time.
+template <int64_t LAYOUT, std::size_t... T>
+constexpr auto amx_rows_table(std::index_sequence<T...>) {
+  return std::array{&block_rows_amx<LAYOUT, static_cast<int>(T) + 1>...};
+}
+
 template <int64_t LAYOUT>
 auto amx_rows_fn(int tile) -> decltype(&block_rows_amx<LAYOUT, 1>) {
-  switch (tile) {
-    case 1: return &block_rows_amx<LAYOUT, 1>;
-    case 2: return &block_rows_amx<LAYOUT, 2>;
-    case 3: return &block_rows_amx<LAYOUT, 3>;
-    case 4: return &block_rows_amx<LAYOUT, 4>;
-    case 5: return &block_rows_amx<LAYOUT, 5>;
-    case 6: return &block_rows_amx<LAYOUT, 6>;
-    case 7: return &block_rows_amx<LAYOUT, 7>;
-    case 8: return &block_rows_amx<LAYOUT, 8>;
-    case 9: return &block_rows_amx<LAYOUT, 9>;
-    case 10: return &block_rows_amx<LAYOUT, 10>;
-    case 11: return &block_rows_amx<LAYOUT, 11>;
-    case 12: return &block_rows_amx<LAYOUT, 12>;
-    case 13: return &block_rows_amx<LAYOUT, 13>;
-    case 14: return &block_rows_amx<LAYOUT, 14>;
-    case 15: return &block_rows_amx<LAYOUT, 15>;
-    default: return &block_rows_amx<LAYOUT, 16>;
-  }
+  static constexpr auto table = amx_rows_table<LAYOUT>(std::make_index_sequence<ROW_TILE_MAX>());
+  return table[std::clamp(tile, 1, ROW_TILE_MAX) - 1];
 }
 
 // Row tiles of at least `rows` rows on AMX from now on (0: none); asks Linux for the tile state first. Python
@@ -667,28 +660,16 @@ bool set_amx_rows(int64_t rows) {
 bool set_amx_rows(int64_t) { return false; }  // AMX is an AVX-512 build's
 #endif
 
+// The instantiation for a tile of `tile` rows (1 .. ROW_TILE_MAX), from a table made at compile time.
+template <int64_t LAYOUT, std::size_t... T>
+constexpr auto rows_table(std::index_sequence<T...>) {
+  return std::array{&block_rows<LAYOUT, static_cast<int>(T) + 1>...};
+}
+
 template <int64_t LAYOUT>
 auto rows_fn(int tile) -> decltype(&block_rows<LAYOUT, 1>) {
-  switch (tile) {
-    case 1: return &block_rows<LAYOUT, 1>;
-    case 2: return &block_rows<LAYOUT, 2>;
-    case 3: return &block_rows<LAYOUT, 3>;
-    case 4: return &block_rows<LAYOUT, 4>;
-    case 5: return &block_rows<LAYOUT, 5>;
-    case 6: return &block_rows<LAYOUT, 6>;
-    case 7: return &block_rows<LAYOUT, 7>;
-#if ROW_TILE_MAX > 8
-    case 8: return &block_rows<LAYOUT, 8>;
-    case 9: return &block_rows<LAYOUT, 9>;
-    case 10: return &block_rows<LAYOUT, 10>;
-    case 11: return &block_rows<LAYOUT, 11>;
-    case 12: return &block_rows<LAYOUT, 12>;
-    case 13: return &block_rows<LAYOUT, 13>;
-    case 14: return &block_rows<LAYOUT, 14>;
-    case 15: return &block_rows<LAYOUT, 15>;
-#endif
-    default: return &block_rows<LAYOUT, ROW_TILE_MAX>;
-  }
+  static constexpr auto table = rows_table<LAYOUT>(std::make_index_sequence<ROW_TILE_MAX>());
+  return table[std::clamp(tile, 1, ROW_TILE_MAX) - 1];
 }
 
 // y [rows, out] = x [rows, in] @ W.T, W repacked as above in `layout`: qs [out / LANES, groups, group_bytes],
