@@ -207,6 +207,20 @@ struct Block {
   const void* m;
 };
 
+#if defined(__AVX2__)
+// The weights PREFETCH_GROUPS groups ahead, into L1: a decode step streams them from memory once, and the
+// hardware's prefetchers alone left it waiting on them. Qwen2.5-Coder-1.5B Q4_K_M, 1 thread: a 1-row step
+// 92 -> 68 ms, a 9-row one 143 -> 104 ms (24 groups ahead; 48 and 96 measured the same). Addresses past the
+// last block are harmless (a prefetch never faults), so they are computed as integers, not pointers. Both vector
+// paths prefetch.
+constexpr int64_t PREFETCH_GROUPS = 24;
+template <int64_t LAYOUT>
+inline void prefetch_group(const uint8_t* qs, int64_t g) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(qs) + static_cast<uintptr_t>(g * group_bytes(LAYOUT));
+  for (int line = 0; line < group_bytes(LAYOUT); line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+#endif
+
 #if defined(SPECPOOL_AVX512)
 // Group g of a block, unpacked: w_j's lane i holds elements 4j..4j+3 of output i's group, unsigned.
 template <int64_t LAYOUT>
@@ -236,17 +250,6 @@ inline void unpack_group(const uint8_t* block, __m512i* w) {
       w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(b, 2), m30));
     }
   }
-}
-
-// The weights PREFETCH_GROUPS groups ahead, into L1: a decode step streams them from memory once, and the
-// hardware's prefetchers alone left it waiting on them. Qwen2.5-Coder-1.5B Q4_K_M, 1 thread: a 1-row step
-// 92 -> 68 ms, a 9-row one 143 -> 104 ms (24 groups ahead; 48 and 96 measured the same). Addresses past the
-// last block are harmless (a prefetch never faults), so they are computed as integers, not pointers.
-constexpr int64_t PREFETCH_GROUPS = 24;
-template <int64_t LAYOUT>
-inline void prefetch_group(const uint8_t* qs, int64_t g) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(qs) + static_cast<uintptr_t>(g * group_bytes(LAYOUT));
-  for (int line = 0; line < group_bytes(LAYOUT); line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
 }
 
 // One group's scales, a lane per output: d_g and m_g, or (Q6K) the super-block's d and the two sub-blocks' sc.
@@ -368,6 +371,7 @@ void block_rows(const Block& blk, int64_t groups, const int8_t* xq, const float*
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 super_d = _mm256_setzero_ps(), super_min = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_group<LAYOUT>(blk.qs, g + PREFETCH_GROUPS);
     __m256i w[8];
     const uint8_t* block = blk.qs + g * BYTES;
     if constexpr (LAYOUT == Q8) {
