@@ -33,7 +33,9 @@ TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=6)  # the tree modes' (EAGLE-
 # runs in process: not SSD, which needs an endpoint to pre-speculate), the tree modes grow TREE_SHAPE trees.
 CHAIN_MODES = {row.bench_modes[0]: row.method for row in METHODS
                if row.drafter is not None and row.bench_modes and row.bench_modes[0] not in REMOTE_MODES}
-GROWN_TREE_MODES = {"sd-tree": Method.DRAFT_MODEL, "head-tree": Method.HEAD, "head-suffix": Method.HEAD}
+# The -suffix modes: the hybrid, suffix-store trees where the store is sure and the model's elsewhere.
+GROWN_TREE_MODES = {"sd-tree": Method.DRAFT_MODEL, "sd-suffix": Method.DRAFT_MODEL, "head-tree": Method.HEAD,
+                    "head-suffix": Method.HEAD}
 
 
 @dataclass
@@ -138,7 +140,7 @@ def mode_hardware(mode: str, threads: int) -> Hardware:
 
 def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, routed=None) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
-    needs_draft = any(m.split(":")[0] in ("sd", "sd-tree", "hf-assisted") for m in cfg.modes)
+    needs_draft = any(m.split(":")[0] in ("sd", "sd-tree", "sd-suffix", "hf-assisted") for m in cfg.modes)
     draft = None
     if needs_draft:
         if cfg.draft_dir is not None and cfg.draft_dir.exists() and is_model_file(cfg.draft_dir):
@@ -196,7 +198,7 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             policy = None if k else SpeculationPolicy(target_costs, draft_costs=draft_costs(method), max_draft=16,
                                                       tree=TREE_SHAPE)
             factory = built(method, trees=True)
-            if name == "head-suffix":  # one store for the whole workload, as a server's tenant has
+            if name.endswith("-suffix"):  # one store for the whole workload, as a server's tenant has
                 store, share = SuffixStore(max_tokens=200_000), ModelShare()
                 factory = lambda b, model_drafter=factory, store=store, share=share: HybridTreeDrafter(
                     model_drafter(b), store, share=share)

@@ -1,6 +1,6 @@
 """Benchmark modes that go through the servers.
 
-sd-remote, head-remote, head-tree-remote, ngram-remote, ssd, ssd-pull: a speculation endpoint and a target service start as
+sd-remote, head-remote, head-tree-remote, ngram-remote, ssd, ssd-pull, ssd-shared: a speculation endpoint and a target service start as
 separate processes (once per run), with mutual TLS between them and to the bench (a throwaway CA).
 sd-remote-plaintext and ngram-remote-plaintext run the same on servers of their own started with
 --insecure: what TLS costs, measured side by side. routed and routed-ar: a whole local cluster (cluster/default.yaml
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PLAINTEXT = "-plaintext"
 REMOTE_MODES = ("sd-remote", "head-remote", "head-tree-remote", "ngram-remote", "sd-remote" + PLAINTEXT,
-                "ngram-remote" + PLAINTEXT, "ssd", "ssd-pull")
+                "ngram-remote" + PLAINTEXT, "ssd", "ssd-pull", "ssd-shared")
 TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
 ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None,  # None: the router plans (AUTO)
                   "routed-ray": None, "routed-ray-ar": Method.NONE}
@@ -62,7 +62,8 @@ class RemoteCluster:
 
     sd-remote and ngram-remote use one endpoint and one target, unpinned with all cores' threads,
     like the in-process modes. SSD overlaps drafting with verification, so its endpoint and its
-    targets (one in push mode, one in pull mode) are pinned to a core each, one thread apiece.
+    targets (one in push mode, one in pull mode) are pinned to a core each, one thread apiece;
+    ssd-shared runs SSD on the unpinned pair instead, each on every core while the other waits.
     """
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
@@ -102,13 +103,14 @@ class RemoteCluster:
         K gets a target of its own)."""
         pinned = mode in ("ssd", "ssd-pull")
         plaintext = mode.endswith(PLAINTEXT)
-        kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull"}.get(mode, "shared") + (PLAINTEXT if plaintext else "")
+        kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull", "ssd-shared": "ssd-shared"}.get(mode, "shared") + (
+            PLAINTEXT if plaintext else "")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
         if kind not in self.targets:
             endpoint = self._endpoint(pinned, plaintext)
             args = ["--spec-delay-ms", str(self.delay_ms)]
-            if pinned:
+            if mode.startswith("ssd"):
                 args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:
                 args += ["--draft-tokens", str(draft_tokens)]

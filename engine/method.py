@@ -70,7 +70,7 @@ METHODS = (
     # SSD's forks are chains; it runs on the head where the endpoint has one.
     MethodRow(Method.SSD, "ssd", leases_slot=True, reads_features=True, prespeculates=True, trees=False,
               charges="misses", speedup_field="predicted_speedup_ssd", listed_only=True, endpoint_cost=2,
-              bench_modes=("ssd",), backup=Method.NGRAM),
+              bench_modes=("ssd", "ssd-shared"), backup=Method.NGRAM),
     MethodRow(Method.NGRAM, "ngram", local=True, max_draft=16, speedup_field="predicted_speedup_ngram",
               bench_modes=("ngram",)),
     MethodRow(Method.NONE),

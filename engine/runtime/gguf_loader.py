@@ -222,6 +222,10 @@ class GGUFWeights(Mapping[str, torch.Tensor]):
     def __or__(self, other: Mapping[str, torch.Tensor]) -> GGUFWeights:
         return GGUFWeights({**self._dense, **other}, self._blocks)
 
+    def with_blocks(self, blocks: dict[str, QuantizedBlocks]) -> GGUFWeights:
+        """These dense tensors, with `blocks` as the quantized ones."""
+        return GGUFWeights(self._dense, blocks)
+
     def shape_of(self, name: str) -> tuple[int, ...]:
         """self[name].shape, without dequantizing."""
         return tuple(self._dense[name].shape) if name in self._dense else tuple(self._blocks[name].shape)

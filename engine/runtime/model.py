@@ -100,7 +100,8 @@ class Llama:
         # Dense twins for prefill only where every matrix is in a format that keeps one (BlockLinear.DENSE_PREFILL).
         dense_prefill = all(b.kind in BlockLinear.DENSE_PREFILL for b in blocks.values())
 
-        if "output_ids" in weights and weights["lm_head"].shape[0] != len(weights["output_ids"]):
+        shape_of = getattr(weights, "shape_of", lambda name: weights[name].shape)  # a GGUF's: not dequantized
+        if "output_ids" in weights and shape_of("lm_head")[0] != len(weights["output_ids"]):
             raise ValueError("lm_head rows must match output_ids")
 
         embed = blocks.get("embed")  # [V, d]: on the file's blocks where its matrices prefill on them too

@@ -7,7 +7,7 @@ from specpool.bench.modes import mode_hardware
 
 
 def test_in_process_modes_share_the_bench_threads():
-    for mode in ("ar", "sd", "sd:3", "ngram", "head:4", "head-tree:8", "sd-tree"):
+    for mode in ("ar", "sd", "sd:3", "ngram", "head:4", "head-tree:8", "sd-tree", "sd-suffix"):
         hw = mode_hardware(mode, 2)
         assert (hw.target_cores, hw.cores) == (2, 2), mode
 
@@ -19,6 +19,7 @@ def test_ssd_is_compared_with_ar_on_its_target_core_and_on_both_cores():
 
 
 def test_servers_on_every_core_are_compared_with_ar_on_every_core():
-    hw = mode_hardware("sd-remote", 2)
-    assert (hw.target_cores, hw.cores) == (2, len(os.sched_getaffinity(0)))
+    for mode in ("sd-remote", "ssd-shared"):
+        hw = mode_hardware(mode, 2)
+        assert (hw.target_cores, hw.cores) == (2, len(os.sched_getaffinity(0))), mode
     assert mode_hardware("ar@1", 2).cores == 1

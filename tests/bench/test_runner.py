@@ -110,10 +110,12 @@ def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
          "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "24", "--batch-sizes", "1",
-         "--modes", "ar,sd:4", "--datastore", "", "--json", str(out), "--threads", "2"],
+         "--modes", "ar,sd:4,sd-suffix:8,ssd-shared", "--datastore", "", "--json", str(out), "--threads", "2"],
         check=True, timeout=900,
     )
     report = json.loads(out.read_text())
     assert report["draft"] == model_path("qwen2.5-coder-0.5b")
-    sd = next(r for r in report["results"] if r["mode"] == "sd:4")
-    assert sd["outputs_match_ar"] is True and sd["mean_accept_len"] > 1.5, sd
+    rows = {r["mode"]: r for r in report["results"]}
+    for mode in ("sd:4", "sd-suffix:8", "ssd-shared"):  # the hybrid's trees and SSD through servers on both cores
+        assert rows[mode]["outputs_match_ar"] is True and rows[mode]["mean_accept_len"] > 1.5, rows[mode]
+    assert rows["ssd-shared"]["cache_hit_ratio"] > 0  # pre-speculated drafts were used

@@ -78,3 +78,51 @@ def test_a_padded_table_of_the_same_tokens_is_taken(tmp_path):
     expected = Llama.from_path(tmp_path / "wide.gguf", dtype="fp32", device="cpu")[0]
     torch.testing.assert_close(_logits(draft, PROMPTS[1]), _logits(expected, PROMPTS[1])[:, :256])
     assert np.isfinite(_logits(draft, PROMPTS[1]).numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-tied"])
+@pytest.mark.parametrize("permuted", [False, True], ids=["same order", "permuted"])
+def test_a_draft_head_cut_to_the_lowest_ids_scores_those_alone_and_stays_lossless(name, permuted, tmp_path):
+    """The cut head's logits are the whole head's at the target ids it keeps (mapped ones too), it never
+    drafts another token, and speculation with it still emits the target's AR tokens."""
+    target_path, target, draft_hf = _pair(tmp_path, name)
+    path = _permuted(draft_hf, tmp_path / "d.gguf") if permuted else write_gguf(draft_hf, tmp_path / "d.gguf")
+    whole = load_draft(path, target_path, 256, "fp32", "cpu", head_tokens=None)
+    cut = load_draft(path, target_path, 256, "fp32", "cpu", head_tokens=100)
+    assert sorted(cut.output_ids.tolist()) == list(range(100))
+    assert not cut.config.tie_embeddings
+    full = _logits(whole, PROMPTS[0])
+    torch.testing.assert_close(_logits(cut, PROMPTS[0])[:, :100], full[:, :100])
+    assert torch.isinf(_logits(cut, PROMPTS[0])[:, 100:]).all()
+    params = SamplingParams()
+    ar = generate(target, PROMPTS, params, NEW_TOKENS, stop_ids=[])
+    proposed = []
+
+    class Recording(ModelDrafter):
+        def propose(self, *args, **kwargs):
+            drafts = super().propose(*args, **kwargs)
+            proposed.extend(t for row in drafts.tokens for t in row)
+            return drafts
+
+    spec = generate(target, PROMPTS, params, NEW_TOKENS, Recording(cut, 2, 256), num_draft_tokens=4, stop_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert proposed and max(proposed) < 100 and sum(r.accepted_tokens for r in spec) > 0
+
+
+def test_a_quantized_head_is_cut_on_its_blocks():
+    """A GGUF's tied head stays blocks (never dequantized whole): the cut one holds the kept rows' blocks."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specpool.engine.runtime.config import tiny_config
+    from specpool.engine.runtime.draft_pair import reduce_head
+    from specpool.engine.runtime.gguf_loader import GGUFWeights, QuantizedBlocks
+
+    config = tiny_config(vocab_size=256, d_model=64)
+    embed = torch.randn(256, 64).numpy()
+    blocks = {"embed": QuantizedBlocks(GGMLQuantizationType.Q8_0, (256, 64), quantize(embed, GGMLQuantizationType.Q8_0))}
+    weights = GGUFWeights({"norm": torch.ones(64)}, blocks)
+    config, weights, blocks = reduce_head(config, weights, blocks, 100)
+    assert not config.tie_embeddings and weights.shape_of("lm_head") == (100, 64)
+    assert torch.equal(blocks["lm_head"].dequantize(), blocks["embed"].dequantize()[:100])
+    assert torch.equal(weights["output_ids"], torch.arange(100))
