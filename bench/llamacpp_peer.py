@@ -37,6 +37,15 @@ CONTEXT_PER_SEQUENCE = 2048  # prompt + new tokens + one step's drafts, per sequ
 _log_callback = None
 
 
+def quiet(lc) -> None:
+    """Initializes llama.cpp with its log silenced: its load log would drown the bench's table."""
+    global _log_callback
+    lc.llama_backend_init()
+    if _log_callback is None:  # llama.cpp keeps the pointer: the callback must live as long as the process
+        _log_callback = lc.llama_log_callback(lambda level, text, user_data: None)
+        lc.llama_log_set(_log_callback, ctypes.c_void_p())
+
+
 class LlamaCpp:
     """A llama.cpp model and context for up to `sequences` prompts at once on `threads` threads."""
 
@@ -44,11 +53,7 @@ class LlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
-        global _log_callback
-        lc.llama_backend_init()
-        if _log_callback is None:  # its load log would drown the bench's table; llama.cpp keeps the pointer
-            _log_callback = lc.llama_log_callback(lambda level, text, user_data: None)
-            lc.llama_log_set(_log_callback, ctypes.c_void_p())
+        quiet(lc)
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
