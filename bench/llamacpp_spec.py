@@ -194,7 +194,7 @@ class LlamaCppSpeculative:
             print(f"llamacpp-sd: llama.cpp tokenizes a {len(prompt)}-token prompt's text as {len(theirs)} other "
                   f"tokens: it continues that text, not those tokens", file=sys.stderr)
         echo = b"".join(self.vocab.piece(t) for t in theirs)
-        context = -(-(len(theirs) + max_new_tokens + draft_max + 16) // 256) * 256
+        context = -(-(len(theirs) + max_new_tokens + 2 * draft_max + 16) // 256) * 256  # it may run N past the limit
         threads = str(self.threads)
         with tempfile.NamedTemporaryFile(suffix=".txt") as f:
             f.write(text + b"\n")  # -f drops a file's last newline
