@@ -89,9 +89,10 @@ bench: bench-deps
 # source only: bench/llamacpp_build.py builds llama-cpp-python for the instruction sets this CPU executes
 # (probed in child processes, never -march=native: a VM that advertises AMX and faults on it killed that
 # build), about 5 minutes on 2 cores once per machine class, cached under ~/.cache/specpool/llamacpp;
-# a no-op when the installed build is this machine's.
+# a no-op when the installed build is this machine's. --speculative: also llama.cpp's llama-speculative-simple
+# from the same source and flags (the llamacpp-sd mode), about 4 minutes more, once per machine class.
 bench-deps: setup
-	$(BIN)/python -m specpool.bench.llamacpp_build
+	$(BIN)/python -m specpool.bench.llamacpp_build --speculative
 
 # What the slow tests run beyond the project's own packages, each installed once and cached: llama.cpp
 # (tests/bench/test_llamacpp_peer.py) and a Prometheus server (tests/cluster/test_dashboard_prometheus.py;

@@ -15,7 +15,12 @@ AVX-512 VNNI where it would have run AMX (ggml's own single-row path is AVX-512 
 2 cores, once) and switching back reinstalls in seconds. BUILD_RECORD, beside the installed package,
 says which build runs; the bench records it with every llama.cpp figure.
 
+llama.cpp's own draft-model speculation (the bench's llamacpp-sd) is its `llama-speculative-simple` example,
+which the wheel does not ship: `speculative_binary()` builds it from the llama.cpp vendored in the same pinned
+sdist, with the same ISA flags (static, one file), cached under ~/.cache/specpool/llamacpp/<key>/bin.
+
     python -m specpool.bench.llamacpp_build     # install the build for this machine (no-op when current)
+    python -m specpool.bench.llamacpp_build --speculative   # and build llama-speculative-simple
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +46,16 @@ BASE_FLAGS = ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_
               "-DLLAMA_BUILD_SERVER=OFF", "-DMTMD_BUILD=OFF", "-DLLAVA_BUILD=OFF", "-DGGML_NATIVE=OFF"]
 # Where llama.cpp keeps AMX: the instructions a build without it must not contain.
 AMX_INSTRUCTIONS = ("tileloadd", "tdpbssd", "ldtilecfg")
+
+
+# llama-speculative-simple: the example alone, linked statically (one file to cache), without HTTPS.
+SPECULATIVE_TARGET = "llama-speculative-simple"
+SPECULATIVE_FLAGS = ["-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_APP=OFF",
+                     "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECPOOL_LLAMACPP_CACHE", Path.home() / ".cache" / "specpool" / "llamacpp"))
 
 
 def record_path() -> Path:
@@ -91,8 +109,7 @@ def ensure() -> dict:
     plan = planned()
     if (current := installed()) and current.get("key") == plan["key"] and library_files():
         return current
-    wheels = Path(os.environ.get("SPECPOOL_LLAMACPP_CACHE", Path.home() / ".cache" / "specpool" / "llamacpp"))
-    directory = wheels / plan["key"]
+    directory = cache_root() / plan["key"]
     wheel = next(directory.glob("llama_cpp_python-*.whl"), None)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     if wheel is None:
@@ -112,6 +129,82 @@ def ensure() -> dict:
     return plan
 
 
+def sdist() -> Path:
+    """The pinned source archive, downloaded from PyPI once (its vendor/llama.cpp is what the wheel builds)."""
+    directory = cache_root() / "sdist"
+    name, version = PIN.split("==")
+    archive = directory / f"{name.replace('-', '_')}-{version}.tar.gz"
+    if not archive.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "download", "--no-deps",
+                        "--no-binary", ":all:", "-d", str(directory), PIN], check=True)
+        if not archive.exists():
+            raise FileNotFoundError(f"pip downloaded {PIN} but {archive} is not there: see {directory}")
+    return archive
+
+
+def speculative_plan() -> dict:
+    """The llama-speculative-simple build this machine gets: the wheel's ISA flags, examples on, static."""
+    wheel = planned()
+    flags = [f for f in wheel["cmake_args"] if not f.startswith("-DLLAMA_BUILD_EXAMPLES=")] + SPECULATIVE_FLAGS
+    key = hashlib.sha256("|".join([PIN, SPECULATIVE_TARGET, *flags]).encode()).hexdigest()[:12]
+    return wheel | {"cmake_args": flags, "key": key, "target": SPECULATIVE_TARGET}
+
+
+def amx_instructions(binary: Path) -> set[str]:
+    """The AMX instructions objdump finds in `binary` (a build without AMX must show none)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        raise FileNotFoundError("objdump (Debian's binutils) is needed to check a llama.cpp build for AMX")
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(binary)], capture_output=True, text=True,
+                             timeout=600, check=True).stdout
+    return {op for op in AMX_INSTRUCTIONS if f"\t{op} " in listing}
+
+
+def speculative_binary() -> Path:
+    """llama.cpp's `llama-speculative-simple` for this machine, built from the pinned sdist on first use (about
+    4 minutes on 2 cores) and cached per set of flags; the build is refused if it holds an AMX instruction."""
+    plan = speculative_plan()
+    directory = cache_root() / plan["key"] / "bin"
+    binary = directory / SPECULATIVE_TARGET
+    if binary.exists():
+        return binary
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise FileNotFoundError(f"building {SPECULATIVE_TARGET} needs {tool}: install cmake and a C++ compiler")
+    archive = sdist()
+    say = lambda text: print(f"[{SPECULATIVE_TARGET}] {text}", file=sys.stderr, flush=True)
+    say(f"building from {archive.name} for {', '.join(plan['isa']) or 'no x86 extensions'} (about 4 minutes on "
+        f"2 cores, once per machine class)")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="llamacpp-spec-") as work:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+            tar.extractall(work, members=members, filter="data")
+        source = next(Path(work).glob("*/vendor/llama.cpp"))
+        build = Path(work) / "build"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        jobs = str(os.cpu_count() or 1)
+        say("configuring")
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, *plan["cmake_args"]],
+                       check=True, stdout=subprocess.DEVNULL)
+        say(f"compiling on {jobs} jobs")
+        subprocess.run(["cmake", "--build", str(build), "--target", SPECULATIVE_TARGET, "-j", jobs],
+                       check=True, stdout=subprocess.DEVNULL)
+        built = build / "bin" / SPECULATIVE_TARGET
+        if found := amx_instructions(built):  # see the module docstring: AMX must not be in any peer
+            raise RuntimeError(f"{built} holds AMX instructions {sorted(found)} despite {plan['cmake_args']}")
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f".{SPECULATIVE_TARGET}.partial"
+        shutil.copy2(built, partial)
+        partial.rename(binary)  # whole or absent: an interrupted copy is never taken for a build
+    (directory / "build.json").write_text(json.dumps(plan, indent=1) + "\n")
+    say(f"built in {time.perf_counter() - started:.0f} s: {binary}")
+    return binary
+
+
 if __name__ == "__main__":
     build = ensure()
     print(f"llama.cpp peer: {build['pin']}, {', '.join(build['isa'])}, AMX {'on' if build['amx'] else 'off'}")
+    if "--speculative" in sys.argv[1:]:
+        print(f"llama.cpp speculative: {speculative_binary()}")

@@ -13,8 +13,9 @@ call with a row per active sequence (so batch 16 is llama.cpp's own batched deco
   target picks at its position (its argmax, or its sample at temperature > 0), so the output is the
   target's own: lossless without needing a draft distribution.
 
-Both stop a sequence at EOS (kept) or after `max_new_tokens`; `stop=False` decodes on through EOS
-(bench/ar_speed.py's fixed-length runs).
+Both stop a sequence at an end-of-generation token (kept; llama.cpp's own set for the model, as its
+tools stop) or after `max_new_tokens`; `stop=False` decodes on through them (bench/ar_speed.py's
+fixed-length runs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpool.bench.peers import EOS_ID, PeerRun
+from specpool.bench.peers import PeerRun
 
 # llama.cpp's kernels change with the row count (a verify step's rows are not computed as a decode
 # step's), so its lookup's greedy picks may differ from its AR's where the top-2 logits are this close.
@@ -36,6 +37,15 @@ CONTEXT_PER_SEQUENCE = 2048  # prompt + new tokens + one step's drafts, per sequ
 _log_callback = None
 
 
+def quiet(lc) -> None:
+    """Initializes llama.cpp with its log silenced: its load log would drown the bench's table."""
+    global _log_callback
+    lc.llama_backend_init()
+    if _log_callback is None:  # llama.cpp keeps the pointer: the callback must live as long as the process
+        _log_callback = lc.llama_log_callback(lambda level, text, user_data: None)
+        lc.llama_log_set(_log_callback, ctypes.c_void_p())
+
+
 class LlamaCpp:
     """A llama.cpp model and context for up to `sequences` prompts at once on `threads` threads."""
 
@@ -43,11 +53,7 @@ class LlamaCpp:
         import llama_cpp as lc
 
         self.lc = lc
-        global _log_callback
-        lc.llama_backend_init()
-        if _log_callback is None:  # its load log would drown the bench's table; llama.cpp keeps the pointer
-            _log_callback = lc.llama_log_callback(lambda level, text, user_data: None)
-            lc.llama_log_set(_log_callback, ctypes.c_void_p())
+        quiet(lc)
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
@@ -61,7 +67,10 @@ class LlamaCpp:
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
         self.sequences = sequences
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        # The model's end-of-generation tokens as llama.cpp's tools see them (Qwen's are not SmolLM2's id 2).
+        self.eog = frozenset(t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(vocab, t))
         self.batch = lc.llama_batch_init(params.n_batch, 0, 1)
         self.batch_capacity = params.n_batch
         self.drafted = self.accepted = 0  # prompt lookup's draft tokens so far, and those the target kept
@@ -99,7 +108,7 @@ class LlamaCpp:
             for s, token in pending.items():
                 out[s].append(token)
                 history[s].append(token)
-                if len(out[s]) >= max_new_tokens or (stop and token == EOS_ID):
+                if len(out[s]) >= max_new_tokens or (stop and token in self.eog):
                     continue
                 room = max_new_tokens - len(out[s]) - 1
                 draft = []
@@ -124,7 +133,7 @@ class LlamaCpp:
                 for token in accepted[:-1]:
                     out[s].append(token)
                     history[s].append(token)
-                    if len(out[s]) >= max_new_tokens or (stop and token == EOS_ID):
+                    if len(out[s]) >= max_new_tokens or (stop and token in self.eog):
                         break
                 else:
                     pending[s] = accepted[-1]

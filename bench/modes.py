@@ -132,6 +132,8 @@ def mode_hardware(mode: str, threads: int) -> Hardware:
         return Hardware(n, n, f"in process, {n} threads")
     if name in ("ssd", "ssd-pull"):
         return Hardware(len(SSD_TARGET_CPUS), len(SSD_TARGET_CPUS) + len(SSD_ENDPOINT_CPUS), SSD_LAYOUT)
+    if name == "llamacpp-sd":  # target and draft take turns on the same threads, in one llama.cpp process
+        return Hardware(threads, threads, f"llama.cpp process, target and draft each on the same {threads} threads")
     if name in REMOTE_MODES or name in ROUTED_METHODS:
         return Hardware(threads, machine, f"target and endpoint processes, {threads} threads each, on all "
                                           f"{machine} cores")
@@ -212,6 +214,8 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
             runners[mode] = _hf_runner(name, cfg, batch_size)
         elif name in ("llamacpp-ar", "llamacpp-lookup"):
             runners[mode] = _llamacpp_runner(cfg, batch_size, int(k or 10) if name == "llamacpp-lookup" else 0)
+        elif name == "llamacpp-sd":  # k: its draft length (--spec-draft-n-max)
+            runners[mode] = _llamacpp_sd_runner(cfg, batch_size, int(k or 4))
         else:
             raise ValueError(f"unknown mode {mode!r}")
     # AR on the cores of every mode that used fewer, or more, than the bench's own threads.
@@ -260,3 +264,34 @@ def _llamacpp_runner(cfg: BenchConfig, batch_size: int, lookup: int) -> Runner:
         PEERS["llamacpp_batch"] = batch_size
     llm = PEERS["llamacpp"]
     return _hf(lambda p, sp: llm.generate(p, cfg.max_tokens, sp.temperature, sp.seed, lookup=lookup))
+
+
+def _llamacpp_sd_runner(cfg: BenchConfig, batch_size: int, draft_max: int) -> Runner | None:
+    """llama.cpp's own draft-model speculation (llama-speculative-simple, bench/llamacpp_spec.py), prompt by
+    prompt with the target and --draft GGUF files on the bench's threads; greedy, batch 1 only."""
+    from specpool.bench.llamacpp_spec import LlamaCppSpeculative
+
+    if batch_size != 1:
+        return None  # the binary decodes one sequence
+    if cfg.temperature != 0:
+        raise ValueError("llamacpp-sd runs greedy only: pass --temperature 0 or leave the mode out")
+    if draft_max < 1:
+        raise ValueError(f"llamacpp-sd:N drafts N >= 1 tokens a step, not {draft_max}")
+    if cfg.draft_dir is None or cfg.draft_dir.suffix != ".gguf" or not cfg.draft_dir.is_file():
+        raise FileNotFoundError(f"llamacpp-sd needs --draft to be a GGUF model file sharing the target's tokenizer "
+                                f"(e.g. --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b); got {cfg.draft_dir}")
+    if "llamacpp-sd" not in PEERS:
+        PEERS["llamacpp-sd"] = LlamaCppSpeculative(cfg.model_path, cfg.draft_dir, torch.get_num_threads())
+    sd = PEERS["llamacpp-sd"]
+
+    def run(prompts, params, totals):
+        out = sd.generate(prompts, cfg.max_tokens, draft_max)
+        reports = sd.runs[-len(prompts):]
+        totals.seconds += out.seconds
+        totals.new_tokens += out.new_tokens
+        totals.outputs.extend(out.token_ids)
+        totals.drafted += sum(r.n_drafted for r in reports)
+        # Each target step keeps its accepted drafts and one token of its own, the first token included.
+        totals.target_steps = (totals.target_steps or 0) + sum(r.target_steps for r in reports)
+
+    return run

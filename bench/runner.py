@@ -11,6 +11,8 @@ sd:K and ngram:K (fixed draft length K); head[:K] (the feature-fed head); sd-tre
 (token trees of N nodes, or of the policy's budget); head-suffix[:N] (trees from a suffix store over the
 workload's prompts and outputs where it is sure, else the head's: engine/drafters/hybrid.py); hf-ar, hf-prompt-lookup, hf-assisted (transformers);
 llamacpp-ar and llamacpp-lookup[:K] (llama.cpp on the same GGUF, batched as its server batches: bench/llamacpp_peer.py);
+llamacpp-sd[:N] (llama.cpp's own draft-model speculation, drafting up to N tokens with --draft's GGUF, batch 1:
+bench/llamacpp_spec.py);
 the modes through servers in bench/remote.py. routed and routed-http are compared with routed-ar (AR
 through the same router and servers) when both run, so the router's planning is what the ratio measures;
 routed-ar itself with in-process ar.
@@ -80,6 +82,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         "format_check": model.format_label,  # which kernels carry it, and its start-up row check
         # The llama.cpp build the llamacpp-* modes ran (bench/llamacpp_build.py: its ISA flags, AMX off).
         "llamacpp_build": llamacpp_build.installed() if any(m.startswith("llamacpp") for m in cfg.modes) else None,
+        # llamacpp-sd's llama-speculative-simple, built from the same source with the same ISA flags.
+        "llamacpp_speculative_build": llamacpp_build.speculative_plan()
+        if any(m.partition(":")[0] == "llamacpp-sd" for m in cfg.modes) else None,
         "draft_format": _draft_format(cfg.draft_dtype, model.device),
         "policy_min_gain": SpeculationPolicy.min_gain,
         "ssd_layout": SSD_LAYOUT if any(m in ("ssd", "ssd-pull") for m in cfg.modes) else None,
@@ -191,12 +196,15 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
             if ref is not None and cfg.temperature == 0 and mode != "ar-fp32":
                 near, bad = 0, 0
                 gap, tie = lambda p, r, o: first_divergence_gap(model, p, r, o), NEAR_TIE
+                same = lambda r, o: r == o
                 if mode.startswith("llamacpp-"):  # its own logits, and its kernels' looser agreement
                     from specpool.bench.llamacpp_peer import NEAR_TIE as LLAMACPP_NEAR_TIE
 
                     gap, tie = PEERS["llamacpp"].divergence_gap, LLAMACPP_NEAR_TIE
+                if mode.partition(":")[0] == "llamacpp-sd":  # its output is text, re-tokenized: compared as text
+                    same = PEERS["llamacpp-sd"].vocab.same_output
                 for p, r, o in zip(prompts, ref.outputs, t.outputs):
-                    if r != o:
+                    if not same(r, o):
                         if gap(p, r, o) < tie:
                             near += 1
                         else:

@@ -209,7 +209,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                         "ngram-remote, ssd, ssd-pull, routed, routed-ar, routed-http (routed through the router's "
                         "OpenAI-compatible HTTP front), routed-ray, routed-ray-ar (the cluster's members as Ray "
                         "actors), hf-ar, hf-prompt-lookup, hf-assisted (transformers), llamacpp-ar, llamacpp-lookup[:K] "
-                        "(llama.cpp: make bench-deps)")
+                        "(llama.cpp: make bench-deps), llamacpp-sd[:N] (llama.cpp's own speculation, drafting up to N "
+                        "tokens, default 4, with --draft's GGUF; batch 1, greedy; builds llama-speculative-simple "
+                        "once, about 4 minutes)")
     b.add_argument("--spec-delay-ms", type=float, default=0.0,
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",

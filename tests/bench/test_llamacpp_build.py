@@ -42,3 +42,13 @@ def test_the_installed_peer_is_this_machines_build_and_holds_no_amx_instruction(
             assert "\tvpdpbusd " in listing, "the listing shows no VNNI either: it is not reading the kernels"
         found |= {f"{library.name}: {op}" for op in llamacpp_build.AMX_INSTRUCTIONS if f"\t{op} " in listing}
     assert not found, sorted(found)
+
+
+def test_the_speculative_binary_is_built_with_the_wheels_isa_flags_and_examples_on():
+    """llama-speculative-simple (the bench's llamacpp-sd) gets the wheel's ISA flags, AMX still off, and is cached
+    under a key of its own flags, apart from the wheel's."""
+    wheel, spec = llamacpp_build.planned(), llamacpp_build.speculative_plan()
+    isa = [f for f in wheel["cmake_args"] if f.startswith("-DGGML_")]
+    assert all(f in spec["cmake_args"] for f in isa) and "-DGGML_NATIVE=OFF" in spec["cmake_args"]
+    assert "-DLLAMA_BUILD_EXAMPLES=ON" in spec["cmake_args"] and "-DLLAMA_BUILD_EXAMPLES=OFF" not in spec["cmake_args"]
+    assert spec["amx"] is False and spec["key"] != wheel["key"]

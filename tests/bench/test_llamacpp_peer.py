@@ -63,9 +63,11 @@ def test_prompt_lookup_keeps_the_targets_greedy_tokens(llamacpp, prompts):
 
 
 def test_a_sequence_ends_at_eos_or_its_limit(llamacpp, prompts):
+    assert 2 in llamacpp.eog  # SmolLM2's <|im_end|>, among llama.cpp's end-of-generation tokens for it
     run = llamacpp.generate(prompts, 200, lookup=8)
     for tokens in run.token_ids:
-        assert len(tokens) <= 200 and (tokens[-1] == 2 or len(tokens) == 200) and 2 not in tokens[:-1]
+        assert len(tokens) <= 200 and (tokens[-1] in llamacpp.eog or len(tokens) == 200)
+        assert not llamacpp.eog & set(tokens[:-1])
 
 
 def test_step_costs_time_each_feed():
