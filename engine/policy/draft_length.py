@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from specpool.engine.method import MIN_GAIN
+from specpool.engine.method import MIN_GAIN, Method
 from specpool.engine.plan import SpeculationPlan, TreeShape
 from specpool.engine.policy.acceptance import AcceptanceEstimate, Expected, as_expected
 from specpool.engine.policy.costs import StepCosts
@@ -54,6 +54,24 @@ class RoundSlowdown:
         self._weights = [self.decay * w for w in self._weights]
         self._sums[kind] += seconds / predicted
         self._weights[kind] += 1.0
+
+
+class Probe:
+    """Rounds that draft although the estimate says plain decoding: an estimate that never drafts never
+    learns. The acceptance prior (0.5) priced the Qwen2.5-Coder 0.5B drafting for its 1.5B at 1.07x, under
+    MIN_GAIN, so the policy never drafted, though that pair measured 1.48x at a fixed length of 4."""
+
+    def __init__(self, every: int = 16):
+        self.every = every  # a probe after this many plain rounds in a row
+        self._plain = 0
+
+    def due(self, plain: bool) -> bool:
+        """Whether the round the estimate chose (`plain` or not) probes instead."""
+        self._plain = self._plain + 1 if plain else 0
+        if self._plain < self.every:
+            return False
+        self._plain = 0
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +139,7 @@ class SpeculationPolicy:
     # What real rounds cost beyond the table, learned from them: shared by the copies a caller makes
     # with dataclasses.replace (a remote round's wire time, SSD's miss share), so each learns from all.
     slowdown: RoundSlowdown = field(default_factory=RoundSlowdown, compare=False)
+    probe: Probe = field(default_factory=Probe, compare=False)
 
     def step_time(self, batch_size: int, draft_len: int, fill: float = 1.0) -> float:
         """Expected seconds of a round offering draft_len positions per sequence, when the drafter fills
@@ -159,12 +178,17 @@ class SpeculationPolicy:
         if gain <= self.min_gain:
             return 0
         best_rate = gain * plain_rate
-        if self.draft_costs is not None and catch_up > 1:
-            # Steady state already charges a one-token feed per draft step; the extra is the rest.
-            extra = self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
-            if remaining / best_rate + extra >= remaining / plain_rate:
-                return 0
+        extra = self.catch_up_s(batch_size, catch_up)
+        if extra > 0 and remaining / best_rate + extra >= remaining / plain_rate:
+            return 0
         return best_len
+
+    def catch_up_s(self, batch_size: int, catch_up: float) -> float:
+        """The seconds a draft model's first step takes beyond a steady one, feeding `catch_up` tokens a
+        sequence (steady state already charges a one-token feed per draft step)."""
+        if self.draft_costs is None or catch_up <= 1:
+            return 0.0
+        return self.draft_costs(batch_size, round(catch_up) - 1) - self.draft_costs(batch_size, 0)
 
     def plain_round_s(self, batch_size: int) -> float:
         """DraftLength: the table's plain step, times what real plain rounds measured beyond it."""
@@ -189,7 +213,15 @@ class SpeculationPolicy:
         catch_up = sum(r.unseen for r in batch) / n
         remaining = sum(r.remaining for r in batch) / n
         length = self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)
-        self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill))
+        # Sequences whose plan fell to none (the decoder's pacing) are offered nothing, whatever the length.
+        if all(r.plan is not None and r.plan.method is Method.NONE for r in batch):
+            self.slowdown.expect(False, self.step_time(n, 0))
+            return [0] * n
+        if self.probe.due(plain=length == 0):
+            length = self.fastest(n, acceptance.expected_tokens, acceptance.fill)[0]
+        # A round that starts drafting also feeds the draft what it has not seen: its time, not a slowdown.
+        self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill)
+                             + (self.catch_up_s(n, catch_up) if length else 0.0))
         return [length] * n
 
     def observe(self, seconds: float) -> None:

@@ -112,10 +112,10 @@ def test_a_plan_measured_slower_than_plain_decoding_falls_to_none_within_a_few_r
     against plain rounds of an hour none falls. Output equals AR either way."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (4, 9, 2, 13)]
-    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=24, stop_ids=[])
+    ar = generate(tiny_model, prompts, SamplingParams(), max_new_tokens=40, stop_ids=[])
     draft = Llama.random_init(tiny_config(vocab_size=64, n_layers=1), seed=7)
     decoder = Decoder(tiny_model, 4, 64, ModelDrafter(draft, 4, 64), PacedLength(3, plain_s=plain_s))
-    results = [decoder.add(str(i), p, SamplingParams(), 24, stop_ids=[]) for i, p in enumerate(prompts)]
+    results = [decoder.add(str(i), p, SamplingParams(), 40, stop_ids=[]) for i, p in enumerate(prompts)]
     while decoder.has_work:
         decoder.step()
     assert [r.token_ids for r in results] == [r.token_ids for r in ar]

@@ -267,3 +267,20 @@ def test_the_decoder_tells_the_policy_what_rounds_took_so_a_slow_drafter_is_drop
     assert spec.token_ids == ar[0].token_ids
     assert policy.slowdown.ratio(speculative=True) > 10  # the rounds' drafting reached the policy
     assert 1 <= slow.proposals < spec.target_steps / 2  # and it stopped asking (it may try again later)
+
+
+def test_a_prior_below_break_even_still_probes_and_a_good_drafter_is_found():
+    """The estimate alone would never draft (its prior prices drafting under MIN_GAIN), so it would never
+    learn: every 16th plain round probes, and once the drafts are seen accepted the policy drafts on."""
+    policy = SpeculationPolicy(COSTS, draft_costs=StepCosts((1, 16), (0, 16), ((0.012, 0.012), (0.012, 0.012))),
+                               max_draft=8)
+    acceptance = AcceptanceEstimate()
+    batch = [Running("a", 0, 1000)]
+    assert policy.choose(1, acceptance.expected_tokens) == 0
+    lengths = []
+    for _ in range(64):
+        [s] = policy.lengths(batch, acceptance)
+        lengths.append(s)
+        acceptance.update(accepted=s, offered=s, drafted=s)  # every draft accepted
+    assert lengths[:15] == [0] * 15 and lengths[15] > 0  # the probe
+    assert all(s > 0 for s in lengths[16:])  # learned: drafts every round
