@@ -113,6 +113,7 @@ class Batcher:
         self._queue: queue.Queue[Queued] = queue.Queue()
         self._carry: list[Queued] = []
         self._prespeculation = Prespeculation(drafters, sessions, metrics)
+        self._forwards = drafters.forwards()  # counted into metrics after each step
 
     def submit(self, stream: RoundStream, round: Round) -> None:
         self.submitted += 1
@@ -158,7 +159,15 @@ class Batcher:
             with self.lock:
                 tables = self._prespeculation.run()
             prespeculation.push(tables)
+        self._count_forwards()
         return True
+
+    def _count_forwards(self) -> None:
+        forwards = self.drafters.forwards()
+        for model, n in forwards.items():
+            if n > self._forwards.get(model, 0):
+                self.metrics.draft_forwards.labels(model).inc(n - self._forwards.get(model, 0))
+        self._forwards = forwards
 
     def _wait_for_busy_streams(self, items: list[Queued]) -> None:
         """Wait (at most window_s, and at most half this stream's round period) for the rounds other
@@ -247,6 +256,7 @@ class Batcher:
             out.error = f"{problem}; session closed"
             return None
         accepted = session.record_outcome(seq.new_tokens)
+        self.metrics.target_tokens.labels(session.model).inc(len(seq.new_tokens))
         ssd = drafters.prespeculating.get(session.kind)
         adopts = seq.resolution == "local_drafts" and ssd is not None
         if adopts:  # pre-speculation feeds them, with every session's forks of that drafter

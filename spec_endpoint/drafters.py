@@ -126,6 +126,7 @@ class ModelDrafters:
     suffix: SuffixStores | None = None  # n-gram sessions' online suffix stores, by tenant
     suffix_shared: frozenset[str] = frozenset()
     generator: torch.Generator | None = field(default=None, repr=False)  # samples the draft model
+    models: tuple[Llama, ...] = field(default=(), repr=False)  # the draft model and head its drafters run
     # Those of the drafters that pre-speculate: told once here, for the batcher and pre-speculation.
     prespeculating: dict[Method, Prespeculating] = field(init=False, repr=False)
 
@@ -176,7 +177,8 @@ class ModelDrafters:
         drafters = cls(name=spec.name, vocab_size=vocab, drafters=registry.build_all(sources), max_len=max_len,
                        feature_dim=target.config.d_model, tree_shape=options.tree_shape,
                        suffix_shared=options.suffix_shared,
-                       suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None)
+                       suffix=SuffixStores(options.suffix_tokens, options.suffix_stores) if options.suffix_tokens else None,
+                       models=tuple(models.values()))
         if "draft" in models:
             drafters.draft_costs = cached_step_costs(models["draft"], str(spec.draft_dir),
                                                      cache_dir=options.step_cost_dir)
@@ -223,6 +225,11 @@ class HostedDrafters:
         if duplicates:
             raise ValueError(f"--drafter: model {duplicates[0]!r} given more than once")
         return cls({s.name: ModelDrafters.load(s, options) for s in specs})
+
+    def forwards(self) -> dict[str, int]:
+        """Target model name -> forwards its draft model and head have run so far (every propose and
+        pre-speculation step, whatever the batch: what batching across targets saves)."""
+        return {name: sum(m.forwards for m in d.models) for name, d in self.models.items()}
 
     def get(self, name: str) -> ModelDrafters | None:
         return self.models.get(name)

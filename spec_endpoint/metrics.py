@@ -81,6 +81,14 @@ class EndpointMetrics:
         self.drafted = Counter(
             "specpool_spec_drafted_tokens", "Draft tokens sent", ["tenant", "model"], registry=r
         )
+        self.draft_forwards = Counter(
+            "specpool_spec_draft_forwards", "Forwards of the draft models (one serves every sequence it batches): "
+            "per target token, what pooling saves", ["model"], registry=r,
+        )
+        self.target_tokens = Counter(
+            "specpool_spec_target_tokens", "Tokens the targets emitted in their sessions here (their outcomes)",
+            ["model"], registry=r,
+        )
         self.accepted = Counter(
             "specpool_spec_accepted_tokens", "Draft tokens the target accepted (its reported new tokens)",
             ["tenant", "model"], registry=r,

@@ -40,6 +40,7 @@ class Llama:
         self.config = config
         self.fingerprint = weights_fingerprint(config, weights)
         self.device = torch.device(device)
+        self.forwards = 0  # forward calls so far (a pooled drafter's metrics count its model's)
         four_bit = any(b.four_bit for b in (blocks or {}).values())
         self.format = resolve_format(dtype, self.device, four_bit)  # bf16 only where native; q4 where fast
         self._build(weights, blocks)
@@ -263,6 +264,7 @@ class Llama:
             raise ValueError("fed_features are required by a feature-fed model, and only by one")
         cfg = self.config
         check_rows(cache, slots, tokens)
+        self.forwards += 1
         if prefill and len(slots) > 1 and self.prefill_alone:
             return self._prefill_each(cache, slots, tokens, all_logits, features, fed_features)
         fused = self.fused and not prefill

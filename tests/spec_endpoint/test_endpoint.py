@@ -106,6 +106,27 @@ def test_two_tenants_rounds_share_one_draft_batch(files):
     assert m.value("specpool_spec_drafted_tokens_total", {"tenant": "b", "model": MODEL}) == 3
 
 
+def test_targets_batched_together_share_each_draft_forward_and_their_tokens_are_counted(files):
+    """Two tenants' sequences drafted in one step run one forward per draft step between them (alone, each
+    would run its own): draft forwards per target token is what pooling saves."""
+    endpoint = make_endpoint(files)
+    for tenant, context in zip("ab", CONTEXTS):
+        assert open_one(endpoint, tenant, "r1", context).ok
+    streams = {t: endpoint.open_stream() for t in "ab"}
+    drafts = {t: None for t in "ab"}
+    for _ in range(2):  # the second round reports the first draft accepted and a bonus token
+        for tenant, stream in streams.items():
+            tokens = () if drafts[tenant] is None else (drafts[tenant][0], 7)
+            endpoint.submit(stream, Round(tenant, 1, (SequenceRound("r1", tokens, 3),)))
+        assert endpoint.batcher.run_once()
+        for tenant, stream in streams.items():
+            drafts[tenant] = stream.outbound.get_nowait().sequences[0].tokens
+            assert len(drafts[tenant]) == 3
+    m = endpoint.metrics
+    assert m.value("specpool_spec_draft_forwards_total", {"model": MODEL}) == 6  # 2 rounds x 3 steps, both tenants
+    assert m.value("specpool_spec_target_tokens_total", {"model": MODEL}) == 4  # 2 per tenant in the second round
+
+
 def test_greedy_drafts_equal_model_drafter_in_process_and_acceptance_is_counted(files):
     gguf, draft_dir, _ = files
     endpoint = make_endpoint(files)
