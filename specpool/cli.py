@@ -119,6 +119,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_COMPANIONS = {"draft": "models/smollm2-135m-draft", "head": "models/smollm2-135m-head",
+                    "datastore": "models/smollm2-135m-datastore.npz"}  # the default model's
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -127,6 +131,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specpool.engine.runtime.gguf_loader import default_model_path
 
     _set_threads(args.threads)
+    # The shipped draft, head and datastore are SmolLM2's: another target gets only what is named.
+    for name, path in BENCH_COMPANIONS.items():
+        if getattr(args, name) is None and not args.model:
+            setattr(args, name, path)
     cfg = BenchConfig(
         model_path=Path(args.model) if args.model else default_model_path(),
         workload=args.workload,
@@ -220,15 +228,18 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
     b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="routed-ray modes: the Ray cluster to launch the cluster file on (unset or alone: a one-node "
                         "Ray on 127.0.0.1 for the run)")
-    b.add_argument("--draft", default="models/smollm2-135m-draft", type=model_arg,
+    b.add_argument("--draft", default=None, type=model_arg,
                    help="the draft model: a checkpoint directory (train-draft's), or a model file sharing the "
-                        "target's tokenizer (a GGUF, a Hugging Face directory, a short name: qwen2.5-coder-0.5b)")
-    b.add_argument("--head", default="models/smollm2-135m-head", help="feature-fed head checkpoint directory")
+                        "target's tokenizer (a GGUF, a Hugging Face directory, a short name: qwen2.5-coder-0.5b); "
+                        f"default with the default model: {BENCH_COMPANIONS['draft']}, with another: none")
+    b.add_argument("--head", default=None, help="feature-fed head checkpoint directory (default with the default "
+                                                "model: " + BENCH_COMPANIONS["head"] + ", with another: none)")
     b.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the draft model's and the head's weights (auto: Q8_0 blocks through the engine's CPU "
                         "kernels where they build, else bf16 where native, else fp32)")
-    b.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
-                   help="n-gram datastore (empty string: per-request index only)")
+    b.add_argument("--datastore", default=None,
+                   help="n-gram datastore (empty string: per-request index only; default with the default model: "
+                        + BENCH_COMPANIONS["datastore"] + ", with another: none)")
     b.add_argument("--json", default=None, help="write the report here")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)

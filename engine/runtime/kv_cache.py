@@ -7,9 +7,27 @@ never attended to and are overwritten by the next step.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from specpool.engine.runtime.config import ModelConfig
+
+ALIGN = 64  # bytes: as torch's own CPU allocations
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that become resident page by page as they are written, on the CPU (numpy's zeros are calloc's:
+    the OS maps zero pages lazily; torch.zeros writes every byte). A cache sized for every slot at full
+    length then costs memory only where sequences reach: an endpoint drafting with the Qwen2.5-Coder 0.5B
+    (64 sessions and SSD's 144 slots, 2048 positions) was 10.9 GB resident at start."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(size + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return torch.from_numpy(raw[start : start + size]).view(dtype).view(shape)
 
 
 class KVCache:
@@ -19,8 +37,8 @@ class KVCache:
         # Heads before positions: each (sequence, head) reads its keys as one contiguous block.
         # One slot more than asked: the scratch slot that padded positions of ragged steps write to.
         shape = (config.n_layers, max_slots + 1, config.n_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, T, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros_on_demand(shape, dtype, device)  # [L, S, Hkv, T, D]
+        self.v = zeros_on_demand(shape, dtype, device)
         self.max_slots = max_slots
         self.max_len = max_len
         self.scratch_slot = max_slots  # never handed out
