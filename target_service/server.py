@@ -33,7 +33,7 @@ from specpool.common.serving import (
 from specpool.engine.decoding import Decoder
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
 from specpool.engine.drafters.ngram import NgramDrafter
-from specpool.engine.policy.costs import cached_step_costs
+from specpool.engine.policy.costs import batch_sizes_up_to, cached_step_costs
 from specpool.engine.runtime.device import off_main_thread
 from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.runtime.model import Llama
@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         costs = None
         if not args.draft_tokens:
             log.info("measuring verify-step costs of %s (cached after the first run)", name)
-            costs = cached_step_costs(model, name)
+            costs = cached_step_costs(model, name, batch_sizes=batch_sizes_up_to(args.max_batch))
         # Read on this thread: its thread count is the one the costs were measured (and keyed) with.
         layout = Layout.of(model, name, torch.get_num_threads(), args.layout_cores)
         return model, tokenizer, costs, layout

@@ -23,6 +23,13 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # 3, 7 and 11 end a block of 4 rows (s + 1 = 4, 8, 12): the int4 kernel's cost steps up after each
 # (engine/runtime/linear.py), and interpolating across a step would price s = 7 between two and three blocks.
 DRAFT_LENS = (0, 1, 2, 3, 4, 6, 7, 8, 11, 12, 16)
+
+
+def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
+    """The table's batch sizes for a target that runs at most max_batch sequences: a 1.5B's whole table took
+    over 3 minutes on one thread, mostly at batch 32. Two at least: a batch one past the table extrapolates."""
+    top = max(2, max_batch)
+    return tuple(b for b in BATCH_SIZES if b < top) + (top,)
 STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 
 

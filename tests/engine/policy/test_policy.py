@@ -284,3 +284,11 @@ def test_a_prior_below_break_even_still_probes_and_a_good_drafter_is_found():
         acceptance.update(accepted=s, offered=s, drafted=s)  # every draft accepted
     assert lengths[:15] == [0] * 15 and lengths[15] > 0  # the probe
     assert all(s > 0 for s in lengths[16:])  # learned: drafts every round
+
+
+def test_a_targets_table_stops_at_its_largest_batch():
+    from specpool.engine.policy.costs import batch_sizes_up_to
+
+    assert batch_sizes_up_to(8) == (1, 2, 4, 8)
+    assert batch_sizes_up_to(12) == (1, 2, 4, 8, 12)
+    assert batch_sizes_up_to(1) == (1, 2)
