@@ -18,6 +18,7 @@ from tests.helm.test_rendered import (
 )
 
 EXAMPLES = {"ci/models-pvc-values.yaml": "persistentVolumeClaim", "ci/models-image-values.yaml": "emptyDir",
+            "ci/qwen-coder-pair-values.yaml": "persistentVolumeClaim",
             "examples/models-hostpath-values.yaml": "hostPath"}
 
 
