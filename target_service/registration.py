@@ -39,13 +39,13 @@ class Layout:
 
     @classmethod
     def of(cls, model: Llama, model_id: str, threads: int, cores: int | None,
-           cache_dir: Path | None = None) -> Layout:
+           cache_dir: Path | None = None, **kwargs) -> Layout:
         """The layout of a target running `threads` threads among `cores` (None: its own threads), with
-        the step costs cached_step_costs keeps for `cores` threads, if any (none is measured here:
-        measuring would take the drafter's cores from it)."""
+        the step costs cached_step_costs keeps for `cores` threads (and its `kwargs`), if any (none is
+        measured here: measuring would take the drafter's cores from it)."""
         cores = cores or threads
         on_cpu = model.device.type == "cpu"
-        costs = peek_step_costs(model, model_id, cores, cache_dir) if on_cpu and cores > threads else None
+        costs = peek_step_costs(model, model_id, cores, cache_dir, **kwargs) if on_cpu and cores > threads else None
         return cls(threads, cores, costs, on_cpu)
 
 

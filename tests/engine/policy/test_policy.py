@@ -9,7 +9,13 @@ import pytest
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.policy.acceptance import AcceptanceEstimate, expected_tokens
-from specpool.engine.policy.costs import StepCosts, cached_step_costs, measure_step_costs
+from specpool.engine.policy.costs import (
+    BATCH_SIZES,
+    StepCosts,
+    batch_sizes_up_to,
+    cached_step_costs,
+    measure_step_costs,
+)
 from specpool.engine.policy.draft_length import FixedDraftLength, RoundSlowdown, Running, SpeculationPolicy
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
@@ -32,6 +38,13 @@ def test_step_costs_interpolate_and_extrapolate():
     assert COSTS(1, 2) == pytest.approx(0.0305)
     assert COSTS(8, 0) == pytest.approx(0.030 + 7 / 15 * 0.010)
     assert COSTS(32, 0) == pytest.approx(0.040 + 16 * 0.010 / 15)
+
+
+def test_a_target_measures_the_batch_sizes_it_can_run():
+    assert batch_sizes_up_to(8) == (1, 2, 4, 8)
+    assert batch_sizes_up_to(12) == (1, 2, 4, 8, 16), "one past it: the heartbeat predicts at running + 1"
+    assert batch_sizes_up_to(1) == (1, 2), "two at least, so the table extrapolates"
+    assert batch_sizes_up_to(64) == BATCH_SIZES
 
 
 def test_budget_shrinks_with_batch_size_and_acceptance():
