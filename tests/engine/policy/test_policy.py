@@ -16,7 +16,13 @@ from specpool.engine.policy.costs import (
     cached_step_costs,
     measure_step_costs,
 )
-from specpool.engine.policy.draft_length import FixedDraftLength, RoundSlowdown, Running, SpeculationPolicy
+from specpool.engine.policy.draft_length import (
+    FixedDraftLength,
+    Probe,
+    RoundSlowdown,
+    Running,
+    SpeculationPolicy,
+)
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
@@ -297,3 +303,20 @@ def test_a_prior_below_break_even_still_probes_and_a_good_drafter_is_found():
         acceptance.update(accepted=s, offered=s, drafted=s)  # every draft accepted
     assert lengths[:15] == [0] * 15 and lengths[15] > 0  # the probe
     assert all(s > 0 for s in lengths[16:])  # learned: drafts every round
+
+
+@pytest.mark.parametrize("accepted", [True, False], ids=["a good drafter", "a bad one"])
+def test_a_probe_told_to_probes_its_first_plain_round_too(accepted):
+    """A target's draft-model policy: a router's probe may be a request shorter than 16 rounds."""
+    policy = SpeculationPolicy(COSTS, draft_costs=StepCosts((1, 16), (0, 16), ((0.012, 0.012), (0.012, 0.012))),
+                               max_draft=8, probe=Probe(first=True))
+    acceptance = AcceptanceEstimate()
+    lengths = []
+    for _ in range(40):
+        [s] = policy.lengths([Running("a", 0, 1000)], acceptance)
+        lengths.append(s)
+        acceptance.update(accepted=s if accepted else 0, offered=s, drafted=s)
+    if accepted:
+        assert all(s > 0 for s in lengths)  # learned from the first round on
+    else:
+        assert [i for i, s in enumerate(lengths) if s > 0] == [0, 16, 32]
