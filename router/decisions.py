@@ -9,13 +9,11 @@ registration says whether it has room. A draft-model or SSD decision holds a slo
 Redis for the request's tenant; when none is free the request still runs, with n-gram drafting or none,
 and the reason is counted.
 
-A target's predictions learn only from the methods it runs: one whose draft model is priced below the
-margin by its prior would never be planned it, so never learn that it pays (the Qwen2.5-Coder pair: its
-prior predicted 1.07x, it ran 1.45x). So an AUTO request that would not draft with a model, on a target whose
-draft model is not predicted to pay, goes to the draft model anyway, as a probe, every PROBE_EVERY-th time per
-target (Probes), where a slot is free. Not only when nothing pays: on HumanEval the 1.5B's n-gram figure swung
-between 0.7x and 3.0x from one request to the next and stayed over the margin, so the draft model was never
-probed again.
+A target's predictions learn only from the methods it runs: a draft model its prior prices under the margin, or
+under n-gram's prior, is never planned, so the target never learns that it pays (the Qwen2.5-Coder pair: its prior
+predicted 1.07-1.11x, n-gram's 1.4-1.7x; the pair ran 1.3-1.45x through the servers, n-gram ~1.0x). So an AUTO
+request whose plan would not draft with a model goes to the draft model anyway, as a probe, on the first of every
+PROBE_EVERY such requests per target (Probes), where its endpoint drafts the model and a slot is free.
 """
 
 from __future__ import annotations
@@ -35,12 +33,13 @@ NO_SLOT = "no_slot"  # a draft model was wanted; the tenant's share of the endpo
 NO_ENDPOINT = "no_endpoint"  # a draft model was wanted; the target has no live endpoint drafting its model
 ENDPOINT_BUSY = "endpoint_busy"  # AUTO: the endpoint is saturated, a draft model would wait on it
 REGISTRY_UNAVAILABLE = "registry_unavailable"  # a draft model was wanted; Redis could not lease a slot
-PROBE = "probe"  # AUTO, the draft model not predicted to pay: planned anyway, so the target measures it (Probes)
+PROBE = "probe"  # AUTO, a plan without the draft model: the draft model anyway, so the target measures it (Probes)
 
 # The first of every 8 probe-eligible AUTO requests of a target is a probe: a new target learns from its first,
 # and one whose estimate fell re-checks within 8. A probe of a pair that does not pay costs about what any plan
 # under break-even does (its upkeep: such plans ran 0.90-0.94x AR), and the target's policy still drafts only
-# where it predicts a gain (or probes itself), so where the pair never pays 1 in 8 costs ~1% of the speed.
+# where it predicts a gain (or probes itself), so 1 in 8 costs ~1% of the speed where the pair never pays, and
+# at most an eighth of the difference where n-gram pays more.
 PROBE_EVERY = 8
 PROBE_METHOD = Method.DRAFT_MODEL
 
@@ -95,15 +94,15 @@ def decide(
 ) -> Decision:
     """How one request speculates; requested None is AUTO. take_slot leases a draft slot (True) or
     finds none (False), and raises LeaseUnavailable when it cannot tell. probe_due (asked only of an AUTO
-    request that would not draft with a model, on a target whose draft model is not predicted to pay and whose
-    endpoint could draft it) says whether this one probes (Probes.due)."""
+    request that would not draft with a model, on a target whose endpoint could draft it) says whether this
+    one probes (Probes.due)."""
     speedup_ngram = _speedup(target, LOCAL_METHOD)
     if requested is not None and not requested.row.leases_slot:
         return Decision(requested, REQUESTED)
     if requested is None:  # AUTO: the best predicted, if the target's policy would speculate with it
         wanted, speedup = _fastest(target)
-        if (not wanted.row.leases_slot and not _pays(_speedup(target, PROBE_METHOD))
-                and _can_probe(target, endpoint, busy_limit) and probe_due() and _leased(take_slot, endpoint)):
+        if (not wanted.row.leases_slot and _can_probe(target, endpoint, busy_limit) and probe_due()
+                and _leased(take_slot, endpoint)):
             return Decision(PROBE_METHOD, PROBE, leased=True)
         if not _pays(speedup):
             return Decision(Method.NONE, NO_SPEEDUP)
@@ -154,10 +153,12 @@ def _saturated(endpoint: EndpointRegistration, busy_limit: float) -> bool:
 
 
 def _can_probe(target: TargetRegistration, endpoint: EndpointRegistration | None, busy_limit: float) -> bool:
-    """Whether the target's endpoint could draft a probe now: live, drafting its model, not saturated, and
-    (where the target lists what it can do) the draft model among it."""
+    """Whether a probe could teach the target anything now: it has a policy to learn (a forced draft length
+    reports NO_ESTIMATE), and its endpoint is live, drafts its model, is not saturated and (where the target
+    lists what it can do) the draft model is among it."""
     listed = not target.methods or PROBE_METHOD.value in target.methods
-    return endpoint is not None and listed and not _saturated(endpoint, busy_limit)
+    learns = _speedup(target, PROBE_METHOD) != NO_ESTIMATE
+    return endpoint is not None and listed and learns and not _saturated(endpoint, busy_limit)
 
 
 def _leased(take_slot: Callable[[EndpointRegistration], bool], endpoint: EndpointRegistration) -> bool:

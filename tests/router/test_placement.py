@@ -176,10 +176,10 @@ def test_a_target_drafts_on_the_endpoint_it_names_if_that_drafts_its_model():
     assert draft_endpoint(target("a"), endpoints) is None
 
 
-def test_auto_requests_probe_a_draft_model_not_predicted_to_pay_every_nth():
-    """A prior under break-even never plans the draft model, so the target would never learn that it pays:
-    the first of every PROBE_EVERY AUTO requests per target that would not draft with it goes to it anyway,
-    with a leased slot."""
+def test_auto_requests_that_would_not_draft_with_the_model_probe_it_every_nth():
+    """A prior under break-even (or under n-gram's) never plans the draft model, so the target would never learn
+    that it pays: the first of every PROBE_EVERY AUTO requests per target that would not draft with it goes to
+    it anyway, with a leased slot."""
     probes, leases = Probes(), []
     below = {"predicted_speedup_draft": 0.9, "predicted_speedup_ngram": 0.95}  # 1.0 exactly is NO_ESTIMATE
 
@@ -196,10 +196,11 @@ def test_auto_requests_probe_a_draft_model_not_predicted_to_pay_every_nth():
     assert all(d == Decision(NONE, NO_SPEEDUP) for d in plans if d != probe)
     assert leases == ["ep", "ep"], "a slot is leased for the probes only"
     assert plan(b) == probe, "counted per target"
-    # Also where n-gram is predicted to pay (its figure swings with a request's repeats); not where the draft
-    # model is, or has no estimate (a forced draft length); those requests do not count towards the next probe.
-    ngram_pays = target("f", spec_endpoint="h:9", predicted_speedup_draft=0.9, predicted_speedup_ngram=1.3)
-    assert [plan(ngram_pays) for _ in range(2)] == [probe, Decision(NGRAM, PREDICTED_SPEEDUP)]
+    # Also where n-gram is predicted faster, paying or not; not where the draft model is planned anyway, nor where
+    # it has no estimate to learn (a forced draft length); those requests do not count towards the next probe.
+    for draft in (0.9, 1.2):
+        ngram_pays = target(f"f{draft}", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=1.3)
+        assert [plan(ngram_pays) for _ in range(2)] == [probe, Decision(NGRAM, PREDICTED_SPEEDUP)]
     assert plan(target("a", spec_endpoint="h:9", predicted_speedup_ngram=1.3)) == Decision(NGRAM, PREDICTED_SPEEDUP)
     assert plan(target("a", spec_endpoint="h:9", predicted_speedup_draft=1.5)) == Decision(
         DRAFT_MODEL, PREDICTED_SPEEDUP, leased=True)
