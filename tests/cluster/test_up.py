@@ -9,20 +9,37 @@ from pathlib import Path
 import pytest
 import redis
 
-from specpool.cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError
+from specpool.cluster.config import DEFAULT_CONFIG, SMOLLM2_CONFIG, ClusterConfig, ConfigError
 from specpool.common.serving import REDIS_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_is_two_tenants_one_endpoint_one_router_pinned_to_two_cores():
+def test_default_is_the_qwen_pair_and_smollm2_sharing_one_endpoint_unpinned():
+    """The 1.5B target and SmolLM2 draft on one endpoint (the 0.5B draft, n-gram for both); nothing pinned, every
+    server on 2 threads: a target and its endpoint each use both cores while the other waits, so AR on the
+    same target runs on every core a plan uses."""
+    from specpool.engine.runtime.chunked_models import model_path
+
     c = ClusterConfig.load()
     assert [t.tenant for t in c.targets] == ["alpha", "beta"]
+    assert [t.model for t in c.targets] == [model_path("qwen2.5-coder-1.5b"), None]
+    assert c.targets[0].datastore == "", "the default datastore is SmolLM2's tokens"
     assert [e.name for e in c.endpoints] == ["spec"] and c.routers.count == 1
-    assert c.endpoints[0].cpus == (0,) and {t.cpus for t in c.targets} == {(1,)}
-    assert all(t.threads == 1 for t in c.targets) and c.endpoints[0].threads == 1
+    pair = f"{model_path('qwen2.5-coder-1.5b')},draft={model_path('qwen2.5-coder-0.5b')}"
+    assert c.endpoints[0].drafters == (pair, "default")
+    assert c.endpoints[0].cpus is None and all(t.cpus is None for t in c.targets)
+    assert all(t.threads == 2 for t in c.targets) and c.endpoints[0].threads == 2
     assert c.routers.tenant_weights == {"alpha": 1, "beta": 1}
     assert ClusterConfig.load(DEFAULT_CONFIG) == c
+
+
+def test_the_smollm2_cluster_is_the_old_default_two_tenants_pinned_to_two_cores():
+    c = ClusterConfig.load(SMOLLM2_CONFIG)
+    assert [t.tenant for t in c.targets] == ["alpha", "beta"] and all(t.model is None for t in c.targets)
+    assert [e.name for e in c.endpoints] == ["spec"] and c.endpoints[0].drafters == () and c.routers.count == 1
+    assert c.endpoints[0].cpus == (0,) and {t.cpus for t in c.targets} == {(1,)}
+    assert all(t.threads == 1 for t in c.targets) and c.endpoints[0].threads == 1
 
 
 def test_a_targets_layout_cores_reach_serve_target():
