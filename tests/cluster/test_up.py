@@ -159,6 +159,42 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
     assert cluster.redis is not None and not cluster.redis.alive()
 
 
+@pytest.mark.slow
+def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
+    """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
+    as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method
+    for the later prompts, which verify more than 1.5 tokens a step; the speedup printed is against AR on the
+    cores the plans used. No speed threshold: the speedup is the demo's to report (README, `make run`)."""
+    import os
+
+    from specpool.cluster.demo import AUTO, NONE, load_prompts, run_demo
+    from specpool.cluster.launcher import Cluster
+
+    cluster = Cluster.start(ClusterConfig.load().with_free_ports())
+    try:
+        out = io.StringIO()
+        report = run_demo(cluster, load_prompts("humaneval", 5), 128, out=out)
+    finally:
+        cluster.stop()
+    text = out.getvalue()
+    print(text)
+    assert report.same_as_ar == 5 and "same tokens as AR: 5/5 prompts" in text
+    plans = [r.auto.plan for r in report.results]
+    drafting = ("draft_model/", "ssd/")
+    assert plans[0].startswith(drafting), plans  # a fresh target: the router's probe (or SSD, on its prior)
+    assert all(p.startswith(drafting) for p in plans[-2:]), plans
+    drafted = [r.auto for r in report.results if r.auto.plan.startswith(drafting)]
+    tokens, steps = sum(len(a.tokens) for a in drafted), sum(len(a.tokens) / a.accept_len for a in drafted)
+    assert tokens / steps > 1.5, [a.accept_len for a in drafted]
+    # AR ran on the same target, unpinned: on every core the plans used, the target's and its endpoint's.
+    cores = len(os.sched_getaffinity(0))
+    assert report.ar_cores == report.plan_cores == cores
+    assert f"speedup against AR on the target's {cores} cores: every core the plans used" in text
+    auto, ar = report.totals[AUTO], report.totals[NONE]
+    row = next(line for line in text.splitlines() if line.startswith("speculation planned by the router"))
+    assert f"{auto.tokens_per_s / ar.tokens_per_s:.2f}x" in row.split() and report.speedup == auto.tokens_per_s / ar.tokens_per_s
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
