@@ -52,6 +52,17 @@ def test_a_targets_layout_cores_reach_serve_target():
     assert "--layout-cores" not in target_command(ClusterConfig.load().targets[0], None), "default: its threads"
 
 
+def test_each_models_first_target_starts_alone_before_the_others():
+    """A first run measures each model's step costs in its first target: alone, not beside another measuring."""
+    from specpool.cluster.config import TargetSpec
+    from specpool.cluster.launcher import target_tiers
+
+    a, b, c, d = (TargetSpec(tenant, model=model) for tenant, model in (("a", "m1"), ("b", "m2"), ("c", "m1"),
+                                                                            ("d", "m1")))
+    assert target_tiers((a, b, c, d)) == [[a], [b], [c, d]]
+    assert target_tiers((a, b)) == [[a], [b]]
+
+
 def test_examples_load():
     c = ClusterConfig.load(REPO / "cluster" / "examples" / "two-routers.yaml")
     assert c.routers.count == 2 and c.targets[2].endpoint == ""
