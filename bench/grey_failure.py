@@ -197,7 +197,7 @@ def measure(gguf: Path, draft: Path, fault: str, prompt: list[int], drafted_toke
             target_args: list[str], endpoint_args: list[str], window_s: float = 2.0,
             cpus: tuple[list[int], list[int]] | None = None) -> dict:
     """The scenario of the module docstring on one endpoint and one target (pinned to `cpus`:
-    (endpoint's, target's), as cluster/default.yaml pins them); returns its figures (see the
+    (endpoint's, target's), as cluster/examples/smollm2.yaml pins them); returns its figures (see the
     docstring) with `equal_ar` and `resumed_drafting`."""
     model, _ = Llama.from_gguf(gguf, dtype="fp32", device="cpu")
     [want] = generate(model, [prompt], SamplingParams(), drafted_tokens, stop_ids=[])
@@ -311,7 +311,8 @@ def main() -> int:
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Write a Python function that returns the factorial "
                                                                  "of n, with a docstring and tests."}])
     one_thread = ["--threads", "1"]
-    # The default cluster's layout: the endpoint (and this client) on core 0, the target on core 1.
+    # The SmolLM2 cluster's layout (cluster/examples/smollm2.yaml): the endpoint (and this client) on core 0, the
+    # target on core 1.
     cpus = ([0], [1]) if {0, 1} <= os.sched_getaffinity(0) else None
     costs = step_costs(gguf, DRAFT_TOKENS)
     print(json.dumps(costs), flush=True)

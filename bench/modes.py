@@ -69,7 +69,7 @@ class BenchConfig:
     seed: int = 0
     spec_delay_ms: float = 0.0  # injected per speculation message in the remote modes
     threads: int | None = None  # torch threads of the in-process modes, and of the remote modes' servers
-    cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/default.yaml)
+    cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/examples/smollm2.yaml)
     ray_address: str | None = None  # routed-ray modes: the Ray cluster (None: a one-node Ray of the run's own)
     endpoint_args: tuple[str, ...] = ()  # remote modes: further serve-spec flags
 

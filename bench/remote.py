@@ -3,8 +3,8 @@
 sd-remote, head-remote, head-tree-remote, ngram-remote, ssd, ssd-pull, ssd-shared: a speculation endpoint and a target service start as
 separate processes (once per run), with mutual TLS between them and to the bench (a throwaway CA).
 sd-remote-plaintext and ngram-remote-plaintext run the same on servers of their own started with
---insecure: what TLS costs, measured side by side. routed and routed-ar: a whole local cluster (cluster/default.yaml
-or --cluster FILE: Redis, router, targets, endpoint) and requests through its router, with
+--insecure: what TLS costs, measured side by side. routed and routed-ar: a whole local cluster
+(cluster/examples/smollm2.yaml or --cluster FILE: Redis, router, targets, endpoint) and requests through its router, with
 speculation planned by the router (AUTO) or off (NONE, AR on the same servers). Each chunk of
 prompts is sent as concurrent Generate calls through the Target API, and the wall time from the
 first submit to the last answer is what the chunk costs, as for the in-process modes. routed-http:
@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specpool.cluster.config import ClusterConfig, EndpointSpec, TargetSpec
+from specpool.cluster.config import SMOLLM2_CONFIG, ClusterConfig, EndpointSpec, TargetSpec
 from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
 from specpool.common.security import CA_CERT, LocalCA, Security, server_name
@@ -145,7 +145,8 @@ class RoutedCluster:
     """The cluster of the routed modes, started on first use and stopped by close()."""
 
     def __init__(self, model_path: Path, config_path: Path | None = None, ray_address: str | None = None):
-        self.config = ClusterConfig.load(config_path).with_free_ports()
+        # The default cluster (cluster/default.yaml) serves two models: the routed modes' default is SmolLM2's.
+        self.config = ClusterConfig.load(config_path or SMOLLM2_CONFIG).with_free_ports()
         self.ray_address = ray_address  # of the routed-ray modes (None: a one-node Ray of the run's own)
         self.ray_cluster = None
         self._own_ray = False

@@ -3,8 +3,8 @@ router, with cancels, deadlines, bad requests, one endpoint restart and one targ
 
     python -m specpool.bench.soak --minutes 30 --json bench/results/soak.json
 
-The cluster is `make run`'s (cluster/default.yaml: Redis, a router, two targets of the real
-SmolLM2-135M, one endpoint with its draft model), on free ports. Client threads send requests
+The cluster is `make run`'s as it was before the Qwen2.5-Coder pair (cluster/examples/smollm2.yaml: Redis, a
+router, two targets of the real SmolLM2-135M, one endpoint with its draft model), on free ports. Client threads send requests
 drawn from a seeded generator:
 
 - greedy (every speculation method): the output must equal AR of the same prompt (computed here
@@ -36,7 +36,7 @@ import grpc
 
 from specpool.bench.runner import NEAR_TIE, first_divergence_gap
 from specpool.bench.workloads import load_workload
-from specpool.cluster.config import ClusterConfig
+from specpool.cluster.config import SMOLLM2_CONFIG, ClusterConfig
 from specpool.cluster.launcher import Cluster
 from specpool.cluster.processes import ServerProcess
 from specpool.common.machine import machine_info, machine_line
@@ -241,7 +241,7 @@ def main() -> int:
     args = build_parser().parse_args()
 
     print(machine_line(), flush=True)
-    config = ClusterConfig.load().with_free_ports()
+    config = ClusterConfig.load(SMOLLM2_CONFIG).with_free_ports()
     # References in the targets' dtype (bf16 where this CPU computes it natively, else fp32).
     model, tokenizer = Llama.from_gguf(default_model_path(), dtype=config.targets[0].dtype, device="cpu")
     prompts = load_workload("humaneval", tokenizer, limit=args.prompts)

@@ -16,6 +16,8 @@ from specpool.common.model_args import drafter_models
 from specpool.engine.runtime.chunked_models import ModelNotAssembled, model_path
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.yaml")
+# Two SmolLM2 targets, one endpoint: the cluster of the fast model (bench routed modes, the soak, tests).
+SMOLLM2_CONFIG = Path(__file__).parent / "examples" / "smollm2.yaml"
 
 
 class ConfigError(ValueError):

@@ -1,13 +1,15 @@
 """`specpool demo` (what `make run` runs): the embedded cluster, a short workload through its router.
 
-It starts the default cluster (cluster/default.yaml, every port picked free), then sends a handful
-of HumanEval prompts through the router, greedy, one request at a time. Each prompt goes twice,
-interleaved and in alternating order: once with speculation left to the router (AUTO: it plans
-draft model, n-gram or none from the targets' predicted speedups and leases a draft slot), once
-with speculation method NONE, the autoregressive baseline, on the same router and targets.
-Tokens/s is the client's view: tokens received over the time from sending the request to its
-final message. Greedy decoding is lossless, so both answers of a prompt must be the same tokens;
-the demo checks that too. Then it stops the cluster.
+It starts the default cluster (cluster/default.yaml, every port picked free: the Qwen2.5-Coder 1.5B target
+and a SmolLM2 target sharing one endpoint), then sends a handful of HumanEval prompts to the file's first
+target (tenant alpha) through the router, greedy, one request at a time. Each prompt goes twice,
+interleaved and in alternating order: once with speculation left to the router (AUTO: it plans draft model,
+SSD, n-gram or none per request from the target's predicted speedups, or probes, and leases a draft slot),
+once with speculation method NONE, the autoregressive baseline, on the same router and target. The speedup
+is against that AR, and the demo says on how many cores each ran: AR on the target's, the plan on the
+target's and, where it drafted there, its endpoint's. Tokens/s is the client's view: tokens received over the
+time from sending the request to its final message. Greedy decoding is lossless, so both answers of a prompt
+must be the same tokens; the demo checks that too. Then it stops the cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -22,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpool.cluster.config import ClusterConfig
-from specpool.cluster.launcher import Cluster, format_members
+from specpool.cluster.launcher import Cluster, endpoint_of, format_members
 from specpool.common.machine import machine_line
 from specpool.common.speculation import method_name, method_to_pb, sampling_to_pb
 from specpool.engine.method import Method
+from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.verification.sampling import SamplingParams
 from specpool_client.v1 import target_pb2 as pb
 from specpool_client.v1 import target_pb2_grpc
@@ -45,6 +49,14 @@ class Answer:
     accept_len: float  # tokens per target step, bonus included
     target_steps: int = 0  # the target's forwards after prefill
     drafted: int = 0  # draft tokens the target verified
+    local: bool = False  # n-gram drafts the target made itself (no endpoint)
+    ssd_hits: int = 0  # SSD rounds served from the speculation cache
+    ssd_lookups: int = 0
+    plan: str = ""  # what the router planned and why ("draft_model/probe"), when it could be read
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -56,11 +68,17 @@ class Totals:
     methods: dict[str, int] = field(default_factory=dict)  # what the target used (the router's plan) -> requests
     target_steps: int = 0
     drafted: int = 0
+    ssd_hits: int = 0
+    ssd_lookups: int = 0
+    on_endpoint: bool = False  # some request drafted on the endpoint
 
     def add(self, a: Answer) -> None:
         self.tokens += len(a.tokens)
         self.target_steps += a.target_steps
         self.drafted += a.drafted
+        self.ssd_hits += a.ssd_hits
+        self.ssd_lookups += a.ssd_lookups
+        self.on_endpoint |= a.drafted > 0 and not a.local
         self.seconds += a.seconds
         self.first_token_s.append(a.first_token_s)
         self.steps_weighted += len(a.tokens) / a.accept_len if a.accept_len else len(a.tokens)
@@ -70,12 +88,34 @@ class Totals:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def accept(self) -> float:
+        return self.tokens / self.steps_weighted if self.steps_weighted else 0.0
+
+
+@dataclass
+class PromptResult:
+    name: str
+    auto: Answer
+    ar: Answer
+
+    @property
+    def same(self) -> bool:
+        return self.auto.tokens == self.ar.tokens
+
+    @property
+    def speedup(self) -> float:
+        return self.auto.tokens_per_s / self.ar.tokens_per_s if self.ar.tokens_per_s else 0.0
+
 
 @dataclass
 class DemoReport:
     totals: dict[str, Totals]
     same_as_ar: int  # prompts whose two answers are the same tokens
     prompts: int
+    results: list[PromptResult] = field(default_factory=list)
+    ar_cores: int = 0  # cores AR (the target alone) ran on
+    plan_cores: int = 0  # cores the plans used: the target's, and its endpoint's where a request drafted there
 
     @property
     def speedup(self) -> float:
@@ -109,10 +149,10 @@ def load_prompts(workload: str, limit: int) -> list[tuple[str, str]]:
 
 
 def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: str, max_tokens: int,
-        timeout_s: float = 300.0) -> Answer:
+        timeout_s: float = 300.0, model: str = "") -> Answer:
     """One greedy request (text, or token ids for models without a tokenizer), streamed."""
     request = pb.GenerateRequest(
-        max_tokens=max_tokens, sampling=sampling_to_pb(SamplingParams()),
+        model=model, max_tokens=max_tokens, sampling=sampling_to_pb(SamplingParams()),
         speculation=pb.SpeculationPreference(method=METHODS[mode]),
     )
     if isinstance(prompt, str):
@@ -131,8 +171,9 @@ def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: 
     if final is None or not final.completions:
         raise RuntimeError("the router's stream ended without a final message")
     c = final.completions[0]
-    return Answer(list(c.token_ids), c.text, seconds, first or seconds, method_name(c.speculation.method),
-                  c.speculation.mean_accept_len, c.speculation.target_steps, c.speculation.drafted_tokens)
+    s = c.speculation
+    return Answer(list(c.token_ids), c.text, seconds, first or seconds, method_name(s.method), s.mean_accept_len,
+                  s.target_steps, s.drafted_tokens, s.local, s.cache_hits, s.cache_lookups)
 
 
 def generated_tokens(cluster: Cluster) -> dict[str, float]:
@@ -162,6 +203,27 @@ def router_decisions(cluster: Cluster) -> dict[tuple[str, str], int]:
     return out
 
 
+def demo_target(config: ClusterConfig) -> tuple[str, str]:
+    """(tenant, model name on the wire) of the target the demo sends its prompts to: the file's first."""
+    if not config.targets:
+        raise ValueError("the demo needs a target: the config has none")
+    t = config.targets[0]
+    return t.tenant, model_name(t.model or default_model_path())
+
+
+def cores(cluster: Cluster, name: str) -> set[int]:
+    """The cores a server may run on: its pins, else every core this process may use."""
+    pins = cluster.pins.get(name)
+    return set(pins) if pins else set(os.sched_getaffinity(0))
+
+
+def planned(before: dict[tuple[str, str], int], after: dict[tuple[str, str], int]) -> str:
+    """The router's decisions between two reads of /capacity, as plan/reason."""
+    new = [f"{plan}/{reason}" for (plan, reason), n in sorted(after.items())
+           for _ in range(n - before.get((plan, reason), 0))]
+    return ", ".join(new) or "?"
+
+
 def snippet(text: str, lines: int = 4, width: int = 88) -> str:
     rows = [r.rstrip() for r in text.strip("\n").splitlines() if r.strip()][:lines]
     return "\n".join("    | " + (r if len(r) <= width else r[: width - 3] + "...") for r in rows)
@@ -173,43 +235,64 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
         print(text, file=out, flush=True)
 
     totals = {AUTO: Totals(), NONE: Totals()}
-    same = 0
-    with cluster.router_channel("alpha") as channel:
+    results = []
+    tenant, model = demo_target(cluster.config)
+    with cluster.router_channel(tenant) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
-        # Not measured: first requests pay for allocations, endpoint sessions and the router's first look.
-        for mode in (AUTO, NONE):
-            ask(stub, prompts[0][1], mode, 8)
+        # Not measured: a first request pays for the target's allocations and the router's first look. Plain
+        # only: an AUTO one would be the target's first probe (router/decisions.py), which a warm-up of a few
+        # tokens would waste; the first prompt's AUTO request probes instead, as a first request would.
+        ask(stub, prompts[0][1], NONE, 8, model=model)
         before = generated_tokens(cluster)
         for i, (name, prompt) in enumerate(prompts):
             order = (AUTO, NONE) if i % 2 == 0 else (NONE, AUTO)
-            answers = {mode: ask(stub, prompt, mode, max_tokens) for mode in order}
+            answers = {}
+            for mode in order:
+                decisions = router_decisions(cluster) if mode == AUTO else {}
+                answers[mode] = ask(stub, prompt, mode, max_tokens, model=model)
+                if mode == AUTO:
+                    answers[mode].plan = planned(decisions, router_decisions(cluster))
             for mode, a in answers.items():
                 totals[mode].add(a)
-            a, b = answers[AUTO], answers[NONE]
-            identical = a.tokens == b.tokens
-            same += identical
-            lines = [r for r in prompt.splitlines() if r.strip()] if isinstance(prompt, str) else []
-            head = next((r for r in lines if r.lstrip().startswith("def ")), lines[0] if lines else "")
+            r = PromptResult(name, answers[AUTO], answers[NONE])
+            results.append(r)
+            a, b = r.auto, r.ar
+            lines = [row for row in prompt.splitlines() if row.strip()] if isinstance(prompt, str) else []
+            head = next((row for row in lines if row.lstrip().startswith("def ")), lines[0] if lines else "")
+            ssd = f", SSD hits {a.ssd_hits}/{a.ssd_lookups}" if a.ssd_lookups else ""
             say(f"[{name}] {head[:80]}")
-            say(f"  auto ({a.method}, {a.accept_len:.2f} tokens/step): {len(a.tokens) / a.seconds:5.1f} tokens/s   "
-                f"AR: {len(b.tokens) / b.seconds:5.1f} tokens/s   same tokens: {'yes' if identical else 'NO'}")
+            say(f"  plan {a.plan} (ran {a.method}), {a.accept_len:.2f} tokens/step{ssd}: {a.tokens_per_s:5.1f} "
+                f"tokens/s   AR: {b.tokens_per_s:5.1f} tokens/s   {r.speedup:.2f}x   same tokens: "
+                f"{'yes' if r.same else 'NO'}")
             if a.text.strip():
                 say(snippet(a.text))
         after = generated_tokens(cluster)
 
+    target_cores = cores(cluster, tenant)
+    endpoint = endpoint_of(cluster.config, cluster.config.targets[0])
+    plan_cores = target_cores | (cores(cluster, endpoint) if endpoint and totals[AUTO].on_endpoint else set())
+    report = DemoReport(totals, sum(r.same for r in results), len(prompts), results, len(target_cores),
+                        len(plan_cores))
     ar = totals[NONE].tokens_per_s
+    ssd = totals[AUTO].ssd_lookups
     say()
-    say(f"{'mode':<36} {'requests':>8} {'tokens':>7} {'tokens/s':>9} {'speedup':>8} {'TTFT s':>7} "
+    say(f"{'mode':<36} {'requests':>8} {'tokens':>7} {'tokens/s':>9} {'speedup':>8} {'cores':>5} {'TTFT s':>7} "
         f"{'accept':>7}  methods")
-    for mode in (AUTO, NONE):
+    for mode, n_cores in ((AUTO, report.plan_cores), (NONE, report.ar_cores)):
         t = totals[mode]
-        accept = t.tokens / t.steps_weighted if t.steps_weighted else 0.0
         ttft = sum(t.first_token_s) / len(t.first_token_s) if t.first_token_s else 0.0
         methods = ", ".join(f"{k} x{v}" for k, v in sorted(t.methods.items()))
         say(f"{LABELS[mode]:<36} {len(t.first_token_s):>8} {t.tokens:>7} {t.tokens_per_s:>9.1f} "
-            f"{(t.tokens_per_s / ar if ar else 0):>7.2f}x {ttft:>7.2f} {accept:>7.2f}  {methods}")
-    lossless = " (greedy speculation is lossless)" if same == len(prompts) else ""
-    say(f"same tokens as AR: {same}/{len(prompts)} prompts{lossless}")
+            f"{(t.tokens_per_s / ar if ar else 0):>7.2f}x {n_cores:>5} {ttft:>7.2f} {t.accept:>7.2f}  {methods}")
+    on = f"speedup against AR on the target's {report.ar_cores} core{'s' if report.ar_cores > 1 else ''}"
+    if report.ar_cores >= report.plan_cores:
+        say(f"{on}: every core the plans used")
+    else:  # a pinned layout (cluster/examples/smollm2.yaml): the endpoint's cores are the plans' too
+        say(f"{on}; the plans used {report.plan_cores} (its endpoint's too): per target core, not per core spent")
+    if ssd:
+        say(f"SSD hits: {totals[AUTO].ssd_hits}/{ssd} rounds served from the speculation cache")
+    lossless = " (greedy speculation is lossless)" if report.same_as_ar == len(prompts) else ""
+    say(f"same tokens as AR: {report.same_as_ar}/{len(prompts)} prompts{lossless}")
     served = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     if served:
         say("tokens served per tenant: " + ", ".join(f"{k} {v:.0f}" for k, v in served.items()))
@@ -217,16 +300,20 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
     if decisions:
         say("router decisions (plan/reason, warm-up included): "
             + ", ".join(f"{plan}/{reason} x{n}" for (plan, reason), n in sorted(decisions.items())))
-    say("accept = tokens per target step, bonus included; tokens/s as the client sees it, one request at a time, "
-        "both modes side by side in this run on this machine")
-    return DemoReport(totals, same, len(prompts))
+    say("plan = the router's (plan/reason), ran = what the target used; accept = tokens per target step, bonus "
+        "included; tokens/s as the client sees it, one request at a time, both modes side by side in this run on "
+        "this machine")
+    return report
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="cluster YAML (default: the embedded default)")
     p.add_argument("--workload", default="humaneval", help="humaneval or a .jsonl file with 'prompt' fields")
     p.add_argument("--prompts", type=int, default=5, help="how many prompts (each is sent twice)")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request, at most")
+    # 128: a request's fixed costs (the target's prefill, ~0.45 s for a HumanEval prompt on the 1.5B, and the
+    # draft model's catch-up over the prompt, ~0.25 s) weigh half as much as at 64, and 5 prompts still take
+    # about a minute.
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request, at most")
     p.add_argument("--verbose", action="store_true", help="echo every server's log lines to stderr")
 
 
@@ -247,8 +334,9 @@ def main(args) -> int:
         print(format_members(cluster))
         for note in cluster.notes:
             print(f"note: {note}")
-        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, through the router at "
-              f"{cluster.router_address}; each prompt twice, interleaved: auto (router plans) and none (AR)\n",
+        tenant, model = demo_target(config)
+        print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens to {tenant} ({model}), greedy, through the router "
+              f"at {cluster.router_address}; each prompt twice, interleaved: auto (router plans) and none (AR)\n",
               flush=True)
         run_demo(cluster, prompts, args.max_tokens)
     finally:

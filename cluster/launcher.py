@@ -5,8 +5,8 @@ and a whole cluster as local processes. `specpool up`, the demo and the benchmar
         stub = TargetServiceStub(cluster.router_channel("alpha"))
 
 Servers start tier by tier (Redis, endpoints, targets, routers; the servers of one tier in
-parallel, except that the first target of each model starts before its siblings, so a first run
-measures the shared step-cost table once) and each counts as up once it reports its ports and its
+parallel, except that the first target of each model starts alone, before its siblings, so a first run
+measures each step-cost table once and undisturbed) and each counts as up once it reports its ports and its
 readiness (cluster/processes.py). A server's `cpus` pin it with taskset (cores this machine lacks:
 unpinned, with a note) and its `threads` set torch's and OpenMP's thread counts. stop() drains
 front to back: SIGTERM to every router (each drains its in-flight requests), wait, then the
@@ -91,15 +91,17 @@ def endpoint_of(config: ClusterConfig, t: TargetSpec) -> str:
     return first if t.endpoint is None else t.endpoint
 
 
-def target_tiers(targets: tuple[TargetSpec, ...]) -> tuple[list[TargetSpec], list[TargetSpec]]:
-    """(the first target of each model, dtype and thread count; the others). Those share a cached
-    step-cost table: the first of each starts alone, so a first run measures it once and not under
-    its siblings' load."""
+def target_tiers(targets: tuple[TargetSpec, ...]) -> list[list[TargetSpec]]:
+    """The tiers targets start in: the first target of each model, dtype and thread count alone, one after
+    another, then all the others. Those share a cached step-cost table, measured by the first on a first run:
+    alone, so not under the load of a sibling or of another model's first measuring its own (the default
+    cluster's 1.5B and SmolLM2 targets, on the same 2 cores)."""
     firsts: dict[tuple, TargetSpec] = {}
     for t in targets:
         firsts.setdefault((t.model, t.dtype, t.threads), t)
     leaders = list(firsts.values())
-    return leaders, [t for t in targets if t not in leaders]
+    others = [t for t in targets if t not in leaders]
+    return [[t] for t in leaders] + ([others] if others else [])
 
 
 # -- the running cluster -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """`specpool up`: a whole specpool cluster as local processes, described by a YAML file.
 
-The embedded default (cluster/default.yaml) is Redis, one router, two target services (tenants
-"alpha" and "beta" of SmolLM2-135M-Instruct) and one speculation endpoint, all registering in
-Redis. Other topologies are other files (cluster/examples/). cluster/config.py reads the file,
+The embedded default (cluster/default.yaml) is Redis, one router, two target services (tenant "alpha" of
+Qwen2.5-Coder-1.5B-Instruct, "beta" of SmolLM2-135M-Instruct) and one speculation endpoint drafting for both,
+all registering in Redis. Other topologies are other files (cluster/examples/). cluster/config.py reads the file,
 cluster/launcher.py starts and stops the servers. With --ray the members run as actors on a Ray
 cluster instead (cluster/ray_launcher.py) and stay up after `specpool up` returns: `specpool scale`
 and `specpool down` act on them.

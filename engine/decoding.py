@@ -23,7 +23,7 @@ from specpool.engine.drafters.base import (
     Ready,
     Replanning,
 )
-from specpool.engine.method import Method
+from specpool.engine.method import METHODS, Method
 from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.draft_length import PLAIN_DECODING, DraftLength, FixedDraftLength, Running
@@ -177,7 +177,10 @@ class Decoder:
         self._wants_features = self._caps.features  # a feature-fed head's input
         self._replanning: Replanning | None = drafter if self._caps.plan else None
         self.draft_length = draft_length
-        self.acceptance = acceptance or AcceptanceEstimate()
+        self.acceptance = acceptance or AcceptanceEstimate()  # of sequences without a plan (in process)
+        # One per planned method: a draft model's acceptance is not an n-gram index's. Pooled into one, the
+        # cheaper n-gram always predicted faster, so routers never planned the Qwen pair's draft model.
+        self._acceptances: dict[Method, AcceptanceEstimate] = {}
         self.last_verify_s: float | None = None  # the last round's forward and acceptance, drafting excluded
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
@@ -185,6 +188,23 @@ class Decoder:
         self._asked: _Asked | None = None  # the round whose drafts are being made
         self._generators: dict[SamplingParams, torch.Generator] = {}
         self._group_sizes: Counter[SamplingParams] = Counter()  # live sequences per sampling group
+
+    def acceptance_of(self, method: Method | None) -> AcceptanceEstimate:
+        """The acceptance measured for sequences planned with `method` (None: those without a plan)."""
+        if method is None:
+            return self.acceptance
+        if method not in self._acceptances:
+            prior = self.acceptance
+            self._acceptances[method] = AcceptanceEstimate(prior.prior_alpha, prior.prior_weight, prior.decay,
+                                                           len(prior.reached))
+        return self._acceptances[method]
+
+    def _round_acceptance(self, batch: Sequence[_Sequence]) -> AcceptanceEstimate:
+        """The estimate a round's lengths are chosen by: that of its plans' first method in METHODS' order
+        (the draft model before n-gram, as the target's policy charges a mixed batch), else the unplanned."""
+        planned = {s.plan.method for s in batch if s.plan is not None}
+        method = next((row.method for row in METHODS if row.method in planned and row.drafter), None)
+        return self.acceptance_of(method)
 
     @property
     def has_work(self) -> bool:
@@ -334,7 +354,8 @@ class Decoder:
             lengths = [0] * len(batch)
         else:
             lengths = self.draft_length.lengths(
-                [Running(s.seq_id, s.unseen, r, s.plan) for s, r in zip(batch, remaining)], self.acceptance)
+                [Running(s.seq_id, s.unseen, r, s.plan) for s, r in zip(batch, remaining)],
+                self._round_acceptance(batch))
         # Never draft past the length limit: the bonus token always fills the last place. A sequence
         # planned (or dropped) to no speculation is offered nothing, whatever the drafter could do.
         return {s.seq_id: 0 if s.plan is not None and s.plan.method is Method.NONE else min(n, r - 1)
@@ -441,7 +462,8 @@ class Decoder:
                 depths = token_tree.depths(d.parents[b]) if d.parents is not None else range(len(proposed))
                 res.count_positions(depths, len(path))
                 if seq.seq_id in ours:
-                    self.acceptance.update(len(path), asked.offered[seq.seq_id], len(proposed))
+                    estimate = self.acceptance_of(seq.plan.method if seq.plan is not None else None)
+                    estimate.update(len(path), asked.offered[seq.seq_id], len(proposed))
                 # Keep the fed last token and the accepted path's K/V, in place; drop the rest.
                 kept = [0] + [node + 1 for node in path]
                 self.cache.keep_path(seq.slot, self.cache.lengths[seq.slot] - len(feed[r]), kept)

@@ -8,10 +8,17 @@ policy would draft nothing, and the plan's sessions would cost upkeep for no gai
 registration says whether it has room. A draft-model or SSD decision holds a slot leased atomically in
 Redis for the request's tenant; when none is free the request still runs, with n-gram drafting or none,
 and the reason is counted.
+
+A target's predictions learn only from the methods it runs: a draft model its prior prices under the margin, or
+under n-gram's prior, is never planned, so the target never learns that it pays (the Qwen2.5-Coder pair: its prior
+predicted 1.07-1.11x, n-gram's 1.4-1.7x; the pair ran 1.3-1.45x through the servers, n-gram ~1.0x). So an AUTO
+request whose plan would not draft with a model goes to the draft model anyway, as a probe, on the first of every
+PROBE_EVERY such requests per target (Probes), where its endpoint drafts the model and a slot is free.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +33,15 @@ NO_SLOT = "no_slot"  # a draft model was wanted; the tenant's share of the endpo
 NO_ENDPOINT = "no_endpoint"  # a draft model was wanted; the target has no live endpoint drafting its model
 ENDPOINT_BUSY = "endpoint_busy"  # AUTO: the endpoint is saturated, a draft model would wait on it
 REGISTRY_UNAVAILABLE = "registry_unavailable"  # a draft model was wanted; Redis could not lease a slot
+PROBE = "probe"  # AUTO, a plan without the draft model: the draft model anyway, so the target measures it (Probes)
+
+# The first of every 8 probe-eligible AUTO requests of a target is a probe: a new target learns from its first,
+# and one whose estimate fell re-checks within 8. A probe of a pair that does not pay costs about what any plan
+# under break-even does (its upkeep: such plans ran 0.90-0.94x AR), and the target's policy still drafts only
+# where it predicts a gain (or probes itself), so 1 in 8 costs ~1% of the speed where the pair never pays, and
+# at most an eighth of the difference where n-gram pays more.
+PROBE_EVERY = 8
+PROBE_METHOD = Method.DRAFT_MODEL
 
 
 class LeaseUnavailable(Exception):
@@ -37,6 +53,24 @@ class Decision:
     method: Method
     reason: str
     leased: bool = False  # a draft slot is held for the request and must be released
+
+
+class Probes:
+    """Per target (by member id), which of its probe-eligible AUTO requests probe: the first of every `every`."""
+
+    def __init__(self, every: int = PROBE_EVERY, max_targets: int = 4096):
+        self.every = every
+        self.max_targets = max_targets  # targets come and go: past this many, the counts start over
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # requests are routed on many threads
+
+    def due(self, target_id: str) -> bool:
+        with self._lock:
+            if target_id not in self._counts and len(self._counts) >= self.max_targets:
+                self._counts.clear()
+            n = self._counts.get(target_id, 0)
+            self._counts[target_id] = n + 1
+        return n % self.every == 0
 
 
 def draft_endpoint(target: TargetRegistration,
@@ -56,14 +90,20 @@ def decide(
     endpoint: EndpointRegistration | None,
     take_slot: Callable[[EndpointRegistration], bool],
     busy_limit: float = 0.95,
+    probe_due: Callable[[], bool] = lambda: False,
 ) -> Decision:
     """How one request speculates; requested None is AUTO. take_slot leases a draft slot (True) or
-    finds none (False), and raises LeaseUnavailable when it cannot tell."""
+    finds none (False), and raises LeaseUnavailable when it cannot tell. probe_due (asked only of an AUTO
+    request that would not draft with a model, on a target whose endpoint could draft it) says whether this
+    one probes (Probes.due)."""
     speedup_ngram = _speedup(target, LOCAL_METHOD)
     if requested is not None and not requested.row.leases_slot:
         return Decision(requested, REQUESTED)
     if requested is None:  # AUTO: the best predicted, if the target's policy would speculate with it
         wanted, speedup = _fastest(target)
+        if (not wanted.row.leases_slot and _can_probe(target, endpoint, busy_limit) and probe_due()
+                and _leased(take_slot, endpoint)):
+            return Decision(PROBE_METHOD, PROBE, leased=True)
         if not _pays(speedup):
             return Decision(Method.NONE, NO_SPEEDUP)
         if not wanted.row.leases_slot:
@@ -110,3 +150,19 @@ def _without_draft(speedup_ngram: float, reason: str) -> Decision:
 def _saturated(endpoint: EndpointRegistration, busy_limit: float) -> bool:
     full = endpoint.max_sessions > 0 and endpoint.active_sessions >= endpoint.max_sessions
     return full or endpoint.draft_busy_ratio >= busy_limit
+
+
+def _can_probe(target: TargetRegistration, endpoint: EndpointRegistration | None, busy_limit: float) -> bool:
+    """Whether a probe could teach the target anything now: it has a policy to learn (a forced draft length
+    reports NO_ESTIMATE), and its endpoint is live, drafts its model, is not saturated and (where the target
+    lists what it can do) the draft model is among it."""
+    listed = not target.methods or PROBE_METHOD.value in target.methods
+    learns = _speedup(target, PROBE_METHOD) != NO_ESTIMATE
+    return endpoint is not None and listed and learns and not _saturated(endpoint, busy_limit)
+
+
+def _leased(take_slot: Callable[[EndpointRegistration], bool], endpoint: EndpointRegistration) -> bool:
+    try:
+        return take_slot(endpoint)
+    except LeaseUnavailable:
+        return False

@@ -3,7 +3,8 @@
 `Router.route` reads the registry snapshot, places the request (router.placement), decides how it
 speculates (router.decisions) leasing a slot on the target's endpoint when it drafts with a model, and returns
 the request to forward. `Router.finish` releases the slot. No state outlives a request but the
-leases, and those live in Redis.
+leases, which live in Redis, and each target's count of probe-eligible requests (decisions.Probes), which is
+this replica's own: replicas probe independently, each at the same rate.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specpool.common.errors import FieldError
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
 from specpool.common.speculation import method_to_pb
 from specpool.common.target_api import check_generate_request
-from specpool.router.decisions import Decision, LeaseUnavailable, decide, draft_endpoint
+from specpool.router.decisions import Decision, LeaseUnavailable, Probes, decide, draft_endpoint
 from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from specpool.router.metrics import RouterMetrics
 from specpool.router.placement import PlacementRequest, place
@@ -74,6 +75,7 @@ class Router:
         self.leases = leases
         self.metrics = metrics
         self.config = config
+        self.probes = Probes()
 
     def route(self, request: pb.GenerateRequest, tenant: str | None,
               exclude: frozenset[str] = frozenset()) -> Route:
@@ -112,7 +114,8 @@ class Router:
                 held.append(lease)
             return lease is not None
 
-        decision = decide(requested, target, endpoint, take_slot, self.config.busy_limit)
+        decision = decide(requested, target, endpoint, take_slot, self.config.busy_limit,
+                          probe_due=lambda: self.probes.due(target.id))
         forwarded.speculation.method = method_to_pb(decision.method)
         # The label keeps its name "plan", as dashboards and the capacity API know it.
         self.metrics.decisions.labels(model=model, plan=decision.method, reason=decision.reason).inc()

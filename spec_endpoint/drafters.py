@@ -60,7 +60,10 @@ class DrafterSpec:
     @classmethod
     def parse(cls, text: str) -> DrafterSpec:
         """`NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]`; NAME may be left out (`TARGET_GGUF,...`):
-        the name is then the GGUF file name without .gguf (a directory's name), as targets report it."""
+        the name is then the GGUF file name without .gguf (a directory's name), as targets report it. `default`
+        alone is the default model's (DrafterSpec.default), so a list of several can name it beside others."""
+        if text == "default":
+            return cls.default()
         head, *options = text.split(",")
         name, sep, gguf = head.partition("=")
         if not sep:

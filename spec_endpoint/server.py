@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter", action="append", type=drafter_arg, default=[],
         metavar="NAME=TARGET_GGUF[,draft=DIR][,head=DIR][,datastore=NPZ]",
         help="drafters for one target model (repeatable; the target and a draft model file may be short names, "
-             f"as serve-target's --model: {', '.join(MODELS)}); default: SmolLM2-135M-Instruct with "
+             f"as serve-target's --model: {', '.join(MODELS)}); `default` (and no flag): SmolLM2-135M-Instruct with "
              "models/smollm2-135m-draft, models/smollm2-135m-head and models/smollm2-135m-datastore.npz",
     )
     parser.add_argument("--max-sessions", type=int, default=64, help="sessions (and draft KV slots per model)")

@@ -224,7 +224,9 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",
                    help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
-    b.add_argument("--cluster", default=None, help="routed modes: cluster config (default: cluster/default.yaml)")
+    b.add_argument("--cluster", default=None,
+                   help="routed modes: cluster config whose targets all serve the bench's model (default: "
+                        "cluster/examples/smollm2.yaml)")
     b.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="routed-ray modes: the Ray cluster to launch the cluster file on (unset or alone: a one-node "
                         "Ray on 127.0.0.1 for the run)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpool.engine.decoding import Decoder
-from specpool.engine.method import METHODS, NO_ESTIMATE
+from specpool.engine.method import METHODS, NO_ESTIMATE, Method
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, peek_step_costs
 from specpool.engine.policy.draft_length import SpeculationPolicy
@@ -39,13 +39,13 @@ class Layout:
 
     @classmethod
     def of(cls, model: Llama, model_id: str, threads: int, cores: int | None,
-           cache_dir: Path | None = None) -> Layout:
+           cache_dir: Path | None = None, **kwargs) -> Layout:
         """The layout of a target running `threads` threads among `cores` (None: its own threads), with
-        the step costs cached_step_costs keeps for `cores` threads, if any (none is measured here:
-        measuring would take the drafter's cores from it)."""
+        the step costs cached_step_costs keeps for `cores` threads (and its `kwargs`), if any (none is
+        measured here: measuring would take the drafter's cores from it)."""
         cores = cores or threads
         on_cpu = model.device.type == "cpu"
-        costs = peek_step_costs(model, model_id, cores, cache_dir) if on_cpu and cores > threads else None
+        costs = peek_step_costs(model, model_id, cores, cache_dir, **kwargs) if on_cpu and cores > threads else None
         return cls(threads, cores, costs, on_cpu)
 
 
@@ -88,20 +88,21 @@ class HeartbeatFields:
 
     def fields(self) -> dict:
         running, queued = self.scheduler.load()
-        acceptance = self.decoder.acceptance
         batch = running + 1  # what admitting one more request would run at
         draft_policy, free_policy = self.draft_policy_fn(), self.free_policy
         has_endpoint = bool(self.drafter and self.drafter.address)
         if has_endpoint:  # a planned method drafts on the endpoint: each round pays its measured wire time
             wire = self.drafter.wire_s.value
             draft_policy, free_policy = (p and dataclasses.replace(p, round_s=wire) for p in (draft_policy, free_policy))
+        policies = {"model": draft_policy, "misses": self.ssd_policy_fn(), "free": free_policy}
+        planned = [row for row in METHODS if row.speedup_field is not None]
+        # Each method by the acceptance its own sequences measured (Decoder.acceptance_of).
+        speedups = {row.method: predicted_speedup(policies[row.charges], batch, self.decoder.acceptance_of(row.method))
+                    for row in planned}
         # SSD must beat plain decoding on all its layout's cores, not only on the target's own.
         own_costs = self.free_policy.target_costs if self.free_policy is not None else None
-        ssd = predicted_speedup(self.ssd_policy_fn(), batch, acceptance) * ar_on_layout_ratio(self.layout, own_costs, batch)
-        by_charges = {"model": predicted_speedup(draft_policy, batch, acceptance), "misses": ssd,
-                      "free": predicted_speedup(free_policy, batch, acceptance)}
-        planned = [row for row in METHODS if row.speedup_field is not None]
-        speedups = {row.method: round(by_charges[row.charges], 4) for row in planned}
+        speedups[Method.SSD] *= ar_on_layout_ratio(self.layout, own_costs, batch)
+        speedups = {method: round(speedup, 4) for method, speedup in speedups.items()}
         for method, speedup in speedups.items():
             self.metrics.predicted(method.value, speedup)
         endpoint_up = has_endpoint and self.drafter.healthy

@@ -114,6 +114,8 @@ def main(args: argparse.Namespace) -> int:
                          "routers and endpoints know it by its certificate")
     metrics = TargetMetrics(name, tenant)
 
+    batch_sizes = batch_sizes_up_to(args.max_batch)  # the step costs of the batches it can run
+
     def load():
         loading = time.perf_counter()
         model, tokenizer = Llama.from_path(path, dtype=args.dtype, device=args.device)
@@ -122,9 +124,9 @@ def main(args: argparse.Namespace) -> int:
         costs = None
         if not args.draft_tokens:
             log.info("measuring verify-step costs of %s (cached after the first run)", name)
-            costs = cached_step_costs(model, name, batch_sizes=batch_sizes_up_to(args.max_batch))
+            costs = cached_step_costs(model, name, batch_sizes=batch_sizes)
         # Read on this thread: its thread count is the one the costs were measured (and keyed) with.
-        layout = Layout.of(model, name, torch.get_num_threads(), args.layout_cores)
+        layout = Layout.of(model, name, torch.get_num_threads(), args.layout_cores, batch_sizes=batch_sizes)
         return model, tokenizer, costs, layout
 
     # The scheduler thread decodes; torch work on this thread would leave it a second OpenMP pool.

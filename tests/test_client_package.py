@@ -1,5 +1,5 @@
 """The client package (client/) installs into a fresh virtual environment without torch, and its
-example streams a completion from the default cluster that `specpool up` starts, equal (greedy) to
+example streams a completion from a cluster that `specpool up` starts (two SmolLM2 targets), equal (greedy) to
 what the router returns to the main environment's stubs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_client_installs_without_torch_and_its_example_runs_against_specpool_up(tmp_path):
-    from specpool.cluster.config import ClusterConfig
+    from specpool.cluster.config import SMOLLM2_CONFIG, ClusterConfig
     from specpool.cluster.launcher import Cluster
     from specpool_client import generate_request, generate_result
     from specpool_client.v1 import target_pb2_grpc
@@ -32,7 +32,7 @@ def test_the_client_installs_without_torch_and_its_example_runs_against_specpool
                                check=True).stdout
     assert "specpool-client" in installed and "torch" not in installed, installed
 
-    cluster = Cluster.start(ClusterConfig.load().with_free_ports())
+    cluster = Cluster.start(ClusterConfig.load(SMOLLM2_CONFIG).with_free_ports())
     try:
         router = cluster.routers[0].address
         token = cluster.token("alpha")

@@ -59,11 +59,12 @@ class RoundSlowdown:
 class Probe:
     """Rounds that draft although the estimate says plain decoding: an estimate that never drafts never
     learns. The acceptance prior (0.5) priced the Qwen2.5-Coder 0.5B drafting for its 1.5B at 1.07x, under
-    MIN_GAIN, so the policy never drafted, though that pair measured 1.48x at a fixed length of 4."""
+    MIN_GAIN, so the policy never drafted, though that pair measured 1.48x at a fixed length of 4. `first`:
+    the policy's first plain round probes too (a target's draft-model policy: target_service/draft_length.py)."""
 
-    def __init__(self, every: int = 16):
+    def __init__(self, every: int = 16, first: bool = False):
         self.every = every  # a probe after this many plain rounds in a row
-        self._plain = 0
+        self._plain = every - 1 if first else 0
 
     def due(self, plain: bool) -> bool:
         """Whether the round the estimate chose (`plain` or not) probes instead."""

@@ -54,7 +54,7 @@ def test_bench_reports_every_mode_and_matches_ar(tmp_path):
             assert r["speedup_vs_ar_all_cores"] == r["speedup_vs_ar"]
 
 
-def test_routed_modes_go_through_the_default_cluster_and_match_ar(tmp_path):
+def test_routed_modes_go_through_the_smollm2_cluster_and_match_ar(tmp_path):
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"}) + "\n")
     out = tmp_path / "report.json"

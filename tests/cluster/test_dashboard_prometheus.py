@@ -329,7 +329,7 @@ def wait_caught_up(prom: Prometheus, groups: dict, token: str, timeout_s: float 
 
 @pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_a_live_cluster(tmp_path, monkeypatch):
-    from specpool.cluster.config import ClusterConfig
+    from specpool.cluster.config import SMOLLM2_CONFIG, ClusterConfig
     from specpool.cluster.launcher import Cluster
 
     dashboard = json.loads(DASHBOARD.read_text())
@@ -345,7 +345,7 @@ def test_every_dashboard_query_returns_data_from_a_live_cluster(tmp_path, monkey
     started = time.monotonic()
     # Every target drafts SSD_DRAFT_TOKENS a round (--draft-tokens): the SSD stream drafts, and its panels have
     # data, whatever the policy would choose under this machine's load. fp32: cheap verify steps, a short run.
-    config = ClusterConfig.load().with_free_ports()
+    config = ClusterConfig.load(SMOLLM2_CONFIG).with_free_ports()
     forced = ("--draft-tokens", str(SSD_DRAFT_TOKENS))
     cluster = Cluster.start(replace(config, targets=tuple(replace(t, dtype="fp32", args=(*t.args, *forced))
                                                           for t in config.targets)))

@@ -9,20 +9,37 @@ from pathlib import Path
 import pytest
 import redis
 
-from specpool.cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError
+from specpool.cluster.config import DEFAULT_CONFIG, SMOLLM2_CONFIG, ClusterConfig, ConfigError
 from specpool.common.serving import REDIS_URL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_default_is_two_tenants_one_endpoint_one_router_pinned_to_two_cores():
+def test_default_is_the_qwen_pair_and_smollm2_sharing_one_endpoint_unpinned():
+    """The 1.5B target and SmolLM2 draft on one endpoint (the 0.5B draft, n-gram for both); nothing pinned, every
+    server on 2 threads: a target and its endpoint each use both cores while the other waits, so AR on the
+    same target runs on every core a plan uses."""
+    from specpool.engine.runtime.chunked_models import model_path
+
     c = ClusterConfig.load()
     assert [t.tenant for t in c.targets] == ["alpha", "beta"]
+    assert [t.model for t in c.targets] == [model_path("qwen2.5-coder-1.5b"), None]
+    assert c.targets[0].datastore == "", "the default datastore is SmolLM2's tokens"
     assert [e.name for e in c.endpoints] == ["spec"] and c.routers.count == 1
-    assert c.endpoints[0].cpus == (0,) and {t.cpus for t in c.targets} == {(1,)}
-    assert all(t.threads == 1 for t in c.targets) and c.endpoints[0].threads == 1
+    pair = f"{model_path('qwen2.5-coder-1.5b')},draft={model_path('qwen2.5-coder-0.5b')}"
+    assert c.endpoints[0].drafters == (pair, "default")
+    assert c.endpoints[0].cpus is None and all(t.cpus is None for t in c.targets)
+    assert all(t.threads == 2 for t in c.targets) and c.endpoints[0].threads == 2
     assert c.routers.tenant_weights == {"alpha": 1, "beta": 1}
     assert ClusterConfig.load(DEFAULT_CONFIG) == c
+
+
+def test_the_smollm2_cluster_is_the_old_default_two_tenants_pinned_to_two_cores():
+    c = ClusterConfig.load(SMOLLM2_CONFIG)
+    assert [t.tenant for t in c.targets] == ["alpha", "beta"] and all(t.model is None for t in c.targets)
+    assert [e.name for e in c.endpoints] == ["spec"] and c.endpoints[0].drafters == () and c.routers.count == 1
+    assert c.endpoints[0].cpus == (0,) and {t.cpus for t in c.targets} == {(1,)}
+    assert all(t.threads == 1 for t in c.targets) and c.endpoints[0].threads == 1
 
 
 def test_a_targets_layout_cores_reach_serve_target():
@@ -33,6 +50,17 @@ def test_a_targets_layout_cores_reach_serve_target():
     args = target_command(t, None)
     assert build_parser(tools=["serve-target"]).parse_args(args).layout_cores == 2
     assert "--layout-cores" not in target_command(ClusterConfig.load().targets[0], None), "default: its threads"
+
+
+def test_each_models_first_target_starts_alone_before_the_others():
+    """A first run measures each model's step costs in its first target: alone, not beside another measuring."""
+    from specpool.cluster.config import TargetSpec
+    from specpool.cluster.launcher import target_tiers
+
+    a, b, c, d = (TargetSpec(tenant, model=model) for tenant, model in (("a", "m1"), ("b", "m2"), ("c", "m1"),
+                                                                            ("d", "m1")))
+    assert target_tiers((a, b, c, d)) == [[a], [b], [c, d]]
+    assert target_tiers((a, b)) == [[a], [b]]
 
 
 def test_examples_load():
@@ -140,6 +168,42 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
         cluster.stop()
     assert all(s.proc.returncode == 0 for s in cluster.servers()), [(s.name, s.logs()) for s in cluster.servers()]
     assert cluster.redis is not None and not cluster.redis.alive()
+
+
+@pytest.mark.slow
+def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
+    """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
+    as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method
+    for the later prompts, which verify more than 1.5 tokens a step; the speedup printed is against AR on the
+    cores the plans used. No speed threshold: the speedup is the demo's to report (README, `make run`)."""
+    import os
+
+    from specpool.cluster.demo import AUTO, NONE, load_prompts, run_demo
+    from specpool.cluster.launcher import Cluster
+
+    cluster = Cluster.start(ClusterConfig.load().with_free_ports())
+    try:
+        out = io.StringIO()
+        report = run_demo(cluster, load_prompts("humaneval", 5), 128, out=out)
+    finally:
+        cluster.stop()
+    text = out.getvalue()
+    print(text)
+    assert report.same_as_ar == 5 and "same tokens as AR: 5/5 prompts" in text
+    plans = [r.auto.plan for r in report.results]
+    drafting = ("draft_model/", "ssd/")
+    assert plans[0].startswith(drafting), plans  # a fresh target: the router's probe (or SSD, on its prior)
+    assert all(p.startswith(drafting) for p in plans[-2:]), plans
+    drafted = [r.auto for r in report.results if r.auto.plan.startswith(drafting)]
+    tokens, steps = sum(len(a.tokens) for a in drafted), sum(len(a.tokens) / a.accept_len for a in drafted)
+    assert tokens / steps > 1.5, [a.accept_len for a in drafted]
+    # AR ran on the same target, unpinned: on every core the plans used, the target's and its endpoint's.
+    cores = len(os.sched_getaffinity(0))
+    assert report.ar_cores == report.plan_cores == cores
+    assert f"speedup against AR on the target's {cores} cores: every core the plans used" in text
+    auto, ar = report.totals[AUTO], report.totals[NONE]
+    row = next(line for line in text.splitlines() if line.startswith("speculation planned by the router"))
+    assert f"{auto.tokens_per_s / ar.tokens_per_s:.2f}x" in row.split() and report.speedup == auto.tokens_per_s / ar.tokens_per_s
 
 
 def _alive(pid: int) -> bool:

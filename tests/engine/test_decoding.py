@@ -128,6 +128,45 @@ def test_a_plan_measured_slower_than_plain_decoding_falls_to_none_within_a_few_r
             assert r.plan_drops == 0 and all(drafted > 0 for drafted, _ in r.rounds[:-1]), r.rounds
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordingLength(FixedDraftLength):
+    """A fixed draft length that records the estimate each round's lengths were asked with."""
+
+    seen: list = dataclasses.field(default_factory=list)
+
+    def lengths(self, batch, acceptance):
+        self.seen.append(acceptance)
+        return super().lengths(batch, acceptance)
+
+
+def test_each_planned_method_measures_an_acceptance_of_its_own(tiny_model):
+    """A draft model's acceptance is not an n-gram index's: pooled, the cheaper method always predicted faster.
+    Rounds are asked with the estimate of their plans' first method in METHODS' order (the draft model's in
+    a batch mixing it with n-gram), and each sequence's outcome goes to its own plan's estimate."""
+    from specpool.engine.method import Method
+    from specpool.engine.plan import SpeculationPlan
+
+    length = RecordingLength(3)
+    decoder = Decoder(tiny_model, 2, 64, ModelDrafter(tiny_model, 2, 64), length)  # drafts all accepted
+    prior = decoder.acceptance_of(Method.NGRAM).expected_tokens(3)
+    results = [decoder.add(method, [5, 6, 7, 8], SamplingParams(), 12, stop_ids=[],
+                           plan=SpeculationPlan(Method(method), remote=False))
+               for method in ("draft_model", "none")]
+    while decoder.has_work:
+        decoder.step()
+    assert results[0].accepted_tokens == results[0].drafted_tokens > 0 and results[1].drafted_tokens == 0
+    drafted = decoder.acceptance_of(Method.DRAFT_MODEL)
+    assert length.seen[0] is drafted  # later rounds of the planned-none sequence alone: the unplanned one
+    assert drafted.expected_tokens(3) > prior + 1.0
+    assert decoder.acceptance_of(Method.NGRAM).expected_tokens(3) == prior, "untouched by the draft model's rounds"
+    assert decoder.acceptance.expected_tokens(3) == prior and decoder.acceptance_of(None) is decoder.acceptance
+    decoder.add("n", [5, 6, 7, 8], SamplingParams(), 4, stop_ids=[], plan=SpeculationPlan(Method.NGRAM, False))
+    decoder.step()  # prefill
+    decoder.step()
+    assert length.seen[-1] is decoder.acceptance_of(Method.NGRAM)
+    assert decoder.acceptance_of(Method.NGRAM).expected_tokens(3) > prior
+
+
 def test_a_re_emitted_rejected_draft_is_fed_again(tiny_model):
     """A residual that falls back to p can emit the very draft it rejected: the drafter must still
     have that token to feed, though its cache already holds it as a draft."""

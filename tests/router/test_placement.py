@@ -14,10 +14,13 @@ from specpool.router.decisions import (
     NO_SLOT,
     NO_SPEEDUP,
     PREDICTED_SPEEDUP,
+    PROBE,
+    PROBE_EVERY,
     REGISTRY_UNAVAILABLE,
     REQUESTED,
     Decision,
     LeaseUnavailable,
+    Probes,
     decide,
     draft_endpoint,
 )
@@ -171,3 +174,43 @@ def test_a_target_drafts_on_the_endpoint_it_names_if_that_drafts_its_model():
     assert draft_endpoint(target("a", spec_endpoint="h:2"), endpoints) is None
     assert draft_endpoint(target("a", spec_endpoint="h:3"), endpoints) is None
     assert draft_endpoint(target("a"), endpoints) is None
+
+
+def test_auto_requests_that_would_not_draft_with_the_model_probe_it_every_nth():
+    """A prior under break-even (or under n-gram's) never plans the draft model, so the target would never learn
+    that it pays: the first of every PROBE_EVERY AUTO requests per target that would not draft with it goes to
+    it anyway, with a leased slot."""
+    probes, leases = Probes(), []
+    below = {"predicted_speedup_draft": 0.9, "predicted_speedup_ngram": 0.95}  # 1.0 exactly is NO_ESTIMATE
+
+    def plan(t, endpoint=ENDPOINT, slot=True):
+        def take_slot(e):
+            leases.append(e.id)
+            return slot
+        return decide(AUTO, t, endpoint, take_slot, probe_due=lambda: probes.due(t.id))
+
+    a, b = (target(i, spec_endpoint="h:9", methods=("draft_model", "ngram"), **below) for i in ("a", "b"))
+    plans = [plan(a) for _ in range(2 * PROBE_EVERY)]
+    probe = Decision(DRAFT_MODEL, PROBE, leased=True)
+    assert [i for i, d in enumerate(plans) if d == probe] == [0, PROBE_EVERY]
+    assert all(d == Decision(NONE, NO_SPEEDUP) for d in plans if d != probe)
+    assert leases == ["ep", "ep"], "a slot is leased for the probes only"
+    assert plan(b) == probe, "counted per target"
+    # Also where n-gram is predicted faster, paying or not; not where the draft model is planned anyway, nor where
+    # it has no estimate to learn (a forced draft length); those requests do not count towards the next probe.
+    for draft in (0.9, 1.2):
+        ngram_pays = target(f"f{draft}", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=1.3)
+        assert [plan(ngram_pays) for _ in range(2)] == [probe, Decision(NGRAM, PREDICTED_SPEEDUP)]
+    assert plan(target("a", spec_endpoint="h:9", predicted_speedup_ngram=1.3)) == Decision(NGRAM, PREDICTED_SPEEDUP)
+    assert plan(target("a", spec_endpoint="h:9", predicted_speedup_draft=1.5)) == Decision(
+        DRAFT_MODEL, PREDICTED_SPEEDUP, leased=True)
+    assert plan(a) == probe, "a's 2N+1-th eligible request: the two above did not count"
+    # No probe without an endpoint drafting the model, a free slot, room on the endpoint, or the draft model
+    # among what the target can do now (its endpoint's breaker open).
+    c = target("c", spec_endpoint="h:9", methods=("draft_model", "ngram"), **below)
+    assert plan(c, endpoint=None) == Decision(NONE, NO_SPEEDUP)
+    assert plan(c, slot=False) == Decision(NONE, NO_SPEEDUP)
+    full = EndpointRegistration(id="ep", address="h:9", models=("m",), max_sessions=8, active_sessions=8)
+    assert plan(target("d", spec_endpoint="h:9", **below), endpoint=full) == Decision(NONE, NO_SPEEDUP)
+    assert plan(target("e", spec_endpoint="h:9", methods=("ngram",), **below)) == Decision(NONE, NO_SPEEDUP)
+    assert decided(AUTO, 0.9, 0.95) == Decision(NONE, NO_SPEEDUP), "decide's default: no probes"

@@ -377,7 +377,7 @@ def test_target_heartbeat_fields_read_the_live_process():
     drafter = SimpleNamespace(address="h:9", healthy=True, wire_s=RunningMean(0.0))
     live = HeartbeatFields(
         "h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (15, 2)),
-        decoder=SimpleNamespace(acceptance=AcceptanceEstimate(prior_alpha=0.3)), metrics=metrics,
+        decoder=SimpleNamespace(acceptance_of=lambda method: AcceptanceEstimate(prior_alpha=0.3)), metrics=metrics,
         drafter=drafter, free_policy=SpeculationPolicy(costs(0.0001)), draft_policy_fn=lambda: draft,
     )
     fields = live.fields()
@@ -390,7 +390,7 @@ def test_target_heartbeat_fields_read_the_live_process():
     assert live.fields()["predicted_speedup_ngram"] < 1.0
     # An endpoint whose rounds keep coming late (breaker open): routers stop choosing drafts on it.
     late = HeartbeatFields("h:1", "m", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
-                           decoder=SimpleNamespace(acceptance=AcceptanceEstimate()), metrics=metrics,
+                           decoder=SimpleNamespace(acceptance_of=lambda method: AcceptanceEstimate()), metrics=metrics,
                            drafter=SimpleNamespace(address="h:9", healthy=False, wire_s=RunningMean(0.0)),
                            free_policy=None).fields()
     assert late["methods"] == ["ngram"]

@@ -562,6 +562,7 @@ def test_flags_and_drafter_specs():
     assert (spec.name, spec.target_gguf, spec.draft_dir, spec.datastore) == ("m", Path("/x/t.gguf"), Path("/d"),
                                                                              Path("/s.npz"))
     assert DrafterSpec.parse("/x/SmolLM2.Q4_1.gguf").name == "SmolLM2.Q4_1"
+    assert DrafterSpec.parse("default") == DrafterSpec.default(), "so a list can name it beside others"
     with pytest.raises(ValueError, match="unknown option"):
         DrafterSpec.parse("m=/x.gguf,bogus=1")
 

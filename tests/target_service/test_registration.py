@@ -47,12 +47,13 @@ def draft_length():
     return TargetDraftLength(drafter, OWN)
 
 
-def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None) -> dict:
+def heartbeat(draft_length: TargetDraftLength, layout: Layout | None = None, acceptance_of=None) -> dict:
     metrics = TargetMetrics("tiny", "t1")
     extra = {"layout": layout} if layout is not None else {}
     fields = HeartbeatFields(
         "h:1", "tiny", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
-        decoder=SimpleNamespace(acceptance=ACCEPTANCE), metrics=metrics, drafter=draft_length.drafter,
+        decoder=SimpleNamespace(acceptance_of=acceptance_of or (lambda method: ACCEPTANCE)), metrics=metrics,
+        drafter=draft_length.drafter,
         free_policy=draft_length.free, draft_policy_fn=lambda: draft_length.draft_model,
         ssd_policy_fn=draft_length.ssd_policy, **extra).fields()
     assert metrics.registry.get_sample_value(
@@ -76,6 +77,19 @@ def test_the_heartbeat_tells_the_estimate_ssds_rounds_are_chosen_by(draft_length
     assert figures[0.0] == fields["predicted_speedup_draft"]  # all misses: a draft model's
     assert figures[1.0] > fields["predicted_speedup_draft"] + 0.3  # all hits: drafting off the critical path
     assert figures[1.0] > 1.0 and draft_length.ssd_policy().round_s == 0.0
+
+
+def test_each_method_is_predicted_from_the_acceptance_its_own_sequences_measured(draft_length):
+    """The draft model drafting for its 1.5B sibling accepts far more than an n-gram index: pooled into one
+    estimate, the n-gram (free to draft) always looked faster, and routers never planned the draft model."""
+    measured = {Method.DRAFT_MODEL: AcceptanceEstimate(prior_alpha=0.95, prior_weight=1e9),
+                Method.NGRAM: AcceptanceEstimate(prior_alpha=0.2, prior_weight=1e9)}
+    fields = heartbeat(draft_length, acceptance_of=lambda method: measured.get(method, ACCEPTANCE))
+    assert fields["predicted_speedup_draft"] == round(
+        predicted_speedup(draft_length.draft_model, 1, measured[Method.DRAFT_MODEL]), 4)
+    assert fields["predicted_speedup_ngram"] == round(predicted_speedup(draft_length.free, 1, measured[Method.NGRAM]), 4)
+    assert fields["predicted_speedup_draft"] > fields["predicted_speedup_ngram"] + 0.5
+    assert fields["predicted_speedup_ssd"] == round(predicted_speedup(draft_length.ssd_policy(), 1, ACCEPTANCE), 4)
 
 
 def test_a_layout_with_more_cores_than_the_targets_threads_discounts_ssd(draft_length, tiny_model, tmp_path):

@@ -9,8 +9,20 @@ import pytest
 from specpool.engine.decoding import generate
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.policy.acceptance import AcceptanceEstimate, expected_tokens
-from specpool.engine.policy.costs import StepCosts, cached_step_costs, measure_step_costs
-from specpool.engine.policy.draft_length import FixedDraftLength, RoundSlowdown, Running, SpeculationPolicy
+from specpool.engine.policy.costs import (
+    BATCH_SIZES,
+    StepCosts,
+    batch_sizes_up_to,
+    cached_step_costs,
+    measure_step_costs,
+)
+from specpool.engine.policy.draft_length import (
+    FixedDraftLength,
+    Probe,
+    RoundSlowdown,
+    Running,
+    SpeculationPolicy,
+)
 from specpool.engine.runtime.model import Llama
 from specpool.engine.verification.sampling import SamplingParams
 
@@ -32,6 +44,13 @@ def test_step_costs_interpolate_and_extrapolate():
     assert COSTS(1, 2) == pytest.approx(0.0305)
     assert COSTS(8, 0) == pytest.approx(0.030 + 7 / 15 * 0.010)
     assert COSTS(32, 0) == pytest.approx(0.040 + 16 * 0.010 / 15)
+
+
+def test_a_target_measures_the_batch_sizes_it_can_run():
+    assert batch_sizes_up_to(8) == (1, 2, 4, 8)
+    assert batch_sizes_up_to(12) == (1, 2, 4, 8, 16), "one past it: the heartbeat predicts at running + 1"
+    assert batch_sizes_up_to(1) == (1, 2), "two at least, so the table extrapolates"
+    assert batch_sizes_up_to(64) == BATCH_SIZES
 
 
 def test_budget_shrinks_with_batch_size_and_acceptance():
@@ -286,9 +305,18 @@ def test_a_prior_below_break_even_still_probes_and_a_good_drafter_is_found():
     assert all(s > 0 for s in lengths[16:])  # learned: drafts every round
 
 
-def test_a_targets_table_stops_at_its_largest_batch():
-    from specpool.engine.policy.costs import batch_sizes_up_to
-
-    assert batch_sizes_up_to(8) == (1, 2, 4, 8)
-    assert batch_sizes_up_to(12) == (1, 2, 4, 8, 12)
-    assert batch_sizes_up_to(1) == (1, 2)
+@pytest.mark.parametrize("accepted", [True, False], ids=["a good drafter", "a bad one"])
+def test_a_probe_told_to_probes_its_first_plain_round_too(accepted):
+    """A target's draft-model policy: a router's probe may be a request shorter than 16 rounds."""
+    policy = SpeculationPolicy(COSTS, draft_costs=StepCosts((1, 16), (0, 16), ((0.012, 0.012), (0.012, 0.012))),
+                               max_draft=8, probe=Probe(first=True))
+    acceptance = AcceptanceEstimate()
+    lengths = []
+    for _ in range(40):
+        [s] = policy.lengths([Running("a", 0, 1000)], acceptance)
+        lengths.append(s)
+        acceptance.update(accepted=s if accepted else 0, offered=s, drafted=s)
+    if accepted:
+        assert all(s > 0 for s in lengths)  # learned from the first round on
+    else:
+        assert [i for i, s in enumerate(lengths) if s > 0] == [0, 16, 32]
