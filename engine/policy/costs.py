@@ -23,8 +23,6 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # 3, 7 and 11 end a block of 4 rows (s + 1 = 4, 8, 12): the int4 kernel's cost steps up after each
 # (engine/runtime/linear.py), and interpolating across a step would price s = 7 between two and three blocks.
 DRAFT_LENS = (0, 1, 2, 3, 4, 6, 7, 8, 11, 12, 16)
-
-
 STALE_TABLE = 0.75  # a cached T(1, 0) this much slower than a fresh check is re-measured
 
 
