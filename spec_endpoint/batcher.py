@@ -1,3 +1,4 @@
+# Over 400 lines: one engine step (outcomes, grouped drafts, replies) and its counters read best together.
 """The engine loop: one batched draft forward per step for every session of every tenant.
 
 Every Rounds stream pushes its rounds into ONE queue. A step takes the first round (blocking),

@@ -1,3 +1,4 @@
+# Over 400 lines: a file's blocks, its reader and the writer tests use (save_gguf) share the block layouts.
 """Read a GGUF of the Llama, Qwen2 and Qwen3 architectures: config, dequantized weights, the file's quantized
 blocks (Q4_0, Q4_1, Q8_0: engine/runtime/linear.py reads them), tokenizer fields.
 
