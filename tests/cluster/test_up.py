@@ -171,6 +171,7 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the plan follows measured step costs: beside another test's servers it drafted ~1 token a step
 def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
     """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
     as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method
