@@ -218,7 +218,7 @@ class SpeculationPolicy:
         if all(r.plan is not None and r.plan.method is Method.NONE for r in batch):
             self.slowdown.expect(False, self.step_time(n, 0))
             return [0] * n
-        if self.probe.due(plain=length == 0):
+        if self.draft_costs is not None and self.probe.due(plain=length == 0):  # a model drafter's prior
             length = self.fastest(n, acceptance.expected_tokens, acceptance.fill)[0]
         # A round that starts drafting also feeds the draft what it has not seen: its time, not a slowdown.
         self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill)
