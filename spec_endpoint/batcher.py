@@ -166,8 +166,8 @@ class Batcher:
     def _count_forwards(self) -> None:
         forwards = self.drafters.forwards()
         for model, n in forwards.items():
-            if n > self._forwards.get(model, 0):
-                self.metrics.draft_forwards.labels(model).inc(n - self._forwards.get(model, 0))
+            if (new := n - self._forwards.get(model, 0)) > 0:
+                self.metrics.draft_forwards.labels(model).inc(new)
         self._forwards = forwards
 
     def _wait_for_busy_streams(self, items: list[Queued]) -> None:

@@ -211,13 +211,13 @@ class SpeculationPolicy:
         n = len(batch)
         if not n:
             return []
-        catch_up = sum(r.unseen for r in batch) / n
-        remaining = sum(r.remaining for r in batch) / n
-        length = self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)
         # Sequences whose plan fell to none (the decoder's pacing) are offered nothing, whatever the length.
         if all(r.plan is not None and r.plan.method is Method.NONE for r in batch):
             self.slowdown.expect(False, self.step_time(n, 0))
             return [0] * n
+        catch_up = sum(r.unseen for r in batch) / n
+        remaining = sum(r.remaining for r in batch) / n
+        length = self.choose(n, acceptance.expected_tokens, catch_up, remaining, acceptance.fill)
         if self.draft_costs is not None and self.probe.due(plain=length == 0):  # a model drafter's prior
             length = self.fastest(n, acceptance.expected_tokens, acceptance.fill)[0]
         # A round that starts drafting also feeds the draft what it has not seen: its time, not a slowdown.
