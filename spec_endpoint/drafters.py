@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specpool.common import model_args
 from specpool.engine.drafters import registry
 from specpool.engine.drafters.base import Drafter, Prespeculating
 from specpool.engine.drafters.lookup import SuffixArrayDatastore
@@ -38,9 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DRAFT_DIR = Path("models/smollm2-135m-draft")
-DEFAULT_HEAD_DIR = Path("models/smollm2-135m-head")
-DEFAULT_DATASTORE = Path("models/smollm2-135m-datastore.npz")
+DEFAULT_DRAFT_DIR = Path(model_args.DEFAULT_DRAFT_DIR)
+DEFAULT_HEAD_DIR = Path(model_args.DEFAULT_HEAD_DIR)
+DEFAULT_DATASTORE = Path(model_args.DEFAULT_DATASTORE)
 # The trees tree sessions get (--tree-shape): where the draft is unsure it branches 4 ways, 4 nodes a
 # level, 8 deep.
 TREE_SHAPE = TreeShape(branch=4, beam=4, max_depth=8)

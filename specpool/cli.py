@@ -10,7 +10,13 @@ import shlex
 import sys
 from collections.abc import Collection
 
-from specpool.common.model_args import add_model_args, model_arg
+from specpool.common.model_args import (
+    DEFAULT_DATASTORE,
+    DEFAULT_DRAFT_DIR,
+    DEFAULT_HEAD_DIR,
+    add_model_args,
+    model_arg,
+)
 
 # Servers and cluster tools: subcommand -> (module bringing add_arguments(parser) and main(args), help).
 # Nothing heavy is imported to build the parser: a subcommand's modules (torch, the servers) load only
@@ -119,8 +125,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_COMPANIONS = {"draft": "models/smollm2-135m-draft", "head": "models/smollm2-135m-head",
-                    "datastore": "models/smollm2-135m-datastore.npz"}  # the default model's
+BENCH_COMPANIONS = {"draft": DEFAULT_DRAFT_DIR, "head": DEFAULT_HEAD_DIR, "datastore": DEFAULT_DATASTORE}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -7,6 +7,11 @@ import argparse
 
 from specpool.engine.runtime.chunked_models import MODELS, ModelNotAssembled, model_path
 
+# What the project ships for the default model (SmolLM2-135M-Instruct): its draft, head and n-gram datastore.
+DEFAULT_DRAFT_DIR = "models/smollm2-135m-draft"
+DEFAULT_HEAD_DIR = "models/smollm2-135m-head"
+DEFAULT_DATASTORE = "models/smollm2-135m-datastore.npz"
+
 MODEL_HELP = ("a GGUF file or a Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model, or the short "
               f"name of one `make setup` assembles ({', '.join(MODELS)}) (default: SmolLM2-135M-Instruct)")
 DTYPE_HELP = ("weight format (auto, the default: q4 on CPU where the GGUF is 4-bit, bf16 on a GPU with native "
