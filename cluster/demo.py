@@ -52,6 +52,7 @@ class Answer:
     local: bool = False  # n-gram drafts the target made itself (no endpoint)
     ssd_hits: int = 0  # SSD rounds served from the speculation cache
     ssd_lookups: int = 0
+    plan_drops: int = 0  # times the target dropped its plan a step down (rounds slower than plain decoding)
     plan: str = ""  # what the router planned and why ("draft_model/probe"), when it could be read
 
     @property
@@ -173,7 +174,7 @@ def ask(stub: target_pb2_grpc.TargetServiceStub, prompt: str | list[int], mode: 
     c = final.completions[0]
     s = c.speculation
     return Answer(list(c.token_ids), c.text, seconds, first or seconds, method_name(s.method), s.mean_accept_len,
-                  s.target_steps, s.drafted_tokens, s.local, s.cache_hits, s.cache_lookups)
+                  s.target_steps, s.drafted_tokens, s.local, s.cache_hits, s.cache_lookups, s.plan_drops)
 
 
 def generated_tokens(cluster: Cluster) -> dict[str, float]:
@@ -259,9 +260,10 @@ def run_demo(cluster: Cluster, prompts: list[tuple[str, str | list[int]]], max_t
             a, b = r.auto, r.ar
             lines = [row for row in prompt.splitlines() if row.strip()] if isinstance(prompt, str) else []
             head = next((row for row in lines if row.lstrip().startswith("def ")), lines[0] if lines else "")
-            ssd = f", SSD hits {a.ssd_hits}/{a.ssd_lookups}" if a.ssd_lookups else ""
+            notes = f", SSD hits {a.ssd_hits}/{a.ssd_lookups}" if a.ssd_lookups else ""
+            notes += f", plan dropped x{a.plan_drops}" if a.plan_drops else ""
             say(f"[{name}] {head[:80]}")
-            say(f"  plan {a.plan} (ran {a.method}), {a.accept_len:.2f} tokens/step{ssd}: {a.tokens_per_s:5.1f} "
+            say(f"  plan {a.plan} (ran {a.method}), {a.accept_len:.2f} tokens/step{notes}: {a.tokens_per_s:5.1f} "
                 f"tokens/s   AR: {b.tokens_per_s:5.1f} tokens/s   {r.speedup:.2f}x   same tokens: "
                 f"{'yes' if r.same else 'NO'}")
             if a.text.strip():
