@@ -110,12 +110,14 @@ def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
          "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "24", "--batch-sizes", "1",
-         "--modes", "ar,sd:4,sd-suffix:8,ssd-shared", "--datastore", "", "--json", str(out), "--threads", "2"],
+         "--modes", "ar,sd:4,sd-suffix:8,ssd-shared:4", "--datastore", "", "--json", str(out), "--threads", "2"],
         check=True, timeout=900,
     )
     report = json.loads(out.read_text())
     assert report["draft"] == model_path("qwen2.5-coder-0.5b")
     rows = {r["mode"]: r for r in report["results"]}
-    for mode in ("sd:4", "sd-suffix:8", "ssd-shared"):  # the hybrid's trees and SSD through servers on both cores
+    # The hybrid's trees and SSD through servers on both cores, each at a fixed length: the policy's own
+    # lengths follow the step costs it measured, which a loaded machine (CI's parallel tier) makes it shorten.
+    for mode in ("sd:4", "sd-suffix:8", "ssd-shared:4"):
         assert rows[mode]["outputs_match_ar"] is True and rows[mode]["mean_accept_len"] > 1.5, rows[mode]
-    assert rows["ssd-shared"]["cache_hit_ratio"] > 0  # pre-speculated drafts were used
+    assert rows["ssd-shared:4"]["cache_hit_ratio"] > 0  # pre-speculated drafts were used
