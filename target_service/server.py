@@ -16,7 +16,7 @@ import torch
 
 from specpool.common import http_limits, logs, outcomes, serving, write_deadline
 from specpool.common.metrics_http import MetricsHttpServer
-from specpool.common.model_args import add_model_args
+from specpool.common.model_args import DEFAULT_DATASTORE, add_model_args
 from specpool.common.serving import (
     Admission,
     add_health_and_reflection,
@@ -50,6 +50,14 @@ from specpool_client.v1 import target_pb2_grpc
 log = logging.getLogger("specpool.target")
 
 
+def local_datastore(model: str | None, datastore: str | None) -> str:
+    """--datastore's file ('' for none): the shipped datastore holds SmolLM2's token ids, so by default it
+    drafts for the default model alone (a Qwen target's n-gram drafts from it were other tokens' ids)."""
+    if datastore is not None:
+        return datastore
+    return "" if model else DEFAULT_DATASTORE
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port (0 picks)")
@@ -78,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=2048, help="KV positions per sequence")
     p.add_argument("--draft-tokens", type=int, default=0,
                    help="fixed draft length (0: chosen per step by the hardware-aware policy)")
-    p.add_argument("--datastore", default="models/smollm2-135m-datastore.npz",
-                   help="n-gram datastore for local drafting ('' for none)")
+    p.add_argument("--datastore", default=None,
+                   help=f"n-gram datastore for local drafting ('' for none; default: {DEFAULT_DATASTORE} with the "
+                        "default model, none with another)")
     p.add_argument("--ssd-mode", default="push", choices=["push", "pull"],
                    help="SSD: take drafts from outcome tables the endpoint pushes (push) or ask every round (pull)")
     p.add_argument("--spec-delay-ms", type=float, default=0.0,
@@ -132,8 +141,9 @@ def main(args: argparse.Namespace) -> int:
     # The scheduler thread decodes; torch work on this thread would leave it a second OpenMP pool.
     model, tokenizer, costs, layout = off_main_thread(load)
     datastore = None
-    if args.datastore and Path(args.datastore).exists() and tokenizer is not None:
-        datastore = SuffixArrayDatastore.load(args.datastore)
+    datastore_path = local_datastore(args.model, args.datastore)
+    if datastore_path and Path(datastore_path).exists() and tokenizer is not None:
+        datastore = SuffixArrayDatastore.load(datastore_path)
     observer = TargetObserver(metrics)
     drafter = RemoteDrafter(
         tenant, name, model.config.vocab_size, args.spec_endpoint, NgramDrafter(datastore), observer,

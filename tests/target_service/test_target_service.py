@@ -241,3 +241,15 @@ def test_every_request_is_counted_by_outcome_one_that_expires_queued_included(ta
         with pytest.raises(grpc.RpcError):
             generate_result(stub, bad)
     assert (counted("invalid"), counted("not_found")) == (before["invalid"] + 1, before["not_found"] + 1)
+
+
+def test_the_shipped_datastore_drafts_for_the_default_model_alone():
+    """The shipped n-gram datastore holds SmolLM2's token ids: a Qwen target started without --datastore had
+    loaded it and drafted other tokens' ids from it. Another model gets none unless one is named."""
+    from specpool.common.model_args import DEFAULT_DATASTORE
+    from specpool.target_service.server import local_datastore
+
+    assert local_datastore(None, None) == DEFAULT_DATASTORE
+    assert local_datastore("qwen2.5-coder-1.5b.gguf", None) == ""
+    assert local_datastore("qwen2.5-coder-1.5b.gguf", "qwen.npz") == "qwen.npz"
+    assert local_datastore(None, "") == ""
