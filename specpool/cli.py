@@ -253,7 +253,7 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
 
     d = add_command("build-datastore", "suffix-array datastore of model-generated text for n-gram drafting")
     d.add_argument("--corpus", default=".cache/train-draft/corpus.pt", help="a corpus written by train-draft")
-    d.add_argument("--out", default="models/smollm2-135m-datastore.npz", help="where the datastore goes")
+    d.add_argument("--out", default=DEFAULT_DATASTORE, help="where the datastore goes")
     d.set_defaults(func=cmd_build_datastore)
 
     t = add_command("train-draft", "distil a draft model or a feature-fed head from the target (resumable)")
