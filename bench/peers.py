@@ -47,8 +47,6 @@ from torch import nn
 
 from specpool.engine.runtime.config import ModelConfig
 
-EOS_ID = 2  # SmolLM2's eos token, which is also its padding_token_id
-
 
 @dataclass
 class PeerRun:
@@ -68,11 +66,16 @@ class PeerRun:
 
 
 def load_hf_target(path: str | Path, dtype: torch.dtype = torch.float32):
-    """transformers' LlamaForCausalLM reading the GGUF itself (dequantized to `dtype`), in eval mode."""
+    """transformers' LlamaForCausalLM reading the GGUF itself (dequantized to `dtype`), in eval mode. It stops
+    where the engine does, at the model's own end token (SmolLM2's id 2 is a Qwen model's `#`)."""
     import transformers
+
+    from specpool.engine.runtime.gguf_loader import load_gguf
 
     path = Path(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = load_gguf(
+        path, only={"norm"}).config.eos_id
     return model.eval()
 
 
@@ -172,7 +175,7 @@ def _sampling_kwargs(temperature: float) -> dict:
     return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
-def _until_eos(tokens: list[int], eos: int = EOS_ID) -> list[int]:
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
@@ -181,9 +184,10 @@ def _run(model, batches: list[list[list[int]]], max_new_tokens: int, temperature
         torch.manual_seed(seed)  # transformers samples from torch's global generator
     outputs: list[list[int]] = []
     seconds = 0.0
+    eos = model.generation_config.eos_token_id  # also the padding (load_hf_target)
     for batch in batches:
         width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), EOS_ID, dtype=torch.long)
+        ids = torch.full((len(batch), width), eos, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for b, p in enumerate(batch):  # left padding: every row's last prompt token is at the end
             ids[b, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
@@ -194,13 +198,13 @@ def _run(model, batches: list[list[list[int]]], max_new_tokens: int, temperature
                 ids,
                 attention_mask=mask,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=EOS_ID,
-                pad_token_id=EOS_ID,
+                eos_token_id=eos,
+                pad_token_id=eos,
                 **_sampling_kwargs(temperature),
                 **extra,
             )
         seconds += time.perf_counter() - start
-        outputs += [_until_eos(row) for row in out[:, width:].tolist()]
+        outputs += [_until_eos(row, eos) for row in out[:, width:].tolist()]
     return PeerRun(outputs, seconds, sum(len(t) for t in outputs))
 
 
