@@ -1,5 +1,5 @@
 """The bench's modes: what each mode name runs (in process, through servers, or a peer runtime), on
-which cores, and the totals it fills. bench/runner.py runs them side by side."""
+which cores, and the totals it fills (bench/totals.py). bench/runner.py runs them side by side."""
 
 from __future__ import annotations
 
@@ -7,12 +7,20 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_ENDPOINT_CPUS, SSD_LAYOUT, SSD_TARGET_CPUS
+from specpool.bench.remote import (
+    REMOTE_MODES,
+    ROUTED_METHODS,
+    SSD_ENDPOINT_CPUS,
+    SSD_LAYOUT,
+    SSD_TARGET_CPUS,
+    X2,
+)
+from specpool.bench.totals import ModeTotals
 from specpool.engine.decoding import generate
 from specpool.engine.drafters import registry
 from specpool.engine.drafters.hybrid import HybridTreeDrafter
@@ -36,20 +44,6 @@ CHAIN_MODES = {row.bench_modes[0]: row.method for row in METHODS
 # The -suffix modes: the hybrid, suffix-store trees where the store is sure and the model's elsewhere.
 GROWN_TREE_MODES = {"sd-tree": Method.DRAFT_MODEL, "sd-suffix": Method.DRAFT_MODEL, "head-tree": Method.HEAD,
                     "head-suffix": Method.HEAD}
-
-
-@dataclass
-class ModeTotals:
-    new_tokens: int = 0
-    seconds: float = 0.0
-    target_steps: int | None = None
-    first_tokens: int = 0
-    drafted: int = 0
-    fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
-    cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
-    cache_lookups: int = 0
-    verify_seconds: float | None = None  # remote modes: the target's verify forwards, drafting excluded
-    outputs: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -132,6 +126,9 @@ def mode_hardware(mode: str, threads: int) -> Hardware:
         return Hardware(n, n, f"in process, {n} threads")
     if name in ("ssd", "ssd-pull"):
         return Hardware(len(SSD_TARGET_CPUS), len(SSD_TARGET_CPUS) + len(SSD_ENDPOINT_CPUS), SSD_LAYOUT)
+    if name.endswith(X2):
+        return Hardware(threads, machine, f"two target processes and an endpoint, {threads} threads each, on all "
+                                          f"{machine} cores")
     if name == "llamacpp-sd":  # target and draft take turns on the same threads, in one llama.cpp process
         return Hardware(threads, threads, f"llama.cpp process, target and draft each on the same {threads} threads")
     if name in REMOTE_MODES or name in ROUTED_METHODS:
@@ -207,6 +204,9 @@ def build_runners(cfg: BenchConfig, model: Llama, batch_size: int, remote=None, 
                 policy = policy and HybridDraftLength(policy, share)
             runners[mode] = _ours(model, cfg.max_tokens, factory, int(k or 0), policy)
         elif name in REMOTE_MODES:
+            if name.startswith("ar-") and not k:  # on the targets of its sd twin (ar-remote: sd-remote[:K]), if run
+                twin = "sd" + name.removeprefix("ar")
+                k = next((m.partition(":")[2] for m in cfg.modes if m.partition(":")[0] == twin), "")
             runners[mode] = remote.runner(name, cfg.max_tokens, int(k or 0))
         elif name in ROUTED_METHODS:
             runners[mode] = routed.runner(name, cfg.max_tokens)

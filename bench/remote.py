@@ -13,6 +13,13 @@ streaming off, with the `openai` SDK), so what the front costs is routed-http ag
 routed-ray and routed-ray-ar: the same cluster file's members as Ray actors (`specpool up --ray`,
 cluster/ray_launcher.py) on the Ray cluster at --ray (unset: a one-node Ray on 127.0.0.1 that the
 run starts and stops), so what launching on Ray costs is routed-ray against routed, in one run.
+ar-remote: plain decoding (method NONE) through the sd-remote target, the reference sd-remote's speedup
+is taken against when both run (the same process, gRPC and scheduler: the ratio is the speculation's).
+sd-remote-x2 and ar-remote-x2: two targets of the model on the one shared endpoint, both active: each chunk
+goes to both at once (the same prompts, a thread each), drafted through the endpoint or decoded plainly, so
+a target's speedup beside another is sd-remote-x2's over ar-remote-x2's. Every remote mode also counts the
+endpoint's draft forwards and the target tokens its sessions reported (its /metrics, before and after each
+chunk): their ratio, draft forwards per target token, falls as the endpoint batches more targets' sequences.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specpool.bench.totals import ModeTotals
 from specpool.cluster.config import SMOLLM2_CONFIG, ClusterConfig, EndpointSpec, TargetSpec
 from specpool.cluster.launcher import Cluster, endpoint_command, target_command
 from specpool.cluster.processes import ServerProcess, start_server
@@ -38,8 +46,10 @@ from specpool_client.v1 import target_pb2_grpc
 log = logging.getLogger(__name__)
 
 PLAINTEXT = "-plaintext"
+X2 = "-x2"  # two targets on one endpoint, both sent each chunk
 REMOTE_MODES = ("sd-remote", "head-remote", "head-tree-remote", "ngram-remote", "sd-remote" + PLAINTEXT,
-                "ngram-remote" + PLAINTEXT, "ssd", "ssd-pull", "ssd-shared")
+                "ngram-remote" + PLAINTEXT, "ssd", "ssd-pull", "ssd-shared", "ar-remote", "sd-remote" + X2,
+                "ar-remote" + X2)
 TREE_MODES = ("head-tree-remote",)  # requests ask for token trees
 ROUTED_METHODS = {"routed": None, "routed-ar": Method.NONE, "routed-http": None,  # None: the router plans (AUTO)
                   "routed-ray": None, "routed-ray-ar": Method.NONE}
@@ -53,7 +63,7 @@ SSD_LAYOUT = f"endpoint on cpus {SSD_ENDPOINT_CPUS}, targets on cpus {SSD_TARGET
 def mode_method(mode: str) -> Method | None:
     """The method a bench mode measures, by its method row's bench modes (and their -remote, -plaintext,
     -pull and :K variants); None: a mode of no method (ar, the peers)."""
-    family = mode.split(":")[0].removesuffix(PLAINTEXT).removesuffix("-remote").removesuffix("-pull")
+    family = mode.split(":")[0].removesuffix(X2).removesuffix(PLAINTEXT).removesuffix("-remote").removesuffix("-pull")
     return next((row.method for row in METHODS if family in row.bench_modes), None)
 
 
@@ -98,15 +108,16 @@ class RemoteCluster:
                                                cpus=SSD_ENDPOINT_CPUS if pinned else None, plaintext=plaintext)
         return self._endpoints[key]
 
-    def _target(self, mode: str, draft_tokens: int = 0) -> tuple[str, ServerProcess]:
+    def _target(self, mode: str, draft_tokens: int = 0, index: int = 0) -> tuple[str, ServerProcess]:
         """mode[:K] -> (its tenant, the target serving it), started on first use (a fixed draft length
-        K gets a target of its own)."""
-        pinned = mode in ("ssd", "ssd-pull")
-        plaintext = mode.endswith(PLAINTEXT)
+        K gets a target of its own; index > 0: another target of the same kind, a tenant of its own)."""
+        pinned, plaintext = self._placement(mode)
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull", "ssd-shared": "ssd-shared"}.get(mode, "shared") + (
             PLAINTEXT if plaintext else "")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
+        if index:
+            kind += f"-{index + 1}"
         if kind not in self.targets:
             endpoint = self._endpoint(pinned, plaintext)
             args = ["--spec-delay-ms", str(self.delay_ms)]
@@ -122,6 +133,11 @@ class RemoteCluster:
                                              cpus=SSD_TARGET_CPUS if pinned else None, plaintext=plaintext)
         return f"bench-{kind}", self.targets[kind]
 
+    @staticmethod
+    def _placement(mode: str) -> tuple[bool, bool]:
+        """(pinned, plaintext): which endpoint and which kind of target a mode runs on."""
+        return mode in ("ssd", "ssd-pull"), mode.endswith(PLAINTEXT)
+
     def _threads(self, pinned: bool) -> int | None:
         return 1 if pinned else self.threads
 
@@ -135,10 +151,17 @@ class RemoteCluster:
             server.stop()
 
     def runner(self, mode: str, max_tokens: int, draft_tokens: int = 0):
-        tenant, target = self._target(mode, draft_tokens)
+        """The mode's Runner; AR modes (ar-remote, ar-remote-x2) decode plainly on the targets of draft length
+        `draft_tokens`, which leaves plain decoding alone."""
+        method = Method.NONE if mode.startswith("ar-") else mode_method(mode)
         credentials = Security.insecure() if mode.endswith(PLAINTEXT) else self.credentials
-        stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
-        return target_api_runner(stub, mode_method(mode), max_tokens, target, tree=mode in TREE_MODES)
+        runs = []
+        for index in range(2 if mode.endswith(X2) else 1):
+            tenant, target = self._target(mode, draft_tokens, index)
+            stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
+            runs.append(target_api_runner(stub, method, max_tokens, target, tree=mode in TREE_MODES))
+        return counting_draft_forwards(runs[0] if len(runs) == 1 else all_at_once(runs),
+                                       self._endpoint(*self._placement(mode)))
 
 
 class RoutedCluster:
@@ -233,6 +256,44 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | 
             totals.outputs.append(list(c.token_ids))
 
     return run
+
+
+def all_at_once(runs):
+    """A bench Runner that sends each chunk through every runner at once (a thread each, the same prompts): each
+    one's totals in totals.targets, their sums in totals, and as its time the wall time from the first submit
+    to the last answer."""
+
+    def run(prompts: list[list[int]], params: SamplingParams, totals: ModeTotals) -> None:
+        totals.targets = totals.targets or [ModeTotals() for _ in runs]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(runs)) as pool:
+            for done in [pool.submit(r, prompts, params, t) for r, t in zip(runs, totals.targets)]:
+                done.result()
+        totals.seconds += time.perf_counter() - start
+        for name in ("new_tokens", "target_steps", "first_tokens", "drafted", "fallback_rounds", "cache_hits",
+                     "cache_lookups", "verify_seconds"):
+            setattr(totals, name, sum(getattr(t, name) or 0 for t in totals.targets))
+        totals.outputs = [out for t in totals.targets for out in t.outputs]
+
+    return run
+
+
+def counting_draft_forwards(run, endpoint: ServerProcess):
+    """`run`, also summing over its chunks the endpoint's draft-model forwards and the target tokens its sessions
+    reported (from its /metrics before and after each chunk; modes run one at a time, so the chunk's alone)."""
+
+    def counts() -> tuple[float, float]:
+        return (endpoint.metric_total("specpool_spec_draft_forwards_total"),
+                endpoint.metric_total("specpool_spec_target_tokens_total"))
+
+    def counted(prompts: list[list[int]], params: SamplingParams, totals: ModeTotals) -> None:
+        forwards, tokens = counts()
+        run(prompts, params, totals)
+        forwards_after, tokens_after = counts()
+        totals.draft_forwards = (totals.draft_forwards or 0.0) + forwards_after - forwards
+        totals.endpoint_target_tokens = (totals.endpoint_target_tokens or 0.0) + tokens_after - tokens
+
+    return counted
 
 
 def openai_http_runner(base_url: str, token: str | None, ca_file: Path | None, max_tokens: int):

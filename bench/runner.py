@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from specpool.bench import llamacpp_build
 from specpool.bench.modes import PEERS, BenchConfig, ModeTotals, build_runners, mode_hardware
-from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT
+from specpool.bench.remote import REMOTE_MODES, ROUTED_METHODS, SSD_LAYOUT, X2
 from specpool.common.machine import machine_info
 from specpool.engine.policy.draft_length import SpeculationPolicy
 from specpool.engine.runtime.device import draft_format, resolve_dtype
@@ -137,6 +137,10 @@ def _reference(mode: str, modes) -> str:
         return "routed-ray-ar"
     if mode in ("routed", "routed-http", "routed-ray") and "routed-ar" in modes:
         return "routed-ar"
+    # Through the servers, against plain decoding on the same target processes when it ran.
+    twin = "ar" + mode.partition(":")[0].removeprefix("sd")
+    if mode.startswith("sd-remote") and twin in ("ar-remote", "ar-remote" + X2) and twin in modes:
+        return twin
     return "ar"
 
 
@@ -144,6 +148,24 @@ def _ar_speed(totals: dict[str, ModeTotals], cores: int, threads: int) -> float 
     """AR's tokens/s on this many cores in the same run (`ar` runs on the bench's threads)."""
     ref = totals.get("ar" if cores == threads else f"ar@{cores}")
     return ref.new_tokens / ref.seconds if ref and ref.seconds else None
+
+
+def _compared(prompts, ref_outputs, outputs, same, gap, tie) -> tuple[bool, int]:
+    """(whether every output matches the reference's but for near ties, how many near ties)."""
+    near, bad = 0, 0
+    for p, r, o in zip(prompts, ref_outputs, outputs):
+        if not same(r, o):
+            if gap(p, r, o) < tie:
+                near += 1
+            else:
+                bad += 1
+    return bad == 0, near
+
+
+def _target_speed(ref: ModeTotals, i: int) -> float:
+    """The reference's tokens/s on its i-th target (a mode of one target: its own)."""
+    one = ref.targets[i] if ref.targets else ref
+    return one.new_tokens / one.seconds
 
 
 def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remote, routed) -> list[dict]:
@@ -190,11 +212,18 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "outputs_match_ar": None,
                 "near_ties": None,
                 "fallback_rounds": t.fallback_rounds,
+                # the endpoint's: what batching sequences (of one target, or of several) into one forward saves
+                "draft_forwards_per_target_token": round(t.draft_forwards / t.endpoint_target_tokens, 3)
+                if t.endpoint_target_tokens else None,
+                # -x2 modes: each target's own rate, against the same target in the reference (its sum alone else)
+                "targets": [{"tokens_per_s": round(o.new_tokens / o.seconds, 2),
+                             "speedup_vs_ar": round(o.new_tokens / o.seconds / _target_speed(ref, i), 3)
+                             if ref else None,
+                             "outputs_match_ar": None, "near_ties": None} for i, o in enumerate(t.targets)] or None,
                 # Two runs (say, before and after a refactor) made the same tokens iff these match.
                 "outputs_sha256": hashlib.sha256(json.dumps(t.outputs).encode()).hexdigest(),
             }
             if ref is not None and cfg.temperature == 0 and mode != "ar-fp32":
-                near, bad = 0, 0
                 gap, tie = lambda p, r, o: first_divergence_gap(model, p, r, o), NEAR_TIE
                 same = lambda r, o: r == o
                 if mode.startswith("llamacpp-"):  # its own logits, and its kernels' looser agreement
@@ -203,13 +232,15 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                     gap, tie = PEERS["llamacpp"].divergence_gap, LLAMACPP_NEAR_TIE
                 if mode.partition(":")[0] == "llamacpp-sd":  # its output is text, re-tokenized: compared as text
                     same = PEERS["llamacpp-sd"].vocab.same_output
-                for p, r, o in zip(prompts, ref.outputs, t.outputs):
-                    if not same(r, o):
-                        if gap(p, r, o) < tie:
-                            near += 1
-                        else:
-                            bad += 1
-                row["outputs_match_ar"], row["near_ties"] = bad == 0, near
+                if t.targets:  # each target's outputs, with the same target's in the reference
+                    for i, (o, cells) in enumerate(zip(t.targets, row["targets"])):
+                        ref_outputs = ref.targets[i].outputs if ref.targets else ref.outputs
+                        matched = _compared(prompts, ref_outputs, o.outputs, same, gap, tie)
+                        cells["outputs_match_ar"], cells["near_ties"] = matched
+                    row["outputs_match_ar"] = all(c["outputs_match_ar"] for c in row["targets"])
+                    row["near_ties"] = sum(c["near_ties"] for c in row["targets"])
+                else:
+                    row["outputs_match_ar"], row["near_ties"] = _compared(prompts, ref.outputs, t.outputs, same, gap, tie)
             rows.append(row)
     return rows
 
@@ -226,9 +257,10 @@ def print_table(report: dict) -> None:
     cols = [("mode", 18), ("batch_size", 5), ("temperature", 5), ("tokens_per_s", 8), ("time_per_output_token_s", 8),
             ("draft_free_bound_s", 8), ("mean_accept_len", 7), ("mean_draft_len", 6), ("cache_hit_ratio", 5),
             ("speedup_vs_ar", 7), ("speedup_vs_llamacpp_ar", 7), ("cores_used", 5), ("speedup_vs_ar_target_cores", 7),
-            ("speedup_vs_ar_all_cores", 7), ("outputs_match_ar", 6), ("near_ties", 5)]
+            ("speedup_vs_ar_all_cores", 7), ("outputs_match_ar", 6), ("near_ties", 5),
+            ("draft_forwards_per_target_token", 7)]
     heads = ["mode", "batch", "temp", "tok/s", "s/tok", "bound", "accept", "draft", "hit", "speedup", "vs-llcpp", "cores",
-             "vs-tgt", "vs-all", "match", "ties"]
+             "vs-tgt", "vs-all", "match", "ties", "fwd/tok"]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, (_, w)) in enumerate(zip(heads, cols))))
     for row in report["results"]:
         cells = []
@@ -237,6 +269,10 @@ def print_table(report: dict) -> None:
             text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
             cells.append(text.ljust(w) if i == 0 else text.rjust(w))
         print("  ".join(cells))
+        for i, target in enumerate(row["targets"] or []):
+            print(f"  target {i + 1}: {target['tokens_per_s']:.4g} tok/s, speedup "
+                  + ("-" if target["speedup_vs_ar"] is None else f"{target['speedup_vs_ar']:.4g}")
+                  + f", match {target['outputs_match_ar']}")
 
 
 def write_report(report: dict, path: Path | None, command: str) -> None:

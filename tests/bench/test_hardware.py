@@ -23,3 +23,10 @@ def test_servers_on_every_core_are_compared_with_ar_on_every_core():
         hw = mode_hardware(mode, 2)
         assert (hw.target_cores, hw.cores) == (2, len(os.sched_getaffinity(0))), mode
     assert mode_hardware("ar@1", 2).cores == 1
+
+
+def test_two_targets_and_their_endpoint_share_every_core():
+    for mode in ("sd-remote-x2", "sd-remote-x2:4", "ar-remote-x2"):
+        hw = mode_hardware(mode, 2)
+        assert (hw.target_cores, hw.cores) == (2, len(os.sched_getaffinity(0))), mode
+        assert hw.layout.startswith("two target processes and an endpoint"), mode
