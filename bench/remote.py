@@ -155,13 +155,14 @@ class RemoteCluster:
         `draft_tokens`, which leaves plain decoding alone."""
         method = Method.NONE if mode.startswith("ar-") else mode_method(mode)
         credentials = Security.insecure() if mode.endswith(PLAINTEXT) else self.credentials
-        runs = []
+        runs, targets = [], []
         for index in range(2 if mode.endswith(X2) else 1):
             tenant, target = self._target(mode, draft_tokens, index)
             stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
             runs.append(target_api_runner(stub, method, max_tokens, target, tree=mode in TREE_MODES))
-        return counting_draft_forwards(runs[0] if len(runs) == 1 else all_at_once(runs),
-                                       self._endpoint(*self._placement(mode)))
+            targets.append(target)
+        return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(*self._placement(mode)),
+                        targets)
 
 
 class RoutedCluster:
@@ -278,20 +279,32 @@ def all_at_once(runs):
     return run
 
 
-def counting_draft_forwards(run, endpoint: ServerProcess):
-    """`run`, also summing over its chunks the endpoint's draft-model forwards and the target tokens its sessions
-    reported (from its /metrics before and after each chunk; modes run one at a time, so the chunk's alone)."""
+# What a remote mode's servers count over its chunks, from their /metrics before and after each (modes run one at a
+# time, so the chunk's alone): name -> (whose: the endpoint's or the targets' summed, sample).
+SERVER_COUNTS = {
+    "draft_forwards": ("endpoint", "specpool_spec_draft_forwards_total"),  # one serves every sequence it batches
+    "endpoint_target_tokens": ("endpoint", "specpool_spec_target_tokens_total"),  # those its sessions reported
+    "endpoint_draft_s": ("endpoint", "specpool_spec_draft_seconds_sum"),
+    "rounds": ("targets", "specpool_target_round_seconds_count"),
+    "round_s": ("targets", "specpool_target_round_seconds_sum"),
+    "verify_s": ("targets", "specpool_target_verify_seconds_sum"),
+    "draft_wait_s": ("targets", "specpool_target_spec_round_seconds_sum"),
+    "wire_s": ("targets", "specpool_target_spec_wire_seconds_sum"),
+}
 
-    def counts() -> tuple[float, float]:
-        return (endpoint.metric_total("specpool_spec_draft_forwards_total"),
-                endpoint.metric_total("specpool_spec_target_tokens_total"))
+
+def counting(run, endpoint: ServerProcess, targets: list[ServerProcess]):
+    """`run`, also summing SERVER_COUNTS over its chunks into totals.server_counts."""
+
+    def counts() -> dict[str, float]:
+        servers = {"endpoint": [endpoint], "targets": targets}
+        return {name: sum(s.metric_total(sample) for s in servers[whose])
+                for name, (whose, sample) in SERVER_COUNTS.items()}
 
     def counted(prompts: list[list[int]], params: SamplingParams, totals: ModeTotals) -> None:
-        forwards, tokens = counts()
+        before = counts()
         run(prompts, params, totals)
-        forwards_after, tokens_after = counts()
-        totals.draft_forwards = (totals.draft_forwards or 0.0) + forwards_after - forwards
-        totals.endpoint_target_tokens = (totals.endpoint_target_tokens or 0.0) + tokens_after - tokens
+        totals.server_counts.update({name: n - before[name] for name, n in counts().items()})
 
     return counted
 

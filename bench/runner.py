@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -162,6 +163,20 @@ def _compared(prompts, ref_outputs, outputs, same, gap, tie) -> tuple[bool, int]
     return bad == 0, near
 
 
+def round_budget(counts: Counter[str]) -> dict[str, float] | None:
+    """Where a remote mode's decode round went, in ms per target round (None: no round counted): its whole step, the
+    verify forward with acceptance, the wait for the endpoint's drafts and the wire's share of that wait, the rest
+    (the policy, bookkeeping), and the endpoint's drafting per round (overlapping the verify where SSD
+    pre-speculates)."""
+    if not counts["rounds"]:
+        return None
+    per_round = {name: 1e3 * counts[key] / counts["rounds"] for name, key in (
+        ("round", "round_s"), ("verify", "verify_s"), ("waiting_for_drafts", "draft_wait_s"), ("wire", "wire_s"),
+        ("endpoint_drafting", "endpoint_draft_s"))}
+    per_round["rest"] = per_round["round"] - per_round["verify"] - per_round["waiting_for_drafts"]
+    return {name: round(ms, 2) for name, ms in per_round.items()}
+
+
 def _target_speed(ref: ModeTotals, i: int) -> float:
     """The reference's tokens/s on its i-th target (a mode of one target: its own)."""
     one = ref.targets[i] if ref.targets else ref
@@ -213,8 +228,9 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "near_ties": None,
                 "fallback_rounds": t.fallback_rounds,
                 # the endpoint's: what batching sequences (of one target, or of several) into one forward saves
-                "draft_forwards_per_target_token": round(t.draft_forwards / t.endpoint_target_tokens, 3)
-                if t.endpoint_target_tokens else None,
+                "draft_forwards_per_target_token": round(c["draft_forwards"] / c["endpoint_target_tokens"], 3)
+                if (c := t.server_counts)["endpoint_target_tokens"] else None,
+                "round_budget_ms": round_budget(t.server_counts),
                 # -x2 modes: each target's own rate, against the same target in the reference (its sum alone else)
                 "targets": [{"tokens_per_s": round(o.new_tokens / o.seconds, 2),
                              "speedup_vs_ar": round(o.new_tokens / o.seconds / _target_speed(ref, i), 3)
@@ -269,6 +285,8 @@ def print_table(report: dict) -> None:
             text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
             cells.append(text.ljust(w) if i == 0 else text.rjust(w))
         print("  ".join(cells))
+        if budget := row["round_budget_ms"]:
+            print("  round, ms: " + ", ".join(f"{name.replace('_', ' ')} {ms:.1f}" for name, ms in budget.items()))
         for i, target in enumerate(row["targets"] or []):
             print(f"  target {i + 1}: {target['tokens_per_s']:.4g} tok/s, speedup "
                   + ("-" if target["speedup_vs_ar"] is None else f"{target['speedup_vs_ar']:.4g}")

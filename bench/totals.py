@@ -3,6 +3,7 @@ the totals into a report row). Its own module so that bench/remote.py fills them
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -17,9 +18,8 @@ class ModeTotals:
     cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
     cache_lookups: int = 0
     verify_seconds: float | None = None  # remote modes: the target's verify forwards, drafting excluded
-    # remote modes: the endpoint's draft-model forwards, and the target tokens its sessions reported, over the chunks
-    draft_forwards: float | None = None
-    endpoint_target_tokens: float | None = None
+    # remote modes: what the servers' /metrics counted over the chunks (bench/remote.py SERVER_COUNTS)
+    server_counts: Counter[str] = field(default_factory=Counter)
     outputs: list[list[int]] = field(default_factory=list)
     # modes of several targets at once (the -x2 modes): each target's own totals; the fields above sum them
     targets: list[ModeTotals] = field(default_factory=list)

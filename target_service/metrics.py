@@ -46,6 +46,9 @@ class TargetMetrics:
         self.verify_seconds = labelled(Histogram(
             "specpool_target_verify_seconds", "One round's verify forward and acceptance, without the wait for drafts",
             names, buckets=LATENCY_BUCKETS, registry=r))
+        self.round_seconds = labelled(Histogram(
+            "specpool_target_round_seconds", "One decode step whole: the wait for drafts, the verify forward, "
+            "acceptance and the policy's choices", names, buckets=LATENCY_BUCKETS, registry=r))
         self.fallback_rounds = Counter("specpool_target_spec_fallback_rounds",
                                        "Sequence-rounds drafted locally instead of by the endpoint, by reason",
                                        [*names, "reason"], registry=r)

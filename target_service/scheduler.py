@@ -132,9 +132,11 @@ class Scheduler:
                 if self.decoder.has_work:
                     start = time.perf_counter()
                     moved = self.decoder.step()
-                    self.metrics.step_seconds.observe(time.perf_counter() - start)
-                    if self.decoder.last_verify_s is not None:
+                    step_s = time.perf_counter() - start
+                    self.metrics.step_seconds.observe(step_s)
+                    if self.decoder.last_verify_s is not None:  # a decode step (a prefill verifies nothing)
                         self.metrics.verify_seconds.observe(self.decoder.last_verify_s)
+                        self.metrics.round_seconds.observe(step_s)
                     self._deliver(moved)
             except Exception:
                 log.exception("scheduler step failed; failing the running requests")

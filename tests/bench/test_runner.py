@@ -121,3 +121,8 @@ def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
     for mode in ("sd:4", "sd-suffix:8", "ssd-shared:4"):
         assert rows[mode]["outputs_match_ar"] is True and rows[mode]["mean_accept_len"] > 1.5, rows[mode]
     assert rows["ssd-shared:4"]["cache_hit_ratio"] > 0  # pre-speculated drafts were used
+    # Where its rounds went, from the servers' /metrics: the verify inside the round, the endpoint drafting.
+    budget = rows["ssd-shared:4"]["round_budget_ms"]
+    assert budget["verify"] > 0 and budget["endpoint_drafting"] > 0, budget
+    assert budget["round"] >= budget["verify"] + budget["waiting_for_drafts"] - 0.05, budget
+    assert rows["sd:4"]["round_budget_ms"] is None  # in process: no servers to ask
