@@ -184,3 +184,17 @@ def test_requests_planned_to_plain_decoding_do_not_wipe_what_ngram_rounds_measur
     for _ in range(2):  # the demo's next AUTO request follows two AR ones
         request(*ar)
     assert plan() == (Method.DRAFT_MODEL, measured), "AR requests tell nothing of n-gram's rounds"
+
+
+def test_ssds_rounds_teach_ssds_figure_not_the_draft_models(draft_length):
+    """SSD is charged the draft model's costs, but its rounds are its own: on the Qwen pair they ran 0.89x AR (its
+    pre-speculation contending for the target's cores), and, learned into the draft model's slowdown, they priced
+    the draft model from 1.48x down to 0.74x, under SSD's own figure, so routers kept planning SSD (issue 51)."""
+    before = heartbeat(draft_length)
+    ssd = [Running("s", 0, 100, SpeculationPlan(Method.SSD, True))]
+    for _ in range(30):
+        [n] = draft_length.lengths(ssd, ACCEPTANCE)
+        draft_length.observe(3 * draft_length.ssd_policy().step_time(1, n))
+    after = heartbeat(draft_length)
+    assert after["predicted_speedup_draft"] == before["predicted_speedup_draft"]
+    assert after["predicted_speedup_ssd"] < before["predicted_speedup_ssd"] - 0.3
