@@ -4,17 +4,26 @@ chosen by), discounted to plain decoding on all the cores of its layout (serve-t
 from __future__ import annotations
 
 import json
+from itertools import cycle
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from specpool.common.registry_schema import (
+    EndpointRegistration,
+    TargetRegistration,
+    decode_record,
+    encode_fields,
+)
+from specpool.engine.decoding import Decoder
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
-from specpool.engine.plan import SpeculationPlan
+from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, cached_step_costs
 from specpool.engine.policy.draft_length import Running
+from specpool.router.decisions import decide
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.registration import (
@@ -136,14 +145,8 @@ def test_requests_planned_to_plain_decoding_do_not_wipe_what_ngram_rounds_measur
     """Issue 51, `make run` on the Qwen pair: the router planned n-gram again after its own requests had priced it
     under the draft model, because the AR requests between them (128 plain rounds each, through the same policy)
     faded n-gram's measured round overhead back to the table's: its figure rose from 1.28x to 1.58x, over the
-    draft model's 1.45x. Rounds of requests planned to plain decoding are not rounds the policy declined to draft."""
-    from itertools import cycle
-
-    from specpool.common.registry_schema import EndpointRegistration, TargetRegistration, decode_record, encode_fields
-    from specpool.engine.decoding import Decoder
-    from specpool.engine.plan import NO_SPECULATION
-    from specpool.router.decisions import decide
-
+    draft model's 1.45x. Rounds of requests planned to plain decoding are not rounds the policy declined to draft.
+    Before n-gram's first round the heartbeat lists it unmeasured, and routers do not trust its prior."""
     drafter = RemoteDrafter("t1", "tiny", 64, None, NgramDrafter(), Recorder())
     drafter.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
         batch_sizes=[1, 2], draft_lens=[0, 8], seconds=[0.009, 0.011, 0.010, 0.013]))])
@@ -175,11 +178,14 @@ def test_requests_planned_to_plain_decoding_do_not_wipe_what_ngram_rounds_measur
     request(Method.DRAFT_MODEL, 40, [4, 3, 2, 4, 1], lambda n: 0.040 if n == 0 else 0.050 + 0.014 * n)
     request(*ar)
     method, untried = plan()
-    assert method is Method.NGRAM, untried  # n-gram's prior, untried: planned, so it is measured
-    # n-gram's request: half its offers filled, ~1.5 tokens a round, each drafting round 56 ms (~1.1x AR).
+    assert untried["predicted_speedup_ngram"] > untried["predicted_speedup_draft"], "n-gram's prior, free drafts"
+    assert method is Method.DRAFT_MODEL, untried  # the target lists n-gram unmeasured: its prior is not trusted
+    # A request that asked for n-gram: half its offers filled, ~1.5 tokens a round, each drafting round 56 ms
+    # (~1.1x AR).
     request(Method.NGRAM, 60, [1, 0, 2, 1], lambda n: 0.040 if n == 0 else 0.056, filled=[True, False])
     method, measured = plan()
     assert method is Method.DRAFT_MODEL, measured
+    assert heartbeat(draft_length, acceptance_of=decoder.acceptance_of)["unmeasured"] == ["ssd"]
     assert measured["predicted_speedup_ngram"] < untried["predicted_speedup_ngram"] - 0.2
     for _ in range(2):  # the demo's next AUTO request follows two AR ones
         request(*ar)
