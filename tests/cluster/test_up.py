@@ -172,9 +172,6 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
 
 @pytest.mark.slow
 @pytest.mark.serial  # the plan follows measured step costs: beside another test's servers it drafted ~1 token a step
-# Open in issue 51: after the router's probe of the draft model, n-gram's untried prior (1.43x) outbids the pair's
-# learned figure, so the later prompts were planned n-gram (which measures 1.11x on HumanEval) in the clean run.
-@pytest.mark.xfail(reason="issue 51: n-gram's prior outbids the probed draft model at the router", strict=False)
 def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
     """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
     as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method
