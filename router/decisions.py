@@ -14,6 +14,12 @@ under n-gram's prior, is never planned, so the target never learns that it pays 
 predicted 1.07-1.11x, n-gram's 1.4-1.7x; the pair ran 1.3-1.45x through the servers, n-gram ~1.0x). So an AUTO
 request whose plan would not draft with a model goes to the draft model anyway, as a probe, on the first of every
 PROBE_EVERY such requests per target (Probes), where its endpoint drafts the model and a slot is free.
+
+The converse: a method the target has not measured yet (its heartbeat lists it unmeasured) is priced from the same
+prior, which is optimistic for drafting that costs nothing: n-gram's predicted 1.43-1.69x on the Qwen pair, above the
+probed draft model's learned 1.3-1.45x, so AUTO planned n-gram (1.11x as it ran) for the later prompts of `make run`
+(issue 51). So AUTO plans among the measured methods while one of them pays; an unmeasured one is planned only
+where none measured pays, which is how a new target first tries it.
 """
 
 from __future__ import annotations
@@ -128,10 +134,14 @@ def _speedup(target: TargetRegistration, method: Method) -> float:
 
 
 def _fastest(target: TargetRegistration) -> tuple[Method, float]:
-    """The method the target predicts fastest, and its speedup. A tie goes to the one that costs the
-    endpoint less: n-gram drafting needs no slot, and SSD drafts for several outcomes a round."""
+    """The method the target predicts fastest, and its speedup, among those it has measured where one of
+    them pays. A tie goes to the one that costs the endpoint less: n-gram drafting needs no slot, and SSD
+    drafts for several outcomes a round."""
     offers = [(row.method, _speedup(target, row.method)) for row in METHODS if row.speedup_field is not None
               and (not row.listed_only or row.method.value in target.methods)]
+    measured = [offer for offer in offers if offer[0].value not in target.unmeasured]
+    if any(speedup > MIN_GAIN for _, speedup in measured):  # an untried prior never outbids a measured gain
+        offers = measured
     return max(offers, key=lambda offer: (offer[1], -offer[0].row.endpoint_cost))  # then the first of the best
 
 

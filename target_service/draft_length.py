@@ -82,8 +82,11 @@ class TargetDraftLength:
             return None
         miss = 1.0 - self.drafter.ssd_hit_ratio.value
         draft = self.draft_model
+        # Charged the draft model's costs, but learning its own rounds' slowdown: sharing the draft model's, SSD's
+        # rounds (0.89x AR on the Qwen pair, pre-speculation contending for the target's cores) priced the
+        # draft model down from 1.48x to 0.74x, and routers kept planning SSD (issue 51).
         policy = self.ssd if draft is None else dataclasses.replace(
-            draft, max_draft=self.ssd.max_draft, drafting_share=miss)
+            draft, max_draft=self.ssd.max_draft, drafting_share=miss, slowdown=self.ssd.slowdown)
         return dataclasses.replace(policy, round_s=self.drafter.wire_s.value * miss)
 
     def _policy(self, remote: set[Method]) -> DraftLength:

@@ -118,6 +118,8 @@ class HeartbeatFields:
             "mean_accept_len": round(self._mean_accept_len(), 4),
             **{row.speedup_field: speedups[row.method] for row in planned},
             "methods": [m.value for m in methods],
+            # Priced from the acceptance prior alone, until a round offers its drafter positions (router/decisions.py).
+            "unmeasured": [row.method.value for row in planned if not self.decoder.acceptance_of(row.method).offers],
             "format": self.format,
         }
 

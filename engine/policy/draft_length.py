@@ -21,8 +21,11 @@ class RoundSlowdown:
     break-even that error decides: priced by the table alone, a draft model ran 0.94x AR at batch 1
     (q4, AMD EPYC). Learned as ratios (measured / predicted), so that they carry across draft lengths
     and batch sizes, apart for plain and for speculative rounds. The speculative ratio leans back on
-    the plain one while the policy does not speculate, so that it tries again eventually, as
-    AcceptanceEstimate leans back on its prior.
+    the plain one while the policy declines to speculate, so that it tries again eventually, as
+    AcceptanceEstimate leans back on its prior; but not over rounds of requests planned to plain
+    decoding, which the policy had no say in: a target's AR requests (128 rounds each in `make run`)
+    wiped what its n-gram rounds had measured (1.24x their table, 1.11x AR on the Qwen pair), so its
+    heartbeat priced n-gram at 1.4-1.6x again and routers planned it over the draft model (issue 51).
     """
 
     def __init__(self, decay: float = 0.98, prior_weight: float = 1.0):
@@ -30,7 +33,8 @@ class RoundSlowdown:
         self.prior_weight = prior_weight
         self._sums = [0.0, 0.0]  # decayed sums of measured / predicted, per kind of round
         self._weights = [0.0, 0.0]
-        self._expected: tuple[int, float] | None = None  # (kind, predicted seconds) of the round chosen last
+        # (kind, predicted seconds, whether the policy chose the kind) of the round it was asked for last
+        self._expected: tuple[int, float, bool] | None = None
 
     def ratio(self, speculative: bool) -> float:
         """Measured / predicted seconds of a round of this kind (plain: 1 before any is measured;
@@ -40,18 +44,21 @@ class RoundSlowdown:
             return plain
         return (self._sums[1] + self.prior_weight * plain) / (self._weights[1] + self.prior_weight)
 
-    def expect(self, speculative: bool, seconds: float) -> None:
-        """The policy's prediction for the round it has just chosen."""
-        self._expected = (int(speculative), seconds)
+    def expect(self, speculative: bool, seconds: float, chosen: bool = True) -> None:
+        """The policy's prediction for the round it has just been asked for; `chosen` False: a plain round
+        it had no choice over (every sequence planned to plain decoding)."""
+        self._expected = (int(speculative), seconds, chosen)
 
     def observe(self, seconds: float) -> None:
         """The decoder's measurement of that round, drafting included (ignored when nothing was expected)."""
         if self._expected is None or self._expected[1] <= 0:
             return
-        kind, predicted = self._expected
+        kind, predicted, chosen = self._expected
         self._expected = None
-        self._sums = [self.decay * x for x in self._sums]
-        self._weights = [self.decay * w for w in self._weights]
+        faded = (0, 1) if chosen else (kind,)  # a plain round the policy had no say in tells nothing of speculation
+        for k in faded:
+            self._sums[k] *= self.decay
+            self._weights[k] *= self.decay
         self._sums[kind] += seconds / predicted
         self._weights[kind] += 1.0
 
@@ -213,7 +220,7 @@ class SpeculationPolicy:
             return []
         # Sequences whose plan fell to none (the decoder's pacing) are offered nothing, whatever the length.
         if all(r.plan is not None and r.plan.method is Method.NONE for r in batch):
-            self.slowdown.expect(False, self.step_time(n, 0))
+            self.slowdown.expect(False, self.step_time(n, 0), chosen=False)
             return [0] * n
         catch_up = sum(r.unseen for r in batch) / n
         remaining = sum(r.remaining for r in batch) / n

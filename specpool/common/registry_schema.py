@@ -125,6 +125,8 @@ class TargetRegistration:
     # SSD's, over plain decoding on all the cores of its layout (serve-target --layout-cores).
     predicted_speedup_ssd: float = _parsed(_speedup, NO_ESTIMATE)
     methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
+    # Methods whose rounds it has not measured yet: their predicted speedup is its prior's (none listed before it).
+    unmeasured: tuple[str, ...] = _parsed(_methods, ())
     format: str = _parsed(_optional_name, "")  # its weight format and the start-up check it passed (Llama.format_check)
     updated: float = _parsed(_unix_time, 0.0)  # unix seconds of the beat
 

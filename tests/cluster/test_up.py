@@ -172,9 +172,11 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
 
 @pytest.mark.slow
 @pytest.mark.serial  # the plan follows measured step costs: beside another test's servers it drafted ~1 token a step
-# Open in issue 51: after the router's probe of the draft model, n-gram's untried prior (1.43x) outbids the pair's
-# learned figure, so the later prompts were planned n-gram (which measures 1.11x on HumanEval) in the clean run.
-@pytest.mark.xfail(reason="issue 51: n-gram's prior outbids the probed draft model at the router", strict=False)
+# Still open in issue 51, narrower: untried priors and AR rounds no longer outbid the draft model, but on a quiet
+# machine 2 runs in 5 planned n-gram for the last prompt: the pair's plan on below_zero (5.29 tokens/step, 2.2x) was
+# paced down to the target's n-gram on its repetitive tail, whose rounds priced n-gram over the draft model; on
+# mean_absolute_deviation n-gram then ran 1.00 tokens/step.
+@pytest.mark.xfail(reason="issue 51: one prompt's n-gram fallback rounds can outbid the draft model", strict=False)
 def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
     """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
     as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method

@@ -214,3 +214,21 @@ def test_auto_requests_that_would_not_draft_with_the_model_probe_it_every_nth():
     assert plan(target("d", spec_endpoint="h:9", **below), endpoint=full) == Decision(NONE, NO_SPEEDUP)
     assert plan(target("e", spec_endpoint="h:9", methods=("ngram",), **below)) == Decision(NONE, NO_SPEEDUP)
     assert decided(AUTO, 0.9, 0.95) == Decision(NONE, NO_SPEEDUP), "decide's default: no probes"
+
+
+def test_an_unmeasured_methods_prior_never_outbids_a_measured_gain():
+    """Issue 51, `make run` on the Qwen pair: after the router's probe of the draft model (learned 1.35x), n-gram,
+    never run, was still priced from the acceptance prior with free drafts (1.45x) and planned for the later
+    prompts, where it ran 1.11x. A method the target lists unmeasured is planned only where no measured one pays."""
+    def plan(draft: float, ngram: float, unmeasured=(), ssd: float = 1.0) -> Decision:
+        t = target("a", spec_endpoint="h:9", predicted_speedup_draft=draft, predicted_speedup_ngram=ngram,
+                   predicted_speedup_ssd=ssd, methods=WITH_SSD, unmeasured=unmeasured)
+        return decide(AUTO, t, ENDPOINT, lambda e: True)
+
+    assert plan(1.35, 1.45, unmeasured=("ngram", "ssd")) == Decision(DRAFT_MODEL, PREDICTED_SPEEDUP, leased=True)
+    assert plan(1.35, 1.0, unmeasured=("ngram", "ssd"), ssd=1.8) == Decision(
+        DRAFT_MODEL, PREDICTED_SPEEDUP, leased=True)
+    assert plan(1.35, 1.45) == Decision(NGRAM, PREDICTED_SPEEDUP), "measured, n-gram pays more"
+    # No measured method pays (or none is measured yet): an unmeasured one is planned, and so measured.
+    assert plan(1.05, 1.45, unmeasured=("ngram", "ssd")) == Decision(NGRAM, PREDICTED_SPEEDUP)
+    assert plan(1.1, 1.45, unmeasured=("draft_model", "ngram", "ssd")) == Decision(NGRAM, PREDICTED_SPEEDUP)

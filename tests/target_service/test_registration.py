@@ -4,17 +4,26 @@ chosen by), discounted to plain decoding on all the cores of its layout (serve-t
 from __future__ import annotations
 
 import json
+from itertools import cycle
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from specpool.common.registry_schema import (
+    EndpointRegistration,
+    TargetRegistration,
+    decode_record,
+    encode_fields,
+)
+from specpool.engine.decoding import Decoder
 from specpool.engine.drafters.ngram import NgramDrafter
 from specpool.engine.method import Method
-from specpool.engine.plan import SpeculationPlan
+from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, cached_step_costs
 from specpool.engine.policy.draft_length import Running
+from specpool.router.decisions import decide
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.registration import (
@@ -126,3 +135,72 @@ def test_plain_decoding_on_the_layout_never_counts_slower_than_on_the_targets_th
     assert ar_on_layout_ratio(Layout(threads=2, cores=2), OWN, 4) == 1.0
     assert ar_on_layout_ratio(Layout(threads=1, cores=4), None, 4) == 0.25
     assert ar_on_layout_ratio(Layout(threads=1, cores=4, on_cpu=False), OWN, 4) == 1.0, "a drafter's GPU"
+
+
+# The Qwen2.5-Coder pair's shape (2 cores, Intel Xeon): a 1.5B step 40 ms, a 5-row verify 48 ms; the 0.5B's step 9 ms.
+QWEN = StepCosts((1, 2), (0, 4, 8, 16), ((0.040, 0.048, 0.055, 0.100), (0.042, 0.063, 0.103, 0.176)))
+
+
+def test_requests_planned_to_plain_decoding_do_not_wipe_what_ngram_rounds_measured(tiny_model):
+    """Issue 51, `make run` on the Qwen pair: the router planned n-gram again after its own requests had priced it
+    under the draft model, because the AR requests between them (128 plain rounds each, through the same policy)
+    faded n-gram's measured round overhead back to the table's: its figure rose from 1.28x to 1.58x, over the
+    draft model's 1.45x. Rounds of requests planned to plain decoding are not rounds the policy declined to draft.
+    Before n-gram's first round the heartbeat lists it unmeasured, and routers do not trust its prior."""
+    drafter = RemoteDrafter("t1", "tiny", 64, None, NgramDrafter(), Recorder())
+    drafter.capacity = pb.GetCapacityResponse(models=[pb.ModelDrafters(target_model="tiny", draft_step_costs=pb.StepCostTable(
+        batch_sizes=[1, 2], draft_lens=[0, 8], seconds=[0.009, 0.011, 0.010, 0.013]))])
+    draft_length = TargetDraftLength(drafter, QWEN)
+    decoder = Decoder(tiny_model, 1, 64)  # holds each method's acceptance, as the target's does
+    endpoint = EndpointRegistration(id="ep", address="h:9", models=("tiny",), max_sessions=8)
+
+    def plan() -> tuple[Method, dict]:
+        fields = heartbeat(draft_length, acceptance_of=decoder.acceptance_of)
+        target = decode_record(TargetRegistration, encode_fields(fields | {"id": "h:1", "spec_endpoint": "h:9"}))
+        speedups = {k: v for k, v in fields.items() if k.startswith("predicted_speedup")}
+        return decide(None, target, endpoint, lambda e: True).method, speedups
+
+    def request(method: Method, rounds: int, accepted: list[int], seconds, filled: list[bool] = (True,)):
+        """One request's rounds through the target's policy: what each accepted, and what it took."""
+        planned = NO_SPECULATION if method is Method.NONE else SpeculationPlan(method, True)
+        acceptance = decoder.acceptance_of(None if method is Method.NONE else method)
+        accepts, fills = cycle(accepted), cycle(filled)
+        for i in range(rounds):
+            [n] = draft_length.lengths([Running("s", 0, rounds - i, planned)], acceptance)
+            n = 0 if method is Method.NONE else n  # the decoder offers a plan of none nothing
+            k, drafted = min(next(accepts), n), n if next(fills) else 0
+            if n:
+                acceptance.update(k if drafted else 0, n, drafted)
+            draft_length.observe(seconds(n))
+
+    ar = (Method.NONE, 128, [0], lambda n: 0.040)  # plain rounds as the table times them
+    # The router's probe of the draft model: ~3.8 tokens a round at 4 drafts, 1.45x as its rounds run.
+    request(Method.DRAFT_MODEL, 40, [4, 3, 2, 4, 1], lambda n: 0.040 if n == 0 else 0.050 + 0.014 * n)
+    request(*ar)
+    method, untried = plan()
+    assert untried["predicted_speedup_ngram"] > untried["predicted_speedup_draft"], "n-gram's prior, free drafts"
+    assert method is Method.DRAFT_MODEL, untried  # the target lists n-gram unmeasured: its prior is not trusted
+    # A request that asked for n-gram: half its offers filled, ~1.5 tokens a round, each drafting round 56 ms
+    # (~1.1x AR).
+    request(Method.NGRAM, 60, [1, 0, 2, 1], lambda n: 0.040 if n == 0 else 0.056, filled=[True, False])
+    method, measured = plan()
+    assert method is Method.DRAFT_MODEL, measured
+    assert heartbeat(draft_length, acceptance_of=decoder.acceptance_of)["unmeasured"] == ["ssd"]
+    assert measured["predicted_speedup_ngram"] < untried["predicted_speedup_ngram"] - 0.2
+    for _ in range(2):  # the demo's next AUTO request follows two AR ones
+        request(*ar)
+    assert plan() == (Method.DRAFT_MODEL, measured), "AR requests tell nothing of n-gram's rounds"
+
+
+def test_ssds_rounds_teach_ssds_figure_not_the_draft_models(draft_length):
+    """SSD is charged the draft model's costs, but its rounds are its own: on the Qwen pair they ran 0.89x AR (its
+    pre-speculation contending for the target's cores), and, learned into the draft model's slowdown, they priced
+    the draft model from 1.48x down to 0.74x, under SSD's own figure, so routers kept planning SSD (issue 51)."""
+    before = heartbeat(draft_length)
+    ssd = [Running("s", 0, 100, SpeculationPlan(Method.SSD, True))]
+    for _ in range(30):
+        [n] = draft_length.lengths(ssd, ACCEPTANCE)
+        draft_length.observe(3 * draft_length.ssd_policy().step_time(1, n))
+    after = heartbeat(draft_length)
+    assert after["predicted_speedup_draft"] == before["predicted_speedup_draft"]
+    assert after["predicted_speedup_ssd"] < before["predicted_speedup_ssd"] - 0.3

@@ -232,6 +232,10 @@ def test_round_slowdown_learns_each_kind_of_round_and_leans_speculation_back_on_
     assert slowdown.ratio(speculative=True) == pytest.approx(2.0, rel=0.01)
     slowdown.observe(1.0)  # nothing expected (a side step): ignored
     assert slowdown.ratio(speculative=True) == pytest.approx(2.0, rel=0.01)
+    for _ in range(100):  # rounds of requests planned to plain decoding: the policy chose nothing
+        slowdown.expect(False, 0.010, chosen=False)
+        slowdown.observe(0.012)
+    assert slowdown.ratio(speculative=True) == pytest.approx(2.0, rel=0.01)
     for _ in range(100):
         slowdown.expect(False, 0.010)
         slowdown.observe(0.012)
