@@ -8,7 +8,7 @@ exactly one place where speculated tokens turn into output.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,9 +46,9 @@ from specpool.engine.verification.sampling import (
 )
 
 # A plan is judged on this many of its rounds (after its first, which opens sessions and fills caches):
-# slower than plain decoding over them, it falls to the next plan down (SpeculationPlan.fallback). Over 4, a run
-# of rejections can drop a pair that pays 1.45x on average (the Qwen2.5-Coder pair, K=3); 8 kept a tiny model's
-# looping n-gram plans so fast that test_http_guard's never-read streams ended before stalling, 1 run in 3.
+# slower than plain decoding over them and over all its rounds so far, it falls to the next plan down
+# (SpeculationPlan.fallback). Judged on the last 4 alone, a run of rejections dropped a pair that pays 1.45x on
+# average (the Qwen2.5-Coder pair: `make run`'s prompts each dropped their plan once or twice).
 PACED_ROUNDS = 4
 
 # What sampling or verifying one group can raise (torch's errors are RuntimeErrors; a bad draft token
@@ -138,6 +138,30 @@ def verify_tree_round(
     return verify_tree(tokens, parents, num, p, generator)
 
 
+class PlanPace:
+    """A plan's rounds since its first (which opens sessions and fills caches, so stays out of the judgement)."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.recent: deque[tuple[int, float]] = deque(maxlen=PACED_ROUNDS)  # (tokens, seconds)
+        self.tokens, self.seconds = 0, 0.0
+
+    def slower(self, tokens: int, seconds: float, plain_s: float) -> bool:
+        """Records a round of `tokens` in `seconds`: whether the plan made fewer tokens a second than plain
+        decoding (a round of plain_s a token) over its last PACED_ROUNDS rounds and over all its rounds so far.
+        Both: a plan slower from its start drops as soon as it is judged, but a short run of rejections in a
+        plan that has paid does not drop it."""
+        self.rounds += 1
+        if self.rounds == 1:
+            return False
+        self.recent.append((tokens, seconds))
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        if len(self.recent) < PACED_ROUNDS:
+            return False
+        recent_tokens, recent_s = (sum(x) for x in zip(*self.recent))
+        return recent_tokens * plain_s < recent_s and self.tokens * plain_s < self.seconds
+
+
 @dataclass
 class _Sequence:
     seq_id: str
@@ -149,7 +173,7 @@ class _Sequence:
     plan: SpeculationPlan | None = None  # how it speculates (None: as the drafter does)
     slot: int = -1
     unseen: int = 0  # tokens the drafter holds but has not run its model over (its catch-up)
-    paced: list[tuple[int, float]] = field(default_factory=list)  # its plan's rounds: (tokens, seconds)
+    pace: PlanPace = field(default_factory=PlanPace)  # its plan's rounds so far
 
 
 class Decoder:
@@ -381,22 +405,17 @@ class Decoder:
         return self._verify(self.running, asked)
 
     def _pace(self, drafted: list[_Sequence], taken: dict[str, list[int]], round_s: float) -> None:
-        """Times the plans of the sequences offered drafts this round; one whose last PACED_ROUNDS made
-        fewer tokens a second than plain decoding would falls to the next plan down."""
+        """Times the plans of the sequences offered drafts this round; one slower than plain decoding
+        (PlanPace.slower) falls to the next plan down."""
         plain_s = self.draft_length.plain_round_s(len(self.running))
         if plain_s is None:
             return
         for seq in drafted:
             if seq.result.finish_reason:
                 continue
-            seq.paced.append((len(taken.get(seq.seq_id, [])), round_s))
-            if len(seq.paced) <= PACED_ROUNDS:
-                continue
-            del seq.paced[1:-PACED_ROUNDS]  # the first round stays out of the judgement
-            tokens, seconds = (sum(x) for x in zip(*seq.paced[1:]))
-            if tokens / seconds < 1.0 / plain_s:
+            if seq.pace.slower(len(taken.get(seq.seq_id, [])), round_s, plain_s):
                 seq.plan = seq.plan.fallback() if seq.plan is not None else NO_SPECULATION
-                seq.paced.clear()
+                seq.pace = PlanPace()
                 seq.result.plan_drops += 1
                 if self._replanning is not None:
                     self._replanning.replan(seq.seq_id, seq.plan)

@@ -176,7 +176,6 @@ def test_tiny_cluster_serves_through_the_router_and_stops_cleanly(tmp_path, cpu_
 # machine 2 runs in 5 planned n-gram for the last prompt: the pair's plan on below_zero (5.29 tokens/step, 2.2x) was
 # paced down to the target's n-gram on its repetitive tail, whose rounds priced n-gram over the draft model; on
 # mean_absolute_deviation n-gram then ran 1.00 tokens/step.
-@pytest.mark.xfail(reason="issue 51: one prompt's n-gram fallback rounds can outbid the draft model", strict=False)
 def test_the_demo_plans_the_qwen_pair_for_the_15b_and_keeps_ar_tokens():
     """`make run` on the default cluster: 5 HumanEval prompts to the 1.5B target, each planned by the router and
     as AR on the same target. The outputs equal AR's; the router probes the draft model and plans a draft method

@@ -382,3 +382,19 @@ def test_the_harness_catches_a_twin_near_its_limit(name):
         twin, shares = check(f"{name}, {kind} {strength}", params, make_drafter())
     report(twin, twin=True, **shares)
     assert not twin.passed, f"biased twin slipped through: {twin}"
+
+
+def test_a_run_of_rejections_does_not_drop_a_plan_that_has_paid():
+    """PlanPace judges a plan on its last PACED_ROUNDS rounds and on all its rounds so far. The Qwen pair paid 1.45x
+    on average, yet 4 rounds of rejections in a row dropped it within most of `make run`'s answers; a plan slower
+    from its start still drops as soon as it is judged, and one that stays slow after paying drops in time."""
+    plain_s = 0.040  # a plain round: one token in 40 ms
+    good, bad = (4, 0.095), (1, 0.095)  # a drafted round: 4 tokens (~1.7x), or 1 (~0.4x)
+
+    def rounds_until_dropped(rounds) -> int | None:
+        pace = decoding.PlanPace()
+        return next((i for i, (tokens, s) in enumerate(rounds) if pace.slower(tokens, s, plain_s)), None)
+
+    assert rounds_until_dropped([good] * 20 + [bad] * decoding.PACED_ROUNDS + [good] * 20) is None
+    assert rounds_until_dropped([bad] * 20) == decoding.PACED_ROUNDS  # the first round, then PACED_ROUNDS more
+    assert rounds_until_dropped([good] * 10 + [bad] * 40) is not None  # an endpoint turned slow for good
