@@ -324,3 +324,16 @@ def test_a_probe_told_to_probes_its_first_plain_round_too(accepted):
         assert all(s > 0 for s in lengths)  # learned from the first round on
     else:
         assert [i for i, s in enumerate(lengths) if s > 0] == [0, 16, 32]
+
+
+def test_no_probe_where_even_accepted_drafts_could_not_pay():
+    """A probe drafts for every sequence of the batch after each has sat out 16 rounds; where verifying more
+    tokens costs so much that drafts all accepted would not pay (the Qwen pair at batch 16: one more token a
+    sequence 1.86x a plain step), its catch-up is pure loss, so it never probes there, and still does at batch 1."""
+    target = StepCosts((1, 16), (0, 1, 8), ((0.040, 0.042, 0.058), (0.080, 0.150, 0.700)))
+    draft = StepCosts((1, 16), (0, 8), ((0.010, 0.020), (0.030, 0.200)))
+    for n, probes in ((16, False), (1, True)):
+        policy = SpeculationPolicy(target, draft_costs=draft, max_draft=8)
+        batch = [Running(str(i), 0, 1000) for i in range(n)]
+        lengths = [policy.lengths(batch, AcceptanceEstimate())[0] for _ in range(48)]
+        assert policy.could_pay(n) is probes and any(lengths) is probes, lengths
