@@ -126,3 +126,28 @@ def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
     assert budget["verify"] > 0 and budget["endpoint_drafting"] > 0, budget
     assert budget["round"] >= budget["verify"] + budget["waiting_for_drafts"] - 0.05, budget
     assert rows["sd:4"]["round_budget_ms"] is None  # in process: no servers to ask
+
+
+def test_two_qwen_targets_on_one_endpoint_each_match_their_plain_decoding(tmp_path):
+    """Issue 51's two targets of the 1.5B on one endpoint drafting with the 0.5B, both active at once: each target's
+    outputs equal its own plain decoding's (ar-remote-x2, the two targets decoding plainly at once), each is reported
+    on its own, and the endpoint's draft forwards per target token are counted for one target and for two. (That two
+    targets' forwards are shared, which the issue asks, is not yet so: 1.043 forwards a token with one and two.)"""
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"})
+                        + "\n")
+    out = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
+         "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "32", "--batch-sizes", "1",
+         "--modes", "ar-remote-x2,sd-remote-x2:4,sd-remote:4", "--datastore", "", "--json", str(out),
+         "--threads", "2"],
+        check=True, timeout=900,
+    )
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    two, one = rows["sd-remote-x2:4"], rows["sd-remote:4"]
+    assert [t["outputs_match_ar"] for t in two["targets"]] == [True, True], two
+    assert two["mean_accept_len"] > 1.5 and one["mean_accept_len"] > 1.5, (two, one)
+    assert two["draft_forwards_per_target_token"] > 0 and one["draft_forwards_per_target_token"] > 0
+    assert two["round_budget_ms"]["endpoint_drafting"] > 0
+    assert rows["ar-remote-x2"]["draft_forwards_per_target_token"] is None  # plain decoding drafts nothing
