@@ -98,22 +98,28 @@ def test_every_committed_result_carries_the_ar_rows_it_is_compared_with():
                 assert r["outputs_match_ar"], f"{path.name}: batch {batch}, {r['mode']} differs from AR"
 
 
-def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
-    """--draft takes a model file sharing the target's tokenizer, here by its short name: the Qwen2.5-Coder pair
-    (issue 51's headline), its 0.5B drafting for the 1.5B in process."""
-    from specpool.engine.runtime.chunked_models import model_path
-
+def qwen_pair_bench(tmp_path, modes: str, max_tokens: int) -> dict:
+    """`specpool bench` of the Qwen2.5-Coder pair (issue 51's headline: the 0.5B drafting for the 1.5B, by their
+    short names) on one HumanEval-like prompt, at batch 1 on 2 threads -> its report."""
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"})
                         + "\n")
     out = tmp_path / "report.json"
     subprocess.run(
         [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
-         "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "24", "--batch-sizes", "1",
-         "--modes", "ar,sd:4,sd-suffix:8,ssd-shared:4", "--datastore", "", "--json", str(out), "--threads", "2"],
+         "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", str(max_tokens), "--batch-sizes", "1",
+         "--modes", modes, "--datastore", "", "--json", str(out), "--threads", "2"],
         check=True, timeout=900,
     )
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
+    """--draft takes a model file sharing the target's tokenizer, here by its short name: the Qwen2.5-Coder pair,
+    its 0.5B drafting for the 1.5B in process and through the servers."""
+    from specpool.engine.runtime.chunked_models import model_path
+
+    report = qwen_pair_bench(tmp_path, "ar,sd:4,sd-suffix:8,ssd-shared:4", max_tokens=24)
     assert report["draft"] == model_path("qwen2.5-coder-0.5b")
     rows = {r["mode"]: r for r in report["results"]}
     # The hybrid's trees and SSD through servers on both cores, each at a fixed length: the policy's own
@@ -133,18 +139,8 @@ def test_two_qwen_targets_on_one_endpoint_each_match_their_plain_decoding(tmp_pa
     outputs equal its own plain decoding's (ar-remote-x2, the two targets decoding plainly at once), each is reported
     on its own, and the endpoint's draft forwards per target token are counted for one target and for two. (That two
     targets' forwards are shared, which the issue asks, is not yet so: 1.043 forwards a token with one and two.)"""
-    workload = tmp_path / "w.jsonl"
-    workload.write_text(json.dumps({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"})
-                        + "\n")
-    out = tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, "-m", "specpool.cli", "bench", "--model", "qwen2.5-coder-1.5b", "--draft",
-         "qwen2.5-coder-0.5b", "--workload", str(workload), "--max-tokens", "32", "--batch-sizes", "1",
-         "--modes", "ar-remote-x2,sd-remote-x2:4,sd-remote:4", "--datastore", "", "--json", str(out),
-         "--threads", "2"],
-        check=True, timeout=900,
-    )
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    report = qwen_pair_bench(tmp_path, "ar-remote-x2,sd-remote-x2:4,sd-remote:4", max_tokens=32)
+    rows = {r["mode"]: r for r in report["results"]}
     two, one = rows["sd-remote-x2:4"], rows["sd-remote:4"]
     assert [t["outputs_match_ar"] for t in two["targets"]] == [True, True], two
     assert two["mean_accept_len"] > 1.5 and one["mean_accept_len"] > 1.5, (two, one)
