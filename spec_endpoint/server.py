@@ -216,9 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the tensor-channel store (default 0: an ephemeral one); a fixed port so "
                              "a NetworkPolicy can name it")
     parser.add_argument("--endpoint-id", default="", help="name in the capacity API (default: host:port)")
-    parser.add_argument("--batch-window-ms", type=float, default=50.0,
+    # 150: two Qwen2.5-Coder 1.5B targets drafting with the 0.5B take turns on 2 cores, their rounds ~140 ms
+    # apart; at 50 ms no step waited for the other's, so none shared a forward (1.04 draft forwards a target
+    # token with one target and with two), at 150 they fell into step (0.86), each target at 1.07x its speedup
+    # alone instead of 0.88x (Intel Xeon, 2 cores, bench sd-remote-x2:4).
+    parser.add_argument("--batch-window-ms", type=float, default=150.0,
                         help="the longest a draft step waits for another busy tenant's expected round, to share "
-                             "one forward (also at most half that tenant's round period; 0: never wait)")
+                             "one forward (also at most half the arriving stream's round period; 0: never wait)")
     serving.add_security_arguments(parser)
     parser.add_argument("--advertise-host", default="127.0.0.1", help="host targets and routers reach this on")
     parser.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING or ERROR")
