@@ -159,7 +159,7 @@ class RemoteCluster:
         for index in range(2 if mode.endswith(X2) else 1):
             tenant, target = self._target(mode, draft_tokens, index)
             stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
-            runs.append(target_api_runner(stub, method, max_tokens, target, tree=mode in TREE_MODES))
+            runs.append(target_api_runner(stub, method, max_tokens, tree=mode in TREE_MODES))
             targets.append(target)
         return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(*self._placement(mode)),
                         targets)
@@ -222,12 +222,9 @@ class RoutedCluster:
 
 
 def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | None, max_tokens: int,
-                      target: ServerProcess | None = None, tree: bool = False):
-    """A bench Runner that sends each chunk as concurrent Generate calls to `stub`, each read to its end; with the
-    target's process, it also sums the target's verify time (from its /metrics) over the chunks."""
-
-    def verify_seconds() -> float:
-        return target.metric_total("specpool_target_verify_seconds_sum")
+                      tree: bool = False):
+    """A bench Runner that sends each chunk as concurrent Generate calls to `stub`, each read to its end (the
+    servers' own counts, the targets' verify time among them: `counting`)."""
 
     def run(prompts: list[list[int]], params: SamplingParams, totals) -> None:
         def one(ids: list[int]) -> pb.GenerateResult:
@@ -236,13 +233,10 @@ def target_api_runner(stub: target_pb2_grpc.TargetServiceStub, method: Method | 
                 speculation=pb.SpeculationPreference(method=method_to_pb(method), tree=tree),
             ))
 
-        verified = verify_seconds() if target else 0.0
         start = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(one, prompts))
         totals.seconds += time.perf_counter() - start
-        if target:
-            totals.verify_seconds = (totals.verify_seconds or 0.0) + verify_seconds() - verified
         totals.target_steps = totals.target_steps or 0
         totals.fallback_rounds = totals.fallback_rounds or 0
         for r in results:
@@ -272,7 +266,7 @@ def all_at_once(runs):
                 done.result()
         totals.seconds += time.perf_counter() - start
         for name in ("new_tokens", "target_steps", "first_tokens", "drafted", "fallback_rounds", "cache_hits",
-                     "cache_lookups", "verify_seconds"):
+                     "cache_lookups"):
             setattr(totals, name, sum(getattr(t, name) or 0 for t in totals.targets))
         totals.outputs = [out for t in totals.targets for out in t.outputs]
 

@@ -215,7 +215,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "mean_draft_len": round(t.drafted / t.target_steps, 2) if t.target_steps and t.drafted else None,
                 "cache_hit_ratio": round(t.cache_hits / t.cache_lookups, 3) if t.cache_lookups else None,
                 # verify-step time / mean accepted length: the time per token if drafting cost nothing
-                "draft_free_bound_s": round(t.verify_seconds / t.new_tokens, 5) if t.verify_seconds else None,
+                "draft_free_bound_s": round(c["verify_s"] / t.new_tokens, 5) if (c := t.server_counts)["verify_s"] else None,
                 "speedup_vs_ar": round(tps / (ref.new_tokens / ref.seconds), 3) if ref else None,
                 "speedup_vs_llamacpp_ar": round(tps / (llamacpp.new_tokens / llamacpp.seconds), 3) if llamacpp else None,
                 "target_cores": hw.target_cores,
@@ -229,7 +229,7 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "fallback_rounds": t.fallback_rounds,
                 # the endpoint's: what batching sequences (of one target, or of several) into one forward saves
                 "draft_forwards_per_target_token": round(c["draft_forwards"] / c["endpoint_target_tokens"], 3)
-                if (c := t.server_counts)["endpoint_target_tokens"] else None,
+                if c["endpoint_target_tokens"] else None,
                 "round_budget_ms": round_budget(t.server_counts),
                 # -x2 modes: each target's own rate, against the same target in the reference (its sum alone else)
                 "targets": [{"tokens_per_s": round(o.new_tokens / o.seconds, 2),

@@ -17,7 +17,6 @@ class ModeTotals:
     fallback_rounds: int | None = None  # remote modes: rounds the target drafted locally
     cache_hits: int = 0  # SSD: rounds whose drafts came from the speculation cache
     cache_lookups: int = 0
-    verify_seconds: float | None = None  # remote modes: the target's verify forwards, drafting excluded
     # remote modes: what the servers' /metrics counted over the chunks (bench/remote.py SERVER_COUNTS)
     server_counts: Counter[str] = field(default_factory=Counter)
     outputs: list[list[int]] = field(default_factory=list)
