@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,8 @@ from specpool.engine.runtime.model import Llama
 from specpool.target_service.metrics import TargetMetrics
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 def predicted_speedup(policy: SpeculationPolicy | None, batch_size: int, acceptance: AcceptanceEstimate) -> float:
@@ -129,3 +133,19 @@ class HeartbeatFields:
         count = registry.get_sample_value("specpool_target_accept_length_count", labels) or 0.0
         total = registry.get_sample_value("specpool_target_accept_length_sum", labels) or 0.0
         return total / count if count else 0.0
+
+
+def refresh_without_registry(fields_fn: Callable[[], dict], interval_s: float = 1.0) -> threading.Event:
+    """A target with no registry still reads its heartbeat's fields every interval_s, so the predicted speedups on
+    its /metrics stay live (Grafana's and `specpool bench`'s view of them). Set the returned event to stop."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            try:
+                fields_fn()
+            except Exception:
+                log.exception("reading the heartbeat's fields failed; predicted speedups not refreshed")
+
+    threading.Thread(target=run, name="predicted-speedups", daemon=True).start()
+    return stop

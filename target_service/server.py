@@ -39,7 +39,7 @@ from specpool.engine.runtime.gguf_loader import default_model_path, model_name
 from specpool.engine.runtime.model import Llama
 from specpool.target_service.draft_length import TargetDraftLength
 from specpool.target_service.metrics import TargetMetrics
-from specpool.target_service.registration import HeartbeatFields, Layout
+from specpool.target_service.registration import HeartbeatFields, Layout, refresh_without_registry
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool.target_service.remote.observer import TargetObserver
 from specpool.target_service.scheduler import Scheduler
@@ -176,17 +176,18 @@ def main(args: argparse.Namespace) -> int:
     if args.spec_endpoint:
         drafter.wait_attached(5.0)
     health.set_ready(True)
-    heartbeat = None
+    heartbeat = refreshing = None
     redis_url = redis_url_from(args)
+    address = f"{args.advertise_host}:{port}"
+    fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, drafter,
+                             draft_length.free, lambda: draft_length.draft_model,
+                             ssd_policy_fn=draft_length.ssd_policy, layout=layout, format=model.format_label)
     if redis_url:
         from specpool.common.registry import Heartbeat
 
-        address = f"{args.advertise_host}:{port}"
-        fields = HeartbeatFields(address, name, tenant, args.max_batch, scheduler, decoder, metrics, drafter,
-                                 draft_length.free, lambda: draft_length.draft_model,
-                                 ssd_policy_fn=draft_length.ssd_policy, layout=layout,
-                                 format=model.format_label)
         heartbeat = Heartbeat(redis_url, "target", address, fields.fields).start()
+    else:
+        refreshing = refresh_without_registry(fields.fields)
     log.info("serving TargetService on port %d, metrics on port %d (model %s, tenant %s, endpoint %s)",
              port, metrics_server.port, name, tenant, args.spec_endpoint or "none")
     report_ready("TargetService", port, metrics_server.port,
@@ -197,6 +198,8 @@ def main(args: argparse.Namespace) -> int:
         scheduler.accepting = False
         if heartbeat is not None:
             heartbeat.stop()  # routers stop sending new work at once
+        if refreshing is not None:
+            refreshing.set()
 
     serve_until_signal(server, health, args.grace_s, on_drain=drain, metrics=metrics_server)
     scheduler.stop()

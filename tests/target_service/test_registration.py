@@ -4,6 +4,7 @@ chosen by), discounted to plain decoding on all the cores of its layout (serve-t
 from __future__ import annotations
 
 import json
+import time
 from itertools import cycle
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from specpool.target_service.registration import (
     Layout,
     ar_on_layout_ratio,
     predicted_speedup,
+    refresh_without_registry,
 )
 from specpool.target_service.remote.drafter import RemoteDrafter
 from specpool_client.v1 import speculation_pb2 as pb
@@ -204,3 +206,31 @@ def test_ssds_rounds_teach_ssds_figure_not_the_draft_models(draft_length):
     after = heartbeat(draft_length)
     assert after["predicted_speedup_draft"] == before["predicted_speedup_draft"]
     assert after["predicted_speedup_ssd"] < before["predicted_speedup_ssd"] - 0.3
+
+
+def test_a_target_without_a_registry_still_refreshes_its_predicted_speedups(draft_length):
+    """No Redis, no heartbeat: the fields are still read every interval, so /metrics' predicted speedups (what
+    Grafana and `specpool bench` read) follow the policy; a read that raises is logged and the next one runs."""
+    metrics = TargetMetrics("tiny", "t1")
+    fields = HeartbeatFields(
+        "h:1", "tiny", "t1", 16, scheduler=SimpleNamespace(load=lambda: (0, 0)),
+        decoder=SimpleNamespace(acceptance_of=lambda method: ACCEPTANCE), metrics=metrics,
+        drafter=draft_length.drafter, free_policy=draft_length.free, draft_policy_fn=lambda: draft_length.draft_model)
+    reads = []
+
+    def read() -> dict:
+        reads.append(1)
+        if len(reads) == 1:
+            raise RuntimeError("the first read fails")
+        return fields.fields()
+
+    stop = refresh_without_registry(read, interval_s=0.01)
+    try:
+        deadline = time.monotonic() + 10
+        while len(reads) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+    assert len(reads) >= 3
+    assert metrics.registry.get_sample_value(
+        "specpool_target_predicted_speedup", {"model": "tiny", "tenant": "t1", "method": "draft_model"}) > 1.0
