@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -107,6 +108,10 @@ class EndpointMetrics:
             "specpool_spec_draft_busy_ratio", "Fraction of recent wall time spent drafting (0-1)", registry=r
         )
         self.busy_ratio.set_function(self.busy.ratio)
+        self.draft_threads = Gauge(
+            "specpool_spec_draft_threads", "CPU threads its drafting runs on (torch's): times the busy ratio, the "
+            "drafter cores busy; times the drafting seconds, drafter core-seconds", registry=r)
+        self.draft_threads.set_function(torch.get_num_threads)
         self.dense_bytes = Counter(
             "specpool_spec_dense_bytes", "Bytes of dense q rows sent on tensor channels", registry=r
         )

@@ -64,7 +64,8 @@ NEW_PANELS = ("Draft pool utilisation: sessions open over capacity, by endpoint"
               "Queue wait, p50 and p95, by tenant (SLO 1 s)",
               "Requests within the queue-wait SLO (1 s), share, by tenant",
               "Queue depth: requests waiting for a batch slot, by tenant",
-              "Prompt and generated tokens per second, by tenant")
+              "Prompt and generated tokens per second, by tenant", "Drafter cores busy, by endpoint",
+              "Drafter core-seconds per target token")
 SSD_DRAFT_TOKENS = 3  # every target's forced draft length: each SSD round drafts this many, whatever the policy
 # Panels whose every value is a ratio or a share: in [0, 1].
 FRACTION_PANELS = ("Draft busy ratio (busiest endpoint)", "Draft busy ratio, by endpoint",
