@@ -25,6 +25,7 @@ chunk): their ratio, draft forwards per target token, falls as the endpoint batc
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,12 +111,15 @@ class RemoteCluster:
 
     def _target(self, mode: str, draft_tokens: int = 0, index: int = 0) -> tuple[str, ServerProcess]:
         """mode[:K] -> (its tenant, the target serving it), started on first use (a fixed draft length
-        K gets a target of its own; index > 0: another target of the same kind, a tenant of its own)."""
+        K gets a target of its own, as do the -x2 modes' pair, whose policies learn the slower rounds of two
+        targets side by side; index > 0: another target of the same kind, a tenant of its own)."""
         pinned, plaintext = self._placement(mode)
         kind = {"ssd": "ssd-push", "ssd-pull": "ssd-pull", "ssd-shared": "ssd-shared"}.get(mode, "shared") + (
             PLAINTEXT if plaintext else "")
         if draft_tokens:
             kind += f"-k{draft_tokens}"
+        if mode.endswith(X2):  # targets of their own: beside each other they learn slower steps than alone
+            kind += X2
         if index:
             kind += f"-{index + 1}"
         if kind not in self.targets:
@@ -161,8 +165,9 @@ class RemoteCluster:
             stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
             runs.append(target_api_runner(stub, method, max_tokens, tree=mode in TREE_MODES))
             targets.append(target)
-        return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(*self._placement(mode)),
-                        targets)
+        pinned, plaintext = self._placement(mode)
+        return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(pinned, plaintext), targets,
+                        drafter_threads=self._threads(pinned) or os.cpu_count(), method=method)
 
 
 class RoutedCluster:
@@ -287,8 +292,10 @@ SERVER_COUNTS = {
 }
 
 
-def counting(run, endpoint: ServerProcess, targets: list[ServerProcess]):
-    """`run`, also summing SERVER_COUNTS over its chunks into totals.server_counts."""
+def counting(run, endpoint: ServerProcess, targets: list[ServerProcess], drafter_threads: int,
+             method: Method | None):
+    """`run`, also summing SERVER_COUNTS over its chunks into totals.server_counts and keeping, after each chunk,
+    the speedup the targets' policies predict for `method` (their heartbeat's gauge: what capacity planning reads)."""
 
     def counts() -> dict[str, float]:
         servers = {"endpoint": [endpoint], "targets": targets}
@@ -299,6 +306,11 @@ def counting(run, endpoint: ServerProcess, targets: list[ServerProcess]):
         before = counts()
         run(prompts, params, totals)
         totals.server_counts.update({name: n - before[name] for name, n in counts().items()})
+        totals.drafter_threads = drafter_threads
+        if method not in (None, Method.NONE):
+            predicted = [t.metric_total("specpool_target_predicted_speedup", method=method.value) for t in targets]
+            if all(predicted):  # 0: no heartbeat has set it yet
+                totals.predicted_speedups.append(sum(predicted) / len(predicted))
 
     return counted
 

@@ -231,6 +231,15 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 "draft_forwards_per_target_token": round(c["draft_forwards"] / c["endpoint_target_tokens"], 3)
                 if c["endpoint_target_tokens"] else None,
                 "round_budget_ms": round_budget(t.server_counts),
+                # what capacity planning reads (`specpool plan`): the targets' policies' own prediction of this
+                # speedup, and the endpoint's drafting in core-seconds (busy seconds x its threads)
+                "predicted_speedup": round(sum(t.predicted_speedups) / len(t.predicted_speedups), 3)
+                if t.predicted_speedups else None,
+                "drafter_core_s_per_token": round(c["endpoint_draft_s"] * t.drafter_threads / t.new_tokens, 5)
+                if t.drafter_threads else None,
+                "drafter_cores_busy": round(c["endpoint_draft_s"] * t.drafter_threads / t.seconds, 3)
+                if t.drafter_threads else None,
+                "drafter_threads": t.drafter_threads,
                 # -x2 modes: each target's own rate, against the same target in the reference (its sum alone else)
                 "targets": [{"tokens_per_s": round(o.new_tokens / o.seconds, 2),
                              "speedup_vs_ar": round(o.new_tokens / o.seconds / _target_speed(ref, i), 3)
@@ -285,6 +294,10 @@ def print_table(report: dict) -> None:
             text = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
             cells.append(text.ljust(w) if i == 0 else text.rjust(w))
         print("  ".join(cells))
+        if row["drafter_cores_busy"] is not None:
+            print(f"  drafter: {row['drafter_cores_busy']:.3g} cores busy, {1e3 * row['drafter_core_s_per_token']:.3g} "
+                  "core-ms a target token; predicted speedup "
+                  + ("-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.3g}"))
         if budget := row["round_budget_ms"]:
             print("  round, ms: " + ", ".join(f"{name.replace('_', ' ')} {ms:.1f}" for name, ms in budget.items()))
         for i, target in enumerate(row["targets"] or []):

@@ -19,6 +19,8 @@ class ModeTotals:
     cache_lookups: int = 0
     # remote modes: what the servers' /metrics counted over the chunks (bench/remote.py SERVER_COUNTS)
     server_counts: Counter[str] = field(default_factory=Counter)
+    drafter_threads: int | None = None  # remote modes: the endpoint's threads (its busy seconds x these: core-seconds)
+    predicted_speedups: list[float] = field(default_factory=list)  # the targets' policies' own, after each chunk
     outputs: list[list[int]] = field(default_factory=list)
     # modes of several targets at once (the -x2 modes): each target's own totals; the fields above sum them
     targets: list[ModeTotals] = field(default_factory=list)

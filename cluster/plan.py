@@ -1,7 +1,9 @@
 """`specpool plan`: how many speculation endpoints (and target replicas) a demand mix needs.
 
 The model is cluster/plan_model.py's (its docstring says how it counts); cluster/plan_inputs.py reads
-the statistics and the demand file, cluster/plan_report.py prints the answer and draws it.
+the statistics and the demand file, cluster/plan_report.py prints the answer and draws it. A bench report with
+remote modes also gets the drafter's side (cluster/drafter_capacity.py): how many targets one drafter core
+serves, and how near the targets' own predicted speedups came to the measured ones.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from specpool.cluster.drafter_capacity import describe_loads, loads_from_bench
 from specpool.cluster.plan_inputs import (
     fetch_capacity,
     load_demand,
@@ -25,9 +28,11 @@ from specpool.common.metrics_http import METRICS_TOKEN_ENV
 def main(args) -> int:
     stats: dict[str, ModelStats] = {}
     sessions = None
+    loads = []
     if args.stats:
         reports = [json.loads(Path(p).read_text()) for p in args.stats]
         stats = stats_from_bench(reports, batch_size=args.batch_size, mode=args.mode, fallback_mode=args.fallback_mode)
+        loads = [load for report in reports for load in loads_from_bench(report)]
     if args.capacity_url:
         capacity = fetch_capacity(args.capacity_url, token=os.environ.get(METRICS_TOKEN_ENV))
         sessions = sessions_from_capacity(capacity)
@@ -40,6 +45,9 @@ def main(args) -> int:
     print(describe(plan))
     print()
     print(format_table(plan))
+    if loads:
+        print("\ndrafter capacity (measured through an endpoint at batch 1):")
+        print(describe_loads(loads))
     if args.plot:
         write_svg(plan, Path(args.plot))
         print(f"\nplot: {args.plot}")

@@ -137,8 +137,9 @@ def test_the_qwen_pair_bench_drafts_with_the_0_5b_file_and_matches_ar(tmp_path):
 def test_two_qwen_targets_on_one_endpoint_each_match_their_plain_decoding(tmp_path):
     """Issue 51's two targets of the 1.5B on one endpoint drafting with the 0.5B, both active at once: each target's
     outputs equal its own plain decoding's (ar-remote-x2, the two targets decoding plainly at once), each is reported
-    on its own, and the endpoint's draft forwards per target token are counted for one target and for two. (That two
-    targets' forwards are shared, which the issue asks, is not yet so: 1.043 forwards a token with one and two.)"""
+    on its own, and the endpoint's draft forwards per target token are counted for one target and for two, with
+    what capacity planning reads: the drafter's core-seconds and the targets' own predicted speedup (their /metrics,
+    kept live without a registry)."""
     report = qwen_pair_bench(tmp_path, "ar-remote-x2,sd-remote-x2:4,sd-remote:4", max_tokens=32)
     rows = {r["mode"]: r for r in report["results"]}
     two, one = rows["sd-remote-x2:4"], rows["sd-remote:4"]
@@ -147,3 +148,7 @@ def test_two_qwen_targets_on_one_endpoint_each_match_their_plain_decoding(tmp_pa
     assert two["draft_forwards_per_target_token"] > 0 and one["draft_forwards_per_target_token"] > 0
     assert two["round_budget_ms"]["endpoint_drafting"] > 0
     assert rows["ar-remote-x2"]["draft_forwards_per_target_token"] is None  # plain decoding drafts nothing
+    for row in (one, two):
+        assert row["drafter_core_s_per_token"] > 0 and row["drafter_cores_busy"] > 0 and row["drafter_threads"] == 2
+        assert row["predicted_speedup"] > 0, row
+    assert rows["ar-remote-x2"]["predicted_speedup"] is None  # nothing drafted: nothing to predict

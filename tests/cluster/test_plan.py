@@ -9,6 +9,7 @@ import prometheus_client
 import pytest
 
 from specpool.cli import main
+from specpool.cluster.drafter_capacity import describe_loads, loads_from_bench
 from specpool.cluster.plan_inputs import load_demand, stats_from_bench, stats_from_capacity
 from specpool.cluster.plan_model import make_plan
 from specpool.cluster.plan_report import write_svg
@@ -183,3 +184,43 @@ def test_live_capacity_behind_the_metrics_token_is_read_with_it(tmp_path, monkey
         assert main(plan) == 0 and "endpoint capacity: 4 sessions" in capsys.readouterr().out
     finally:
         http.stop()
+
+
+# Drafter capacity by hand: alone, a target decodes AR at 20 tokens/s and 1.5x through the endpoint (30 tokens/s),
+# each of its tokens costing the endpoint 20 core-ms of drafting: it keeps 30 x 0.02 = 0.6 drafter cores busy. One
+# drafter core serves 1/0.6 = 1.67 such targets at full speed and 1/(20 x 0.02) = 2.5 before each falls to AR's
+# speed. The endpoint had 1 thread, so with 2 targets each is predicted 1.5 x 1.67/2 = 1.25x; the two measured
+# 1.2x and 1.3x (1.25x: 0% off) sharing forwards, at 15 core-ms a token.
+DRAFTER_BENCH = {"model": "pair.gguf", "results": [
+    {"mode": "ar", "batch_size": 1, "tokens_per_s": 20.0, "speedup_vs_ar": 1.0},
+    {"mode": "sd-remote", "batch_size": 1, "tokens_per_s": 30.0, "speedup_vs_ar": 1.5, "mean_accept_len": 3.0,
+     "drafter_core_s_per_token": 0.02, "drafter_cores_busy": 0.6, "drafter_threads": 1, "predicted_speedup": 1.35},
+    {"mode": "sd-remote-x2", "batch_size": 1, "tokens_per_s": 50.0, "speedup_vs_ar": 1.25, "mean_accept_len": 3.0,
+     "drafter_core_s_per_token": 0.015, "drafter_cores_busy": 0.75, "drafter_threads": 1, "predicted_speedup": 1.0,
+     "targets": [{"tokens_per_s": 24.0, "speedup_vs_ar": 1.2}, {"tokens_per_s": 26.0, "speedup_vs_ar": 1.3}]},
+]}
+
+
+def test_drafter_capacity_by_hand():
+    one, two = loads_from_bench(DRAFTER_BENCH)
+    assert (one.mode, one.targets, two.mode, two.targets) == ("sd-remote", 1, "sd-remote-x2", 2)
+    assert one.cores_per_target == pytest.approx(0.6)
+    assert one.full_speed_targets == pytest.approx(1 / 0.6) and one.paying_targets == pytest.approx(2.5)
+    assert one.speedup_with(1, 1) == 1.5 and one.speedup_with(2, 1) == pytest.approx(1.25)
+    assert two.speedup == pytest.approx(1.25) and two.tokens_per_s_ar == pytest.approx(20.0)
+    text = describe_loads([one, two])
+    assert "1.50x measured each, 1.35x predicted by the targets' policies (10% off, within 15%)" in text
+    assert "1.25x measured each, 1.00x predicted by the targets' policies (20% off, OUTSIDE 15%)" in text
+    assert "one drafter core: 1.67 targets at full speed, pays up to 2.50 targets" in text
+    assert "predicted from sd-remote alone on 1 drafter cores: 1.25x each (0% off, within 15%)" in text
+
+
+def test_plan_prints_the_drafter_capacity_of_a_bench_with_remote_modes(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(DRAFTER_BENCH))
+    demand = tmp_path / "demand.yaml"
+    demand.write_text("models:\n  pair: {requests_per_s: 1, mean_output_tokens: 100}\n")
+    assert main(["plan", "--demand", str(demand), "--stats", str(bench)]) == 0
+    printed = capsys.readouterr().out
+    assert "drafter capacity (measured through an endpoint at batch 1):" in printed
+    assert "pays up to 2.50 targets" in printed
