@@ -232,9 +232,10 @@ def _run_batches(cfg: BenchConfig, model: Llama, prompts: list[list[int]], remot
                 if c["endpoint_target_tokens"] else None,
                 "round_budget_ms": round_budget(t.server_counts),
                 # what capacity planning reads (`specpool plan`): the targets' policies' own prediction of this
-                # speedup, and the endpoint's drafting in core-seconds (busy seconds x its threads)
+                # speedup (read between chunks, when the next request would run alone: batch 1's only), and the
+                # endpoint's drafting in core-seconds (busy seconds x its threads)
                 "predicted_speedup": round(sum(t.predicted_speedups) / len(t.predicted_speedups), 3)
-                if t.predicted_speedups else None,
+                if t.predicted_speedups and b == 1 else None,
                 "drafter_core_s_per_token": round(c["endpoint_draft_s"] * t.drafter_threads / t.new_tokens, 5)
                 if t.drafter_threads else None,
                 "drafter_cores_busy": round(c["endpoint_draft_s"] * t.drafter_threads / t.seconds, 3)
