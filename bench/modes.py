@@ -66,6 +66,7 @@ class BenchConfig:
     cluster_config: Path | None = None  # routed modes: the cluster (None: cluster/examples/smollm2.yaml)
     ray_address: str | None = None  # routed-ray modes: the Ray cluster (None: a one-node Ray of the run's own)
     endpoint_args: tuple[str, ...] = ()  # remote modes: further serve-spec flags
+    target_args: tuple[str, ...] = ()  # remote modes: further serve-target flags
 
 
 # A runner takes a chunk of prompts and fills one ModeTotals.

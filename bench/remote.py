@@ -79,7 +79,8 @@ class RemoteCluster:
 
     def __init__(self, model_path: Path, dtype: str, max_batch: int, draft_dir: Path | None,
                  datastore: Path | None, max_context: int = 2048, delay_ms: float = 0.0,
-                 threads: int | None = None, endpoint_args: tuple[str, ...] = (), head_dir: Path | None = None):
+                 threads: int | None = None, endpoint_args: tuple[str, ...] = (), target_args: tuple[str, ...] = (),
+                 head_dir: Path | None = None):
         drafter = f"{model_name(model_path)}={model_path}"
         if draft_dir:
             drafter += f",draft={draft_dir}"
@@ -92,6 +93,7 @@ class RemoteCluster:
         self.datastore = datastore
         self.threads = threads  # of the unpinned servers (None: torch's default, all cores)
         self.endpoint_args = list(endpoint_args)  # further serve-spec flags (e.g. --ssd-fork-budget 16)
+        self.target_args = list(target_args)  # further serve-target flags (e.g. --spec-deadline-ms 2000)
         self.servers: list[ServerProcess] = []
         self.targets: dict[str, ServerProcess] = {}  # by kind (see _target)
         self._endpoints: dict[str, ServerProcess] = {}
@@ -124,7 +126,7 @@ class RemoteCluster:
             kind += f"-{index + 1}"
         if kind not in self.targets:
             endpoint = self._endpoint(pinned, plaintext)
-            args = ["--spec-delay-ms", str(self.delay_ms)]
+            args = ["--spec-delay-ms", str(self.delay_ms), *self.target_args]
             if mode.startswith("ssd"):
                 args += ["--ssd-mode", "pull" if mode == "ssd-pull" else "push"]
             if draft_tokens:

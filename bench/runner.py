@@ -63,7 +63,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
         remote = RemoteCluster(cfg.model_path, cfg.dtype, max(cfg.batch_sizes), cfg.draft_dir, cfg.datastore,
                                delay_ms=cfg.spec_delay_ms, threads=cfg.threads,
-                               endpoint_args=("--dtype", cfg.draft_dtype, *cfg.endpoint_args), head_dir=cfg.head_dir)
+                               endpoint_args=("--dtype", cfg.draft_dtype, *cfg.endpoint_args),
+                               target_args=cfg.target_args, head_dir=cfg.head_dir)
     routed = None
     if any(m in ROUTED_METHODS for m in cfg.modes):
         from specpool.bench.remote import RoutedCluster

@@ -159,6 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cluster_config=Path(args.cluster) if args.cluster else None,
         ray_address=None if args.ray in (None, "local") else args.ray,
         endpoint_args=tuple(shlex.split(args.endpoint_args)),
+        target_args=tuple(shlex.split(args.target_args)),
     )
     report = run_bench(cfg)
     print_table(report)
@@ -229,6 +230,8 @@ def build_parser(tools: Collection[str] = tuple(TOOLS)) -> argparse.ArgumentPars
                    help="remote modes: delay injected into every speculation message, each way")
     b.add_argument("--endpoint-args", default="",
                    help="remote modes: further serve-spec flags, one string (e.g. '--ssd-fork-budget 16')")
+    b.add_argument("--target-args", default="",
+                   help="remote modes: further serve-target flags, one string (e.g. '--spec-deadline-ms 2000')")
     b.add_argument("--cluster", default=None,
                    help="routed modes: cluster config whose targets all serve the bench's model (default: "
                         "cluster/examples/smollm2.yaml)")
