@@ -25,7 +25,6 @@ chunk): their ratio, draft forwards per target token, falls as the endpoint batc
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -167,9 +166,8 @@ class RemoteCluster:
             stub = target_pb2_grpc.TargetServiceStub(credentials.channel(target.address, "target", tenant))
             runs.append(target_api_runner(stub, method, max_tokens, tree=mode in TREE_MODES))
             targets.append(target)
-        pinned, plaintext = self._placement(mode)
-        return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(pinned, plaintext), targets,
-                        drafter_threads=self._threads(pinned) or os.cpu_count(), method=method)
+        return counting(runs[0] if len(runs) == 1 else all_at_once(runs), self._endpoint(*self._placement(mode)),
+                        targets, method)
 
 
 class RoutedCluster:
@@ -294,10 +292,10 @@ SERVER_COUNTS = {
 }
 
 
-def counting(run, endpoint: ServerProcess, targets: list[ServerProcess], drafter_threads: int,
-             method: Method | None):
+def counting(run, endpoint: ServerProcess, targets: list[ServerProcess], method: Method | None):
     """`run`, also summing SERVER_COUNTS over its chunks into totals.server_counts and keeping, after each chunk,
-    the speedup the targets' policies predict for `method` (their heartbeat's gauge: what capacity planning reads)."""
+    the speedup the targets' policies predict for `method` (their heartbeat's gauge) and the threads the endpoint
+    drafts on (its own gauge): what capacity planning reads."""
 
     def counts() -> dict[str, float]:
         servers = {"endpoint": [endpoint], "targets": targets}
@@ -308,7 +306,7 @@ def counting(run, endpoint: ServerProcess, targets: list[ServerProcess], drafter
         before = counts()
         run(prompts, params, totals)
         totals.server_counts.update({name: n - before[name] for name, n in counts().items()})
-        totals.drafter_threads = drafter_threads
+        totals.drafter_threads = int(endpoint.metric_total("specpool_spec_draft_threads"))
         if method not in (None, Method.NONE):
             predicted = [t.metric_total("specpool_target_predicted_speedup", method=method.value) for t in targets]
             if all(predicted):  # 0: no heartbeat has set it yet
