@@ -183,7 +183,9 @@ class Batcher:
         budget = min(self.window_s, own / 2)
         expected = {s: c.next_at for s, c in self._clocks.items()
                     if s not in present and c.busy(now) and c.next_at - now <= budget}
-        until = max(expected.values(), default=now) + 0.002  # a little slack for jitter
+        # A little slack for jitter; a round already overdue comes any moment: the whole budget.
+        overdue = any(at <= now for at in expected.values())
+        until = now + budget if overdue else max(expected.values(), default=now) + 0.002
         while not set(expected) <= {id(i.stream) for i in items}:
             left = min(until, now + budget) - time.monotonic()
             if left <= 0:

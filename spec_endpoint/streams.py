@@ -4,6 +4,7 @@ queue, and when each stream's next round is due."""
 from __future__ import annotations
 
 import queue
+from collections import deque
 from dataclasses import dataclass
 
 from specpool.common.errors import FieldError
@@ -55,16 +56,23 @@ def split_conflicts(items: list[Queued]) -> tuple[list[Queued], list[Queued]]:
 
 
 class StreamClock:
-    """When a stream's rounds arrive: the last one and a moving average of the gap between them."""
+    """When a stream's rounds arrive: the last one and its period, the shorter of its last two gaps.
+
+    A stream's rounds speed up as its batch empties (its first gaps hold prefills): an average of its
+    gaps expected the next round whole rounds late. One slow gap (a prefill joining, a busy core) does
+    not move the expected time either."""
+
+    GAPS = 2
 
     def __init__(self) -> None:
         self.last = 0.0
         self.period = 0.0
+        self._gaps: deque[float] = deque(maxlen=self.GAPS)
 
     def arrived(self, now: float) -> None:
         if self.last:
-            gap = now - self.last
-            self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
+            self._gaps.append(now - self.last)
+            self.period = min(self._gaps)
         self.last = now
 
     @property
