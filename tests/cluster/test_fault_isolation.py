@@ -388,12 +388,17 @@ def test_a_plain_request_pays_only_a_plain_row_beside_it_while_the_drafters_endp
     hang = Hang(drafted_pair["endpoint"])
     hang.start()
     try:
-        before_the_hang = drafted[0].count()
         hung = plain_request_s()
-        drafted_during = drafted[0].count() - before_the_hang
         assert target.metric_total(BREAKER) == 1
-        # Probes ride on drafted rounds, and still go out beside a plain stream: the breaker closes.
+        # With the breaker open, the drafted stream keeps decoding beside a plain one, a token a step as it
+        # does. Counted from here, not over the hung request: the breaker opens after three late rounds,
+        # each twice the slowest recent round trip (up to 0.5 s), and the request may end soon after.
         plain = RecordedStream(s, request(plain_prompt, pb.SPECULATION_METHOD_NONE, beside_tokens))
+        wait_for(lambda: plain.count() >= 10, timeout_s=60)
+        plain_from, drafted_from = plain.count(), drafted[0].count()
+        wait_for(lambda: plain.count() >= plain_from + 100, timeout_s=60)
+        plain_during, drafted_during = plain.count() - plain_from, drafted[0].count() - drafted_from
+        # Probes ride on drafted rounds, and still go out beside a plain stream: the breaker closes.
         drafted.append(RecordedStream(s, request(loop, pb.SPECULATION_METHOD_DRAFT_MODEL, beside_tokens)))
     finally:
         hang.end()
@@ -403,8 +408,9 @@ def test_a_plain_request_pays_only_a_plain_row_beside_it_while_the_drafters_endp
         stream_.join(30)
     print(f"a plain request of {plain_tokens} tokens: {solo:.2f} s alone, {beside_plain:.2f} s beside a plain "
           f"stream ({beside_plain / solo:.2f}x), {hung:.2f} s beside a drafted one while the endpoint hung "
-          f"({hung / solo:.2f}x solo, {hung / beside_plain:.2f}x beside plain)")
-    assert drafted_during >= plain_tokens // 4  # it kept decoding beside the plain one, once the breaker opened
+          f"({hung / solo:.2f}x solo, {hung / beside_plain:.2f}x beside plain); with the breaker open, the drafted "
+          f"stream made {drafted_during} tokens while a plain one made {plain_during}")
+    assert drafted_during >= plain_during // 2, (drafted_during, plain_during)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the target serves: its prefill's bf16 roundings follow the thread count
     try:
