@@ -21,7 +21,7 @@ from specpool.common.errors import FieldError
 from specpool.common.registry_schema import EndpointRegistration, TargetRegistration
 from specpool.common.speculation import method_to_pb
 from specpool.common.target_api import check_generate_request
-from specpool.router.decisions import Decision, LeaseUnavailable, Probes, decide, draft_endpoint
+from specpool.router.decisions import Decision, LeaseUnavailable, Placed, Probes, decide, draft_endpoint
 from specpool.router.leases import LEASE_TTL_S, Lease, LeaseKeeper
 from specpool.router.metrics import RouterMetrics
 from specpool.router.placement import PlacementRequest, place
@@ -76,6 +76,7 @@ class Router:
         self.metrics = metrics
         self.config = config
         self.probes = Probes()
+        self.placed = Placed()
 
     def route(self, request: pb.GenerateRequest, tenant: str | None,
               exclude: frozenset[str] = frozenset()) -> Route:
@@ -115,7 +116,8 @@ class Router:
             return lease is not None
 
         decision = decide(requested, target, endpoint, take_slot, self.config.busy_limit,
-                          probe_due=lambda: self.probes.due(target.id))
+                          probe_due=lambda: self.probes.due(target.id), placed=self.placed.since(target))
+        self.placed.add(target.id, forwarded.request_id)
         forwarded.speculation.method = method_to_pb(decision.method)
         # The label keeps its name "plan", as dashboards and the capacity API know it.
         self.metrics.decisions.labels(model=model, plan=decision.method, reason=decision.reason).inc()
@@ -125,6 +127,7 @@ class Router:
 
     def release(self, route: Route) -> None:
         """Frees the route's draft slot, if it holds one; call once per route (or finish)."""
+        self.placed.remove(route.target.id, route.request.request_id)
         if route.lease is not None:
             self.leases.release(route.lease)
             self.metrics.leases_held.set(self.leases.held())

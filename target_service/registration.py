@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpool.common.registry_schema import MAX_LIST_ITEMS
 from specpool.engine.decoding import Decoder
-from specpool.engine.method import METHODS, NO_ESTIMATE, Method
+from specpool.engine.method import METHODS, NO_ESTIMATE, Method, MethodRow
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, peek_step_costs
 from specpool.engine.policy.draft_length import SpeculationPolicy
@@ -100,15 +101,21 @@ class HeartbeatFields:
             draft_policy, free_policy = (p and dataclasses.replace(p, round_s=wire) for p in (draft_policy, free_policy))
         policies = {"model": draft_policy, "misses": self.ssd_policy_fn(), "free": free_policy}
         planned = [row for row in METHODS if row.speedup_field is not None]
-        # Each method by the acceptance its own sequences measured (Decoder.acceptance_of).
-        speedups = {row.method: predicted_speedup(policies[row.charges], batch, self.decoder.acceptance_of(row.method))
-                    for row in planned}
-        # SSD must beat plain decoding on all its layout's cores, not only on the target's own.
         own_costs = self.free_policy.target_costs if self.free_policy is not None else None
-        speedups[Method.SSD] *= ar_on_layout_ratio(self.layout, own_costs, batch)
-        speedups = {method: round(speedup, 4) for method, speedup in speedups.items()}
-        for method, speedup in speedups.items():
-            self.metrics.predicted(method.value, speedup)
+
+        def speedup(row: MethodRow, batch_size: int) -> float:
+            # By the acceptance the method's own sequences measured (Decoder.acceptance_of).
+            value = predicted_speedup(policies[row.charges], batch_size, self.decoder.acceptance_of(row.method))
+            if row.method is Method.SSD:  # it must beat plain decoding on all its layout's cores, not only its own
+                value *= ar_on_layout_ratio(self.layout, own_costs, batch_size)
+            return round(value, 4)
+
+        speedups = {row.method: speedup(row, batch) for row in planned}
+        # At every batch size a request may join: a router plans a burst of requests by the batch each one joins.
+        batch_sizes = range(1, min(max(self.max_batch, 1), MAX_LIST_ITEMS) + 1)
+        by_batch = {f"{row.speedup_field}_by_batch": [speedup(row, b) for b in batch_sizes] for row in planned}
+        for method, value in speedups.items():
+            self.metrics.predicted(method.value, value)
         endpoint_up = has_endpoint and self.drafter.healthy
         methods = [row.method for row in planned if row.local or endpoint_up]
         return {
@@ -121,6 +128,7 @@ class HeartbeatFields:
             "spec_endpoint": self.drafter.address if has_endpoint else "",
             "mean_accept_len": round(self._mean_accept_len(), 4),
             **{row.speedup_field: speedups[row.method] for row in planned},
+            **by_batch,
             "methods": [m.value for m in methods],
             # Priced from the acceptance prior alone, until a round offers its drafter positions (router/decisions.py).
             "unmeasured": [row.method.value for row in planned if not self.decoder.acceptance_of(row.method).offers],

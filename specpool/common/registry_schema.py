@@ -84,6 +84,13 @@ def _speedup(text: str) -> float:
     return _number(text, MAX_SPEEDUP)
 
 
+def _speedups(text: str) -> tuple[float, ...]:
+    items = [x for x in text.split(",", MAX_LIST_ITEMS) if x]
+    if len(items) > MAX_LIST_ITEMS:
+        raise ValueError(f"more than {MAX_LIST_ITEMS} items")
+    return tuple(_speedup(x) for x in items)
+
+
 def _unix_time(text: str) -> float:
     return _number(text, 1e11)
 
@@ -124,6 +131,11 @@ class TargetRegistration:
     predicted_speedup_ngram: float = _parsed(_speedup, NO_ESTIMATE)
     # SSD's, over plain decoding on all the cores of its layout (serve-target --layout-cores).
     predicted_speedup_ssd: float = _parsed(_speedup, NO_ESTIMATE)
+    # The same at batch sizes 1, 2, ... up to max_batch (at most MAX_LIST_ITEMS; none from an older target): a
+    # router that placed more requests since this beat plans each by the batch it joins (speedup_at).
+    predicted_speedup_draft_by_batch: tuple[float, ...] = _parsed(_speedups, ())
+    predicted_speedup_ngram_by_batch: tuple[float, ...] = _parsed(_speedups, ())
+    predicted_speedup_ssd_by_batch: tuple[float, ...] = _parsed(_speedups, ())
     methods: tuple[str, ...] = _parsed(_methods, ())  # speculation it can do: draft_model, ngram, ssd
     # Methods whose rounds it has not measured yet: their predicted speedup is its prior's (none listed before it).
     unmeasured: tuple[str, ...] = _parsed(_methods, ())
@@ -133,6 +145,14 @@ class TargetRegistration:
     @property
     def load(self) -> int:
         return self.running + self.queued
+
+    def speedup_at(self, speedup_field: str, placed: int = 0) -> float:
+        """A method's predicted speedup (its field's name) for a request joining the batch after `placed` more
+        requests than this beat counts: at batch load + placed + 1, as far as the by-batch list reaches."""
+        by_batch = getattr(self, f"{speedup_field}_by_batch")
+        if not by_batch:
+            return getattr(self, speedup_field)
+        return by_batch[min(self.load + placed, len(by_batch) - 1)]
 
     @property
     def free(self) -> int:

@@ -20,6 +20,7 @@ from specpool.router.decisions import (
     REQUESTED,
     Decision,
     LeaseUnavailable,
+    Placed,
     Probes,
     decide,
     draft_endpoint,
@@ -232,3 +233,37 @@ def test_an_unmeasured_methods_prior_never_outbids_a_measured_gain():
     # No measured method pays (or none is measured yet): an unmeasured one is planned, and so measured.
     assert plan(1.05, 1.45, unmeasured=("ngram", "ssd")) == Decision(NGRAM, PREDICTED_SPEEDUP)
     assert plan(1.1, 1.45, unmeasured=("draft_model", "ngram", "ssd")) == Decision(NGRAM, PREDICTED_SPEEDUP)
+
+
+def test_a_burst_placed_within_one_heartbeat_is_planned_by_the_batch_each_request_joins():
+    """Issue 51, routed AUTO on the Qwen pair at batch 4 (AMD EPYC, 2 cores): each chunk's four requests arrived
+    within one heartbeat of an idle target, all were planned n-gram from its figure at batch 1 (1.12x), and the
+    chunk ran 0.86x routed AR. Counting its own placements since the beat, the router plans each request by the
+    figure at the batch it joins; once the next beat counts them (or they end), they are not counted twice."""
+    now = [1000.0]
+    placed = Placed(clock=lambda: now[0])
+    idle = target("a", spec_endpoint="h:9", methods=("draft_model", "ngram"), updated=999.5,
+                  predicted_speedup_draft=1.02, predicted_speedup_ngram=1.12,
+                  predicted_speedup_draft_by_batch=(1.02, 0.97, 0.93, 0.9),
+                  predicted_speedup_ngram_by_batch=(1.12, 1.04, 0.99, 0.96))
+
+    def plan(t):
+        decision = decide(AUTO, t, ENDPOINT, lambda e: True, placed=placed.since(t))
+        placed.add(t.id, f"r{now[0]}")
+        now[0] += 0.001
+        return decision
+
+    burst = [plan(idle) for _ in range(4)]
+    assert burst == [Decision(NGRAM, PREDICTED_SPEEDUP)] + [Decision(NONE, NO_SPEEDUP)] * 3
+    assert placed.since(idle) == 4
+    # The next beat counts the four running; past max_batch the last figure holds.
+    busy = target("a", spec_endpoint="h:9", running=4, max_batch=4, updated=now[0] + 0.5,
+                  predicted_speedup_ngram_by_batch=(1.12, 1.04, 0.99, 0.96))
+    assert placed.since(busy) == 0 and busy.speedup_at("predicted_speedup_ngram", placed=3) == 0.96
+    # A request that ended is not counted.
+    placed.add("a", "short")
+    placed.remove("a", "short")
+    assert placed.since(idle) == 0
+    # A target that sends no figures by batch (an older one) is planned by its one figure, as before.
+    assert decide(AUTO, target("b", spec_endpoint="h:9", predicted_speedup_ngram=1.12), ENDPOINT, lambda e: True,
+                  placed=3) == Decision(NGRAM, PREDICTED_SPEEDUP)

@@ -128,6 +128,9 @@ def test_unknown_fields_are_ignored_and_missing_optional_ones_keep_defaults():
                                                 "methods": "ngram,some_future_method", "max_batch": "8.0"})
     assert target.methods == ("ngram",) and target.max_batch == 8, "a newer target's method is left out, not it"
     assert encode_fields({"a": [1, 2], "b": True, "c": 0.5}) == {"a": "1,2", "b": "1", "c": "0.5"}
+    by_batch = decode_record(TargetRegistration, {"id": "h:2", "address": "h:2", "model": "m",
+                                                  "predicted_speedup_ngram_by_batch": "1.3,1.1,0.9"})
+    assert by_batch.predicted_speedup_ngram_by_batch == (1.3, 1.1, 0.9)
 
 
 GOOD_TARGET = {"id": "10.0.0.1:7001", "address": "10.0.0.1:7001", "model": "m", "max_batch": "8"}
@@ -141,6 +144,8 @@ GOOD_TARGET = {"id": "10.0.0.1:7001", "address": "10.0.0.1:7001", "model": "m", 
     ("address", "10.0.0.1"), ("address", "10.0.0.1:0"), ("address", "10.0.0.1:99999"), ("address", "a b:1"),
     ("address", ""), ("spec_endpoint", "nowhere"), ("model", ""), ("model", "m" * 300), ("tenant", "t\x00"),
     ("methods", ",".join(["ngram"] * 100)), ("methods", "x" * 5000),
+    ("predicted_speedup_draft_by_batch", "1.2,nan"), ("predicted_speedup_ngram_by_batch", "1.2,-1"),
+    ("predicted_speedup_ssd_by_batch", ",".join(["1.1"] * 65)),
 ])
 def test_a_target_field_out_of_range_or_malformed_is_named(field, value):
     with pytest.raises(FieldError) as error:

@@ -19,7 +19,7 @@ from specpool.common.registry_schema import (
 )
 from specpool.engine.decoding import Decoder
 from specpool.engine.drafters.ngram import NgramDrafter
-from specpool.engine.method import Method
+from specpool.engine.method import METHODS, Method
 from specpool.engine.plan import NO_SPECULATION, SpeculationPlan
 from specpool.engine.policy.acceptance import AcceptanceEstimate
 from specpool.engine.policy.costs import StepCosts, cached_step_costs
@@ -101,6 +101,20 @@ def test_each_method_is_predicted_from_the_acceptance_its_own_sequences_measured
     assert fields["predicted_speedup_ngram"] == round(predicted_speedup(draft_length.free, 1, measured[Method.NGRAM]), 4)
     assert fields["predicted_speedup_draft"] > fields["predicted_speedup_ngram"] + 0.5
     assert fields["predicted_speedup_ssd"] == round(predicted_speedup(draft_length.ssd_policy(), 1, ACCEPTANCE), 4)
+
+
+def test_the_heartbeat_predicts_each_method_at_every_batch_size_a_request_may_join(draft_length):
+    """Routers plan a burst of requests, all placed within one heartbeat, by the batch each one joins: the beat
+    carries each method's figure at batch 1 to max_batch (16 here), the same estimate as the one at running + 1."""
+    fields = heartbeat(draft_length)
+    for row in METHODS:
+        if row.speedup_field is None:
+            continue
+        by_batch = fields[f"{row.speedup_field}_by_batch"]
+        assert len(by_batch) == 16 and by_batch[0] == fields[row.speedup_field]
+    draft = fields["predicted_speedup_draft_by_batch"]
+    assert draft[3] == round(predicted_speedup(draft_length.draft_model, 4, ACCEPTANCE), 4)
+    assert draft[0] > draft[15], "verifying drafts costs more at larger batches (OWN's compute term)"
 
 
 def test_a_layout_with_more_cores_than_the_targets_threads_discounts_ssd(draft_length, tiny_model, tmp_path):
