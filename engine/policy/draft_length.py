@@ -13,58 +13,97 @@ from specpool.engine.policy.acceptance import AcceptanceEstimate, Expected, as_e
 from specpool.engine.policy.costs import StepCosts
 
 
+class _Ratios:
+    """Decayed sums of measured / predicted seconds, per kind of round (plain 0, speculative 1)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.sums = [0.0, 0.0]
+        self.weights = [0.0, 0.0]
+
+    def add(self, kind: int, ratio: float, chosen: bool) -> None:
+        for k in (0, 1) if chosen else (kind,):  # a plain round the policy had no say in tells nothing of speculation
+            self.sums[k] *= self.decay
+            self.weights[k] *= self.decay
+        self.sums[kind] += ratio
+        self.weights[kind] += 1.0
+
+    def leaned(self, kind: int, prior: float, prior_weight: float) -> float:
+        return (self.sums[kind] + prior_weight * prior) / (self.weights[kind] + prior_weight)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, 3-4, 5-8, ...: batch sizes whose rounds are learned together."""
+    return max(0, batch_size - 1).bit_length()
+
+
 class RoundSlowdown:
     """How much longer real rounds take than the cost table predicts, learned from the rounds run.
 
     The table times a bare forward; a real round also asks the drafter, samples, verifies, keeps the
     cache and updates every sequence, and each step of a draft model carries the same overheads. Near
     break-even that error decides: priced by the table alone, a draft model ran 0.94x AR at batch 1
-    (q4, AMD EPYC). Learned as ratios (measured / predicted), so that they carry across draft lengths
-    and batch sizes, apart for plain and for speculative rounds. The speculative ratio leans back on
-    the plain one while the policy declines to speculate, so that it tries again eventually, as
-    AcceptanceEstimate leans back on its prior; but not over rounds of requests planned to plain
-    decoding, which the policy had no say in: a target's AR requests (128 rounds each in `make run`)
-    wiped what its n-gram rounds had measured (1.24x their table, 1.11x AR on the Qwen pair), so its
-    heartbeat priced n-gram at 1.4-1.6x again and routers planned it over the draft model (issue 51).
+    (q4, AMD EPYC). Learned as ratios (measured / predicted), so that they carry across draft lengths,
+    apart for plain and for speculative rounds. The speculative ratio leans back on the plain one while
+    the policy declines to speculate, so that it tries again eventually, as AcceptanceEstimate leans back
+    on its prior; but not over rounds of requests planned to plain decoding, which the policy had no say
+    in: a target's AR requests (128 rounds each in `make run`) wiped what its n-gram rounds had measured
+    (1.24x their table, 1.11x AR on the Qwen pair), so its heartbeat priced n-gram at 1.4-1.6x again and
+    routers planned it over the draft model (issue 51).
+
+    Learned per batch-size bucket too (batch_bucket), each leaning on the ratios of all batches while it
+    has few rounds: through the servers, the Qwen pair's plain rounds at batch 4 ran further over their
+    table than batch 1's, and learned into one ratio they priced plain decoding at batch 1 slower than it
+    runs: the heartbeat predicted the draft model 1.28x and n-gram 1.37x at batch 1, and routers planned
+    them into batches where they ran 0.58-0.8x routed AR.
     """
 
-    def __init__(self, decay: float = 0.98, prior_weight: float = 1.0):
+    def __init__(self, decay: float = 0.98, prior_weight: float = 1.0, bucket_weight: float = 2.0):
         self.decay = decay
         self.prior_weight = prior_weight
-        self._sums = [0.0, 0.0]  # decayed sums of measured / predicted, per kind of round
-        self._weights = [0.0, 0.0]
-        # (kind, predicted seconds, whether the policy chose the kind) of the round it was asked for last
-        self._expected: tuple[int, float, bool] | None = None
+        self.bucket_weight = bucket_weight  # rounds of its own before a bucket's ratio is mostly its own
+        self._all = _Ratios(decay)
+        self._buckets: dict[int, _Ratios] = {}
+        # (kind, predicted seconds, whether the policy chose the kind, bucket) of the round asked for last
+        self._expected: tuple[int, float, bool, int | None] | None = None
 
-    def ratio(self, speculative: bool) -> float:
+    def ratio(self, speculative: bool, batch_size: int | None = None) -> float:
         """Measured / predicted seconds of a round of this kind (plain: 1 before any is measured;
-        speculative: the plain ratio before any is measured)."""
-        plain = (self._sums[0] + self.prior_weight) / (self._weights[0] + self.prior_weight)
+        speculative: the plain ratio before any is measured), at this batch size (None: all batches)."""
+        plain = self._all.leaned(0, 1.0, self.prior_weight)
+        spec = self._all.leaned(1, plain, self.prior_weight)
+        bucket = self._buckets.get(batch_bucket(batch_size)) if batch_size is not None else None
+        if bucket is None:
+            return spec if speculative else plain
+        bucket_plain = bucket.leaned(0, plain, self.bucket_weight)
         if not speculative:
-            return plain
-        return (self._sums[1] + self.prior_weight * plain) / (self._weights[1] + self.prior_weight)
+            return bucket_plain
+        # Speculative rounds' overhead over plain ones carries to a bucket that has run few speculative rounds:
+        # as measured in the bucket that has run the most.
+        most = max(self._buckets.values(), key=lambda b: b.weights[1])
+        overhead = (most.leaned(1, spec, self.bucket_weight) / most.leaned(0, plain, self.bucket_weight)
+                    if most.weights[1] else spec / plain)
+        return bucket.leaned(1, bucket_plain * overhead, self.bucket_weight)
 
     def forget(self) -> None:
         """The round asked for now teaches nothing (a draft catching up: not a steady round)."""
         self._expected = None
 
-    def expect(self, speculative: bool, seconds: float, chosen: bool = True) -> None:
+    def expect(self, speculative: bool, seconds: float, chosen: bool = True, batch_size: int | None = None) -> None:
         """The policy's prediction for the round it has just been asked for; `chosen` False: a plain round
         it had no choice over (every sequence planned to plain decoding)."""
-        self._expected = (int(speculative), seconds, chosen)
+        bucket = batch_bucket(batch_size) if batch_size is not None else None
+        self._expected = (int(speculative), seconds, chosen, bucket)
 
     def observe(self, seconds: float) -> None:
         """The decoder's measurement of that round, drafting included (ignored when nothing was expected)."""
         if self._expected is None or self._expected[1] <= 0:
             return
-        kind, predicted, chosen = self._expected
+        kind, predicted, chosen, bucket = self._expected
         self._expected = None
-        faded = (0, 1) if chosen else (kind,)  # a plain round the policy had no say in tells nothing of speculation
-        for k in faded:
-            self._sums[k] *= self.decay
-            self._weights[k] *= self.decay
-        self._sums[kind] += seconds / predicted
-        self._weights[kind] += 1.0
+        self._all.add(kind, seconds / predicted, chosen)
+        if bucket is not None:
+            self._buckets.setdefault(bucket, _Ratios(self.decay)).add(kind, seconds / predicted, chosen)
 
 
 class Probe:
@@ -204,7 +243,7 @@ class SpeculationPolicy:
 
     def plain_round_s(self, batch_size: int) -> float:
         """DraftLength: the table's plain step, times what real plain rounds measured beyond it."""
-        return self.step_time(batch_size, 0) * self.slowdown.ratio(speculative=False)
+        return self.step_time(batch_size, 0) * self.slowdown.ratio(False, batch_size)
 
     def plain_rate(self, batch_size: int) -> float:
         """Tokens/s per sequence of plain decoding at this batch size, as real plain rounds run."""
@@ -215,7 +254,7 @@ class SpeculationPolicy:
         cost table, the drafter's fill and the slowdown real rounds measured. The one estimate: the
         policy chooses by it, and the target's heartbeat tells it to routers, which plan by it."""
         best_len, best_rate = self.fastest(batch_size, acceptance, fill)
-        return best_len, best_rate / self.slowdown.ratio(speculative=True) / self.plain_rate(batch_size)
+        return best_len, best_rate / self.slowdown.ratio(True, batch_size) / self.plain_rate(batch_size)
 
     def lengths(self, batch: Sequence[Running], acceptance: AcceptanceEstimate) -> list[int]:
         """DraftLength: one length for the whole batch, chosen from its mean catch-up and remaining tokens."""
@@ -224,7 +263,7 @@ class SpeculationPolicy:
             return []
         # Sequences whose plan fell to none (the decoder's pacing) are offered nothing, whatever the length.
         if all(r.plan is not None and r.plan.method is Method.NONE for r in batch):
-            self.slowdown.expect(False, self.step_time(n, 0), chosen=False)
+            self.slowdown.expect(False, self.step_time(n, 0), chosen=False, batch_size=n)
             return [0] * n
         catch_up = sum(r.unseen for r in batch) / n
         remaining = sum(r.remaining for r in batch) / n
@@ -237,7 +276,7 @@ class SpeculationPolicy:
         if length and self.catch_up_s(n, catch_up):
             self.slowdown.forget()
         else:
-            self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill))
+            self.slowdown.expect(length > 0, self.step_time(n, length, acceptance.fill), batch_size=n)
         return [length] * n
 
     def could_pay(self, batch_size: int) -> bool:

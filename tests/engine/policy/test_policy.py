@@ -242,6 +242,33 @@ def test_round_slowdown_learns_each_kind_of_round_and_leans_speculation_back_on_
     assert slowdown.ratio(speculative=True) < 1.3  # stopped speculating: leans back on plain, tries again
 
 
+
+def test_round_slowdown_learns_each_batch_size_apart_from_the_others():
+    """Through the servers the Qwen pair's plain rounds at batch 4 ran further over their table than batch 1's;
+    learned into one ratio, batch 4's rounds priced plain decoding at batch 1 too slow, and the heartbeat's
+    speedups at batch 1 rose to 1.28x (draft model) and 1.37x (n-gram). Each bucket learns its own ratio, leaning
+    on all batches' until it has rounds of its own; speculation's overhead over plain rounds carries across."""
+    def learned(with_batch_4: bool) -> SpeculationPolicy:
+        policy = SpeculationPolicy(COSTS, max_draft=4, slowdown=RoundSlowdown())
+        for _ in range(200):
+            policy.slowdown.expect(False, 0.010, batch_size=1)
+            policy.slowdown.observe(0.011)
+            if with_batch_4:  # a request planned to plain decoding beside others (routed AR)
+                policy.slowdown.expect(False, 0.040, chosen=False, batch_size=4)
+                policy.slowdown.observe(0.060)
+            policy.slowdown.expect(True, 0.020, batch_size=1)
+            policy.slowdown.observe(0.026)  # speculative rounds at batch 1 run 1.3/1.1 plain rounds' overhead
+        return policy
+
+    slowdown = learned(with_batch_4=True).slowdown
+    assert slowdown.ratio(False, 1) == pytest.approx(1.1, rel=0.02)
+    assert slowdown.ratio(False, 3) == slowdown.ratio(False, 4) == pytest.approx(1.5, rel=0.02)
+    assert slowdown.ratio(False, 8) == slowdown.ratio(False), "a bucket with no rounds: all batches' ratio"
+    assert slowdown.ratio(True, 1) == pytest.approx(1.3, rel=0.02)
+    assert slowdown.ratio(True, 4) / slowdown.ratio(False, 4) == pytest.approx(1.3 / 1.1, rel=0.02)
+    # The policy's speedup at batch 1 is priced by batch 1's rounds, whatever ran at batch 4 meanwhile.
+    assert learned(True).speedup(1, 0.8)[1] == pytest.approx(learned(False).speedup(1, 0.8)[1], rel=0.02)
+
 def test_a_policy_stops_speculating_when_its_rounds_run_slower_than_the_table_and_tries_again_later():
     policy = SpeculationPolicy(COSTS, max_draft=4, slowdown=RoundSlowdown(decay=0.8))
     batch, acceptance = [Running("a", 0, 100)], AcceptanceEstimate(prior_alpha=0.2, prior_weight=1e9)
