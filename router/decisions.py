@@ -19,7 +19,7 @@ The converse: a method the target has not measured yet (its heartbeat lists it u
 prior, which is optimistic for drafting that costs nothing: n-gram's predicted 1.43-1.69x on the Qwen pair, above the
 probed draft model's learned 1.3-1.45x, so AUTO planned n-gram (1.11x as it ran) for the later prompts of `make run`
 (issue 51). So AUTO plans among the measured methods while one of them pays; an unmeasured one is planned only
-where none measured pays, which is how a new target first tries it.
+where none measured pays, which is how a new target first tries it, and for one request of a burst (_fastest).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def decide(
         return Decision(requested, REQUESTED)
     if requested is None:  # AUTO: the best predicted, if the target's policy would speculate with it
         wanted, speedup = _fastest(target, placed)
-        if (not wanted.row.leases_slot and _can_probe(target, endpoint, busy_limit) and probe_due()
+        if (not wanted.row.leases_slot and _can_probe(target, endpoint, busy_limit, placed) and probe_due()
                 and _leased(take_slot, endpoint)):
             return Decision(PROBE_METHOD, PROBE, leased=True)
         if not _pays(speedup):
@@ -174,13 +174,17 @@ def _speedup(target: TargetRegistration, method: Method, placed: int = 0) -> flo
 def _fastest(target: TargetRegistration, placed: int = 0) -> tuple[Method, float]:
     """The method the target predicts fastest at the batch the request joins, and its speedup, among those it
     has measured where one of them pays. A tie goes to the one that costs the endpoint less: n-gram drafting
-    needs no slot, and SSD drafts for several outcomes a round."""
+    needs no slot, and SSD drafts for several outcomes a round.
+
+    An untried prior is a trial: one request per heartbeat tries it, the first placed since the beat. The rest of
+    a burst is planned by what the target measured (none, where nothing is): the Qwen pair's first burst of four
+    at batch 4 all tried n-gram's prior (1.4x and more) and ran 0.77x AR."""
     offers = [(row.method, _speedup(target, row.method, placed)) for row in METHODS if row.speedup_field is not None
               and (not row.listed_only or row.method.value in target.methods)]
     measured = [offer for offer in offers if offer[0].value not in target.unmeasured]
-    if any(speedup > MIN_GAIN for _, speedup in measured):  # an untried prior never outbids a measured gain
+    if placed or any(speedup > MIN_GAIN for _, speedup in measured):  # an untried prior never outbids a measured gain
         offers = measured
-    return max(offers, key=lambda offer: (offer[1], -offer[0].row.endpoint_cost))  # then the first of the best
+    return max(offers, key=lambda offer: (offer[1], -offer[0].row.endpoint_cost), default=(Method.NONE, 0.0))
 
 
 def _pays(speedup: float) -> bool:
@@ -200,13 +204,17 @@ def _saturated(endpoint: EndpointRegistration, busy_limit: float) -> bool:
     return full or endpoint.draft_busy_ratio >= busy_limit
 
 
-def _can_probe(target: TargetRegistration, endpoint: EndpointRegistration | None, busy_limit: float) -> bool:
-    """Whether a probe could teach the target anything now: it has a policy to learn (a forced draft length
-    reports NO_ESTIMATE), and its endpoint is live, drafts its model, is not saturated and (where the target
-    lists what it can do) the draft model is among it."""
+def _can_probe(target: TargetRegistration, endpoint: EndpointRegistration | None, busy_limit: float,
+               placed: int = 0) -> bool:
+    """Whether a probe could teach the target anything now, at little cost: it has a policy to learn (a forced
+    draft length reports NO_ESTIMATE), and its endpoint is live, drafts its model, is not saturated and (where the
+    target lists what it can do) the draft model is among it; and the request joins an idle target. Beside other
+    requests a probe makes them wait out its session's prefill on the endpoint and its catch-ups (Qwen pair,
+    2 cores: a probe in a burst of four at batch 4 cost the burst 13-20%, 0.12 drafts a step)."""
     listed = not target.methods or PROBE_METHOD.value in target.methods
     learns = _speedup(target, PROBE_METHOD) != NO_ESTIMATE
-    return endpoint is not None and listed and learns and not _saturated(endpoint, busy_limit)
+    idle = target.load + placed == 0
+    return endpoint is not None and listed and learns and idle and not _saturated(endpoint, busy_limit)
 
 
 def _leased(take_slot: Callable[[EndpointRegistration], bool], endpoint: EndpointRegistration) -> bool:
