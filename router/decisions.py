@@ -208,13 +208,13 @@ def _can_probe(target: TargetRegistration, endpoint: EndpointRegistration | None
                placed: int = 0) -> bool:
     """Whether a probe could teach the target anything now, at little cost: it has a policy to learn (a forced
     draft length reports NO_ESTIMATE), and its endpoint is live, drafts its model, is not saturated and (where the
-    target lists what it can do) the draft model is among it; and the request joins an idle target. Beside other
-    requests a probe makes them wait out its session's prefill on the endpoint and its catch-ups (Qwen pair,
-    2 cores: a probe in a burst of four at batch 4 cost the burst 13-20%, 0.12 drafts a step)."""
+    target lists what it can do) the draft model is among it; and the request is the first placed since the
+    target's beat. A burst's later requests would wait out the probe's session prefill on the endpoint and its
+    catch-ups (Qwen pair, 2 cores: a probe in a burst of four at batch 4 cost the burst 13-20%, 0.12 drafts a
+    step). Not the beat's load: it may be a second old, and one request at a time (`make run`) still probes."""
     listed = not target.methods or PROBE_METHOD.value in target.methods
     learns = _speedup(target, PROBE_METHOD) != NO_ESTIMATE
-    idle = target.load + placed == 0
-    return endpoint is not None and listed and learns and idle and not _saturated(endpoint, busy_limit)
+    return endpoint is not None and listed and learns and not placed and not _saturated(endpoint, busy_limit)
 
 
 def _leased(take_slot: Callable[[EndpointRegistration], bool], endpoint: EndpointRegistration) -> bool:

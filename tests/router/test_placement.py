@@ -264,14 +264,15 @@ def test_a_burst_placed_within_one_heartbeat_is_planned_by_the_batch_each_reques
     placed.add("a", "short")
     placed.remove("a", "short")
     assert placed.since(idle) == 0
-    # The router probes the draft model only with a request that joins an idle target.
+    # The router probes the draft model only with the first request placed since the target's beat.
     below = target("d", spec_endpoint="h:9", methods=("draft_model", "ngram"), updated=999.5,
                    predicted_speedup_draft_by_batch=(0.9,) * 4, predicted_speedup_ngram_by_batch=(0.95,) * 4)
     probes = Probes(every=1)
     assert [decide(AUTO, below, ENDPOINT, lambda e: True, probe_due=lambda: probes.due("d"), placed=n)
             for n in range(3)] == [Decision(DRAFT_MODEL, PROBE, leased=True)] + [Decision(NONE, NO_SPEEDUP)] * 2
-    busy = target("d", spec_endpoint="h:9", running=1, predicted_speedup_draft=0.9, predicted_speedup_ngram=0.95)
-    assert decide(AUTO, busy, ENDPOINT, lambda e: True, probe_due=lambda: True) == Decision(NONE, NO_SPEEDUP)
+    stale = target("d", spec_endpoint="h:9", running=1, predicted_speedup_draft=0.9, predicted_speedup_ngram=0.95)
+    assert decide(AUTO, stale, ENDPOINT, lambda e: True, probe_due=lambda: True) == Decision(
+        DRAFT_MODEL, PROBE, leased=True), "a beat's running may be a second old: it does not stop a probe"
     # An untried method's prior is tried by the first request of a burst only.
     fresh = target("c", spec_endpoint="h:9", methods=("draft_model", "ngram"), updated=999.5,
                    unmeasured=("draft_model", "ngram"), predicted_speedup_ngram_by_batch=(1.5, 1.45, 1.4, 1.35),
