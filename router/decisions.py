@@ -182,8 +182,10 @@ def _fastest(target: TargetRegistration, placed: int = 0) -> tuple[Method, float
     offers = [(row.method, _speedup(target, row.method, placed)) for row in METHODS if row.speedup_field is not None
               and (not row.listed_only or row.method.value in target.methods)]
     measured = [offer for offer in offers if offer[0].value not in target.unmeasured]
-    if placed or any(speedup > MIN_GAIN for _, speedup in measured):  # an untried prior never outbids a measured gain
+    if any(speedup > MIN_GAIN for _, speedup in measured):  # an untried prior never outbids a measured gain
         offers = measured
+    elif placed:  # a burst's later requests try no prior (NO_ESTIMATE, a forced length's, is none: planned as before)
+        offers = [offer for offer in offers if offer in measured or offer[1] == NO_ESTIMATE]
     return max(offers, key=lambda offer: (offer[1], -offer[0].row.endpoint_cost), default=(Method.NONE, 0.0))
 
 

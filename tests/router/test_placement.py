@@ -278,6 +278,9 @@ def test_a_burst_placed_within_one_heartbeat_is_planned_by_the_batch_each_reques
                    unmeasured=("draft_model", "ngram"), predicted_speedup_ngram_by_batch=(1.5, 1.45, 1.4, 1.35),
                    predicted_speedup_draft_by_batch=(1.3, 1.2, 1.1, 1.0))
     assert [plan(fresh) for _ in range(3)] == [Decision(NGRAM, PREDICTED_SPEEDUP)] + [Decision(NONE, NO_SPEEDUP)] * 2
+    # Figures of NO_ESTIMATE (a forced draft length: no policy) are no prior: a burst is planned as before, n-gram.
+    forced = target("e", spec_endpoint="h:9", methods=WITH_SSD, unmeasured=("ngram",), updated=999.5)
+    assert decide(AUTO, forced, ENDPOINT, lambda e: True, placed=2) == Decision(NGRAM, PREDICTED_SPEEDUP)
     # A target that sends no figures by batch (an older one) is planned by its one figure, as before.
     assert decide(AUTO, target("b", spec_endpoint="h:9", predicted_speedup_ngram=1.12), ENDPOINT, lambda e: True,
                   placed=3) == Decision(NGRAM, PREDICTED_SPEEDUP)
