@@ -66,14 +66,16 @@ class StreamClock:
 
     def __init__(self) -> None:
         self.last = 0.0
-        self.period = 0.0
         self._gaps: deque[float] = deque(maxlen=self.GAPS)
 
     def arrived(self, now: float) -> None:
         if self.last:
             self._gaps.append(now - self.last)
-            self.period = min(self._gaps)
         self.last = now
+
+    @property
+    def period(self) -> float:
+        return min(self._gaps, default=0.0)
 
     @property
     def next_at(self) -> float:
